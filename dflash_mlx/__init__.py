@@ -1,0 +1,12 @@
+"""dflash-mlx: lossless block-diffusion speculative decoding (DFlash) for MLX.
+
+Public API: ``load``, ``load_draft``, ``stream_generate``, ``generate``.
+"""
+
+__version__ = "0.1.0"
+
+from .draft.load import load_draft
+from .generate import DFlashResponse, generate, stream_generate
+from .loading import load
+
+__all__ = ["DFlashResponse", "generate", "load", "load_draft", "stream_generate", "__version__"]

@@ -1,0 +1,224 @@
+"""The DFlash v1 drafter as MLX modules, and its context cache.
+
+The drafter is a short stack of Qwen3-style layers whose attention takes its
+queries from the block being drafted and its keys/values from both the block
+and the *context*: the target's hidden states of committed positions, fused by
+`fc` + `hidden_norm`. Context K/V are cached across cycles; block rows are never
+stored, so nothing in the drafter needs rolling back. It owns no embedding and no
+head: both come from the target (see `dflash_mlx.target.TargetAdapter`).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.qwen3 import MLP
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .config import DraftConfig
+
+
+class TargetHooks(Protocol):
+    """What the drafter borrows from its target: embedding and output head."""
+
+    def embed(self, ids: mx.array) -> mx.array: ...
+
+    def head(self, hidden: mx.array) -> mx.array: ...
+
+
+class DraftContextCache:
+    """Keys and values of committed context rows for one draft layer.
+
+    Rows are positions `start..end-1`; `max_rows` (window - 1 for a sliding
+    layer, or a user bound) keeps only the most recent rows visible.
+    """
+
+    step = 256
+
+    def __init__(self, max_rows: int | None = None):
+        self.max_rows = max_rows
+        self.keys = self.values = None
+        self.end = 0  # absolute position of the next context row
+        self._rows = 0  # rows held in the buffers
+
+    @property
+    def start(self) -> int:
+        return self.end - self.visible_rows
+
+    @property
+    def visible_rows(self) -> int:
+        return self._rows if self.max_rows is None else min(self._rows, self.max_rows)
+
+    def skip(self, n: int) -> None:
+        """Advance past `n` positions without storing them (they can never be seen)."""
+        self.end += n
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        n = keys.shape[2]
+        if self.keys is None or self._rows + n > self.keys.shape[2]:
+            self._grow(keys, values, n)
+        self.keys[..., self._rows : self._rows + n, :] = keys
+        self.values[..., self._rows : self._rows + n, :] = values
+        self._rows += n
+        self.end += n
+
+    def fetch(self) -> tuple[mx.array, mx.array] | tuple[None, None]:
+        if self.keys is None or self._rows == 0:
+            return None, None
+        lo = self._rows - self.visible_rows
+        return self.keys[..., lo : self._rows, :], self.values[..., lo : self._rows, :]
+
+    def _grow(self, keys: mx.array, values: mx.array, n: int) -> None:
+        kept_k, kept_v = self.fetch()
+        kept = 0 if kept_k is None else kept_k.shape[2]
+        capacity = ((kept + n + self.step - 1) // self.step + 1) * self.step
+        B, H, _, D = keys.shape
+        new_k = mx.zeros((B, H, capacity, D), keys.dtype)
+        new_v = mx.zeros((B, H, capacity, values.shape[-1]), values.dtype)
+        if kept:
+            new_k[..., :kept, :] = kept_k
+            new_v[..., :kept, :] = kept_v
+        self.keys, self.values, self._rows = new_k, new_v, kept
+
+    @property
+    def state(self):
+        return [a for a in (self.keys, self.values) if a is not None]
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: DraftConfig, layer: int):
+        super().__init__()
+        dim, head_dim = config.hidden_size, config.head_dim
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=False)
+        self.q_norm = nn.RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.window = config.sliding_window if config.layer_is_sliding(layer) else None
+        self.causal = config.layer_is_causal(layer)
+
+    def _keys_values(self, x: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1))
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        return rope(k.transpose(0, 2, 1, 3), offset=offset), v.transpose(0, 2, 1, 3)
+
+    def extend_context(self, context: mx.array, cache: DraftContextCache, rope) -> None:
+        """Add K/V for context rows at positions `cache.end..`."""
+        if cache.max_rows is not None and context.shape[1] > cache.max_rows:
+            cache.skip(context.shape[1] - cache.max_rows)
+            context = context[:, -cache.max_rows :]
+        cache.append(*self._keys_values(context, rope, cache.end))
+
+    def __call__(self, x: mx.array, cache: DraftContextCache, rope) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
+        q = rope(q.transpose(0, 2, 1, 3), offset=cache.end)
+        k, v = self._keys_values(x, rope, cache.end)
+        ctx_k, ctx_v = cache.fetch()
+        ctx_len = 0
+        if ctx_k is not None:
+            ctx_len = ctx_k.shape[2]
+            k = mx.concatenate([ctx_k, k], axis=2)
+            v = mx.concatenate([ctx_v, v], axis=2)
+        mask = block_mask(L, ctx_len, self.causal, self.window)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def block_mask(block: int, ctx_len: int, causal: bool, window: int | None):
+    """Visibility of [context rows, block rows] for the block's queries.
+
+    Context is contiguous and ends right before the block, so query j sits
+    `ctx_len + j` rows after the first context key: a context key is visible
+    iff that distance is < window. Block keys: all, or 0..j when causal.
+    """
+    if window is None or ctx_len + block <= window:
+        return "causal" if causal else None
+    return _sliding_mask(block, ctx_len, causal, window)
+
+
+@lru_cache(maxsize=64)
+def _sliding_mask(block: int, ctx_len: int, causal: bool, window: int) -> mx.array:
+    q = mx.arange(ctx_len, ctx_len + block)[:, None]
+    k = mx.arange(ctx_len + block)[None]
+    in_block = k >= ctx_len
+    visible_block = (in_block & (k <= q)) if causal else in_block
+    return visible_block | (~in_block & (q - k < window))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: DraftConfig, layer: int):
+        super().__init__()
+        self.self_attn = DraftAttention(config, layer)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: DraftContextCache, rope) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache, rope)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraftModel(nn.Module):
+    """DFlash v1 drafter (spec section 3)."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+        self.layers = [DraftLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+        self.rope = initialize_rope(
+            config.head_dim,
+            base=config.rope_theta,
+            traditional=False,
+            scaling_config=config.rope_scaling,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+    def make_cache(self, max_context: int | None = None) -> list[DraftContextCache]:
+        """One context cache per layer; sliding layers keep window - 1 rows."""
+        caches = []
+        for layer in self.layers:
+            window = layer.self_attn.window
+            bounds = [b for b in (max_context, window and window - 1) if b]
+            caches.append(DraftContextCache(min(bounds) if bounds else None))
+        return caches
+
+    def extend_context(self, features: mx.array, cache: list[DraftContextCache]) -> None:
+        """Ingest target features [B, S, n_ids * H] of newly committed positions."""
+        context = self.hidden_norm(self.fc(features))
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.extend_context(context, c, self.rope)
+
+    def hidden_states(self, block_ids: mx.array, cache, target: TargetHooks) -> mx.array:
+        """Final normed hidden states of block rows 1.. (the anchor row dropped)."""
+        h = target.embed(block_ids)
+        if self.config.input_embedding_scale != 1.0:
+            h = h * self.config.input_embedding_scale
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, c, self.rope)
+        return self.norm(h[:, 1:])
+
+    def logits(self, hidden: mx.array, target: TargetHooks) -> mx.array:
+        logits = target.head(hidden)
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    def __call__(self, block_ids: mx.array, cache, target: TargetHooks) -> mx.array:
+        """Draft logits [B, b - 1, V] for the block `[anchor, mask, ...]`."""
+        return self.logits(self.hidden_states(block_ids, cache, target), target)

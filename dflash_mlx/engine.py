@@ -1,0 +1,130 @@
+"""The speculative loop: prefill, then draft -> verify -> accept -> roll back.
+
+`speculative_cycles` is a generator of `Cycle`s (the tokens one target forward
+committed), with no I/O, no detokenizing and no knowledge of EOS: the caller
+stops consuming when it sees one. Greedy acceptance is computed on the device
+and the next cycle's graph is queued with `mx.async_eval` before the current
+cycle is handed out, so there is one host sync per cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import mlx.core as mx
+
+from .proposer import Proposer
+from .target import TargetAdapter
+
+
+@dataclass
+class Cycle:
+    """Tokens committed by one target forward, with their log-probability rows."""
+
+    tokens: list[int]
+    logprobs: mx.array  # [len(tokens), V]
+    drafted: int  # how many leading tokens were proposals the target accepted
+    block_size: int  # block verified (0 for the prefill's first token)
+
+    @property
+    def from_prefill(self) -> bool:
+        return self.block_size == 0
+
+
+def _log_softmax(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def greedy_verdict(drafts: mx.array | None, logits: mx.array) -> mx.array:
+    """[accepted, argmax row 0, ..., argmax row b-1] for verify logits [b, V]."""
+    best = mx.argmax(logits, axis=-1).astype(mx.int32)
+    if drafts is None or drafts.size == 0:
+        accepted = mx.zeros((1,), mx.int32)
+    else:
+        match = (drafts == best[:-1]).astype(mx.int32)
+        accepted = mx.sum(mx.cumprod(match), keepdims=True).astype(mx.int32)
+    return mx.concatenate([accepted, best])
+
+
+def speculative_cycles(
+    target: TargetAdapter,
+    prompt: mx.array,
+    proposer: Proposer | None,
+    *,
+    max_tokens: int,
+    block_size: int,
+    prefill_step_size: int = 2048,
+    prompt_progress: Callable[[int, int], None] | None = None,
+) -> Iterator[Cycle]:
+    """Yield cycles until `max_tokens` tokens are committed (-1: no limit).
+
+    The first cycle holds the token sampled from the prompt's last logits; each
+    later cycle holds 1..block_size tokens.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}.")
+    if prefill_step_size < 1:
+        raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}.")
+    progress = prompt_progress or (lambda done, total: None)
+    cache = target.make_cache()
+    feeds_context = proposer is not None and bool(proposer.layer_ids)
+    if proposer is not None:
+        proposer.start(target, prompt)
+
+    def add_context(features: mx.array | None) -> None:
+        if feeds_context:
+            proposer.add_context(features)
+
+    # Prefill exactly as mlx-lm does: chunks of all but the last token, then the last.
+    total, done = prompt.size, 0
+    progress(0, total)
+    while total - done > 1:
+        n = min(prefill_step_size, total - done - 1)
+        _, features = target.forward(prompt[None, done : done + n], cache)
+        add_context(features)
+        mx.eval([c.state for c in cache], proposer.state() if feeds_context else [])
+        done += n
+        progress(done, total)
+        mx.clear_cache()
+    logits, features = target.forward(prompt[None, done:], cache)
+    add_context(features)
+    logprobs = _log_softmax(logits[0, -1:])
+    anchor = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    mx.eval(anchor, logprobs)
+    progress(total, total)
+    yield Cycle(tokens=anchor.tolist(), logprobs=logprobs, drafted=0, block_size=0)
+
+    committed, position = 1, total
+
+    def launch(anchor: mx.array, position: int, committed: int):
+        """Queue one draft + verify; return what `finish` needs."""
+        b = block_size if max_tokens < 0 else min(block_size, max_tokens - committed)
+        drafts = None
+        if b > 1 and proposer is not None:
+            drafts = proposer.propose(anchor, position, b - 1).tokens
+            verify_ids = mx.concatenate([anchor.reshape(1), drafts])
+        else:
+            b = 1
+            verify_ids = anchor.reshape(1)
+        logits, features = target.forward(verify_ids[None], cache)
+        verdict = greedy_verdict(drafts, logits[0])
+        logprobs = _log_softmax(logits[0])
+        mx.async_eval(verdict, logprobs)
+        return b, verdict, logprobs, features
+
+    pending = launch(anchor, position, committed) if committed != max_tokens else None
+    while pending is not None:
+        b, verdict, logprobs, features = pending
+        values = verdict.tolist()
+        accepted = values[0]
+        tokens = values[1 : accepted + 2]
+        target.rollback(cache, b - accepted - 1)
+        if features is not None:
+            add_context(features[:, : accepted + 1])
+        committed += len(tokens)
+        position += len(tokens)
+        pending = None
+        if committed < max_tokens or max_tokens < 0:
+            pending = launch(mx.array(tokens[-1:], mx.int32), position, committed)
+        yield Cycle(tokens=tokens, logprobs=logprobs[: accepted + 1], drafted=accepted, block_size=b)

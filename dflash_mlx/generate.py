@@ -1,0 +1,142 @@
+"""`stream_generate` / `generate`: prompts in, mlx-lm `GenerationResponse`s out.
+
+Follows `mlx_lm.stream_generate`'s conventions exactly (string prompts encoded
+with its BOS rule, one response per token, an EOS ends the stream as the final
+response with finish_reason "stop" and no text, max_tokens ends it with
+"length"), and adds `cycle_tokens`: how many tokens the draft-verify cycle that
+produced this token committed, set on the last token of each cycle.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .block_size import default_block_size
+from .engine import speculative_cycles
+from .proposer import as_proposer
+from .target import TargetAdapter
+
+
+@dataclass
+class DFlashResponse(GenerationResponse):
+    """An mlx-lm `GenerationResponse` plus the size of the cycle it closes."""
+
+    cycle_tokens: Optional[int] = None
+
+
+def _check_sampling(temperature, top_p, top_k, min_p, logits_processors, seed) -> None:
+    defaults = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, logits_processors=None, seed=None)
+    given = dict(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        logits_processors=logits_processors or None, seed=seed,
+    )
+    changed = [k for k, v in given.items() if v != defaults[k]]
+    if changed:
+        raise NotImplementedError(
+            f"Sampling options {changed} are not implemented yet: only greedy decoding "
+            "(temperature=0) is supported in this version."
+        )
+
+
+def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
+    """Encode like `mlx_lm.stream_generate`: add special tokens unless the text starts with BOS."""
+    if isinstance(prompt, mx.array):
+        return prompt.reshape(-1)
+    if isinstance(prompt, str):
+        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
+    return mx.array(list(prompt), dtype=mx.int32)
+
+
+def stream_generate(
+    model: nn.Module,
+    draft,
+    tokenizer,
+    prompt,
+    *,
+    max_tokens: int = 256,
+    block_size: int | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    logits_processors: list | None = None,
+    seed: int | None = None,
+    prefill_step_size: int = 2048,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
+) -> Iterator[DFlashResponse]:
+    """Generate from `model`, drafting with `draft` (a DFlash drafter, a Proposer or None).
+
+    `draft=None` decodes plainly through the same code path (cycle_tokens stays None).
+    """
+    _check_sampling(temperature, top_p, top_k, min_p, logits_processors, seed)
+    if max_tokens == 0:
+        raise ValueError("max_tokens must be non-zero (use -1 for no limit).")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    prompt = encode_prompt(tokenizer, prompt)
+    if prompt.size == 0:
+        raise ValueError("The prompt is empty: at least one token is needed.")
+    proposer = as_proposer(draft)
+    target = TargetAdapter(model, proposer.layer_ids if proposer else ())
+    if block_size is None:
+        block_size = default_block_size(model, draft) if proposer else 1
+    elif block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}.")
+
+    eos = tokenizer.eos_token_ids
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    with wired_limit(model, [generation_stream]):
+        tic = time.perf_counter()
+        cycles = speculative_cycles(
+            target, prompt, proposer,
+            max_tokens=max_tokens, block_size=block_size,
+            prefill_step_size=prefill_step_size, prompt_progress=prompt_progress_callback,
+        )
+        n = 0
+        with mx.stream(generation_stream):
+            for cycle in cycles:
+                if n == 0:
+                    prompt_tps = prompt.size / (time.perf_counter() - tic)
+                    tic = time.perf_counter()
+                for i, token in enumerate(cycle.tokens):
+                    n += 1
+                    closes_cycle = i + 1 == len(cycle.tokens)
+                    finish = None
+                    if token in eos:
+                        finish = "stop"
+                    else:
+                        detokenizer.add_token(token)
+                        if n == max_tokens:
+                            finish = "length"
+                    if finish:
+                        detokenizer.finalize()
+                        closes_cycle = True
+                    yield DFlashResponse(
+                        text=detokenizer.last_segment,
+                        token=token,
+                        logprobs=cycle.logprobs[i],
+                        from_draft=i < cycle.drafted,
+                        prompt_tokens=prompt.size,
+                        prompt_tps=prompt_tps,
+                        generation_tokens=n,
+                        generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+                        peak_memory=mx.get_peak_memory() / 1e9,
+                        finish_reason=finish,
+                        cycle_tokens=(i + 1) if closes_cycle and not cycle.from_prefill else None,
+                    )
+                    if finish:
+                        return
+
+
+def generate(model: nn.Module, draft, tokenizer, prompt, **kwargs) -> str:
+    """The whole completion as one string (same arguments as `stream_generate`)."""
+    return "".join(r.text for r in stream_generate(model, draft, tokenizer, prompt, **kwargs))

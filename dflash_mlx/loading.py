@@ -1,0 +1,55 @@
+"""`load`: a target (path, repo id or registry name) plus its drafter, ready to decode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .draft.load import load_draft
+from .draft.model import DFlashDraftModel
+
+
+def load(
+    target: str | Path,
+    draft: str | Path | None = None,
+    *,
+    draft_bits: int | None = None,
+    draft_group_size: int = 64,
+    **mlx_lm_load_kwargs,
+) -> tuple[nn.Module, object, DFlashDraftModel]:
+    """Load `(model, tokenizer, draft)`.
+
+    `target` is a local mlx-lm model directory, a Hugging Face repo id or a name
+    from models.toml; `draft=None` takes the drafter the registry pairs with the
+    target. Extra keyword arguments go to `mlx_lm.load`.
+    """
+    from mlx_lm import load as mlx_lm_load
+
+    from .registry import lookup
+
+    entry = lookup(str(target))
+    target_id = str(target)
+    if entry is not None and not Path(target_id).expanduser().exists():
+        if target_id.lower() == entry.name.lower():
+            target_id = entry.target
+    if draft is None:
+        if entry is None:
+            raise ValueError(
+                f"No drafter is registered for target '{target}' in models.toml: pass "
+                "draft=<path or repo id of a DFlash drafter>."
+            )
+        draft = entry.draft
+    model, tokenizer = mlx_lm_load(target_id, **mlx_lm_load_kwargs)[:2]
+    drafter = load_draft(
+        draft, model, bits=draft_bits, group_size=draft_group_size,
+        dtype=_float_dtype(model), target_name=target_id,
+    )
+    return model, tokenizer, drafter
+
+
+def _float_dtype(model: nn.Module) -> mx.Dtype | None:
+    """The target's activation dtype (its final norm's), so the drafter computes alike."""
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    return getattr(getattr(norm, "weight", None), "dtype", None)

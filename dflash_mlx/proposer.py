@@ -1,0 +1,89 @@
+"""Proposers: what drafts tokens for a block. The engine accepts or rejects them.
+
+A proposer is any object with the `Proposer` shape: it is told about each new
+generation (`start`), fed the target's features of every newly committed
+position (`add_context`, in order, only if it asked for `layer_ids`), and asked
+for `count` tokens to follow an anchor at an absolute position (`propose`).
+`DFlashProposer` wraps a DFlash drafter; tests add oracles, later issues add
+DFlash 2 and autoregressive drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import mlx.core as mx
+
+from .draft.model import DFlashDraftModel
+
+
+@dataclass
+class Proposal:
+    """Drafted tokens [count] (int32, may still be lazy)."""
+
+    tokens: mx.array
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    layer_ids: tuple[int, ...]  # target layers whose outputs it reads (may be empty)
+    block_size: int  # preferred block size, anchor included
+
+    def start(self, target, prompt: mx.array) -> None: ...
+
+    def add_context(self, features: mx.array) -> None: ...
+
+    def state(self) -> list: ...  # arrays to evaluate after a prefill chunk
+
+    def propose(self, anchor: mx.array, position: int, count: int) -> Proposal: ...
+
+
+class DFlashProposer:
+    """Drafts a block in one forward of a DFlash drafter (greedy proposals)."""
+
+    def __init__(self, drafter: DFlashDraftModel, max_context: int | None = None):
+        self.drafter = drafter
+        self.layer_ids = tuple(drafter.config.target_layer_ids)
+        self.block_size = drafter.config.block_size
+        self.max_context = max_context
+        self._mask_id = drafter.config.mask_token_id
+        self.target = None
+        self.cache = None
+
+    def start(self, target, prompt: mx.array) -> None:
+        self.target = target
+        self.cache = self.drafter.make_cache(self.max_context)
+
+    def add_context(self, features: mx.array) -> None:
+        self.drafter.extend_context(features, self.cache)
+
+    def state(self) -> list:
+        return [c.state for c in self.cache]
+
+    @property
+    def context_end(self) -> int:
+        """Absolute position right after the last context row the drafter has seen."""
+        return self.cache[0].end if self.cache else 0
+
+    def propose(self, anchor: mx.array, position: int, count: int) -> Proposal:
+        if self.context_end != position:
+            raise RuntimeError(
+                f"Drafter context ends at {self.context_end} but the anchor sits at {position}."
+            )
+        masks = mx.full((count,), self._mask_id, dtype=mx.int32)
+        block = mx.concatenate([anchor.reshape(1).astype(mx.int32), masks])[None]
+        logits = self.drafter(block, self.cache, self.target)
+        return Proposal(tokens=mx.argmax(logits[0], axis=-1).astype(mx.int32))
+
+
+def as_proposer(draft) -> Proposer | None:
+    """Accept None, a DFlash drafter, or anything shaped like a `Proposer`."""
+    if draft is None or isinstance(draft, Proposer):
+        return draft
+    if isinstance(draft, DFlashDraftModel):
+        return DFlashProposer(draft)
+    raise TypeError(
+        f"draft must be a DFlash drafter (from dflash_mlx.load_draft), a Proposer or None, "
+        f"not {type(draft).__name__}."
+    )
