@@ -1,0 +1,90 @@
+"""Make MLX's Linux CPU backend use the system OpenBLAS (LD_PRELOAD re-exec).
+
+MLX's Linux CPU wheel bundles a slow reference BLAS. Preloading the system
+OpenBLAS (Debian: ``libopenblas0-pthread``) makes MLX's float32 matmuls use it
+instead. LD_PRELOAD only works when set before the process starts, so the CLI
+re-executes itself once with it set. Does nothing on macOS (MLX uses
+Accelerate and Metal there). Set ``DFLASH_MLX_NO_OPENBLAS=1`` to opt out.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from collections.abc import Mapping, Sequence
+
+DISABLE_ENV = "DFLASH_MLX_NO_OPENBLAS"
+GUARD_ENV = "_DFLASH_MLX_OPENBLAS_REEXEC"
+
+# Debian / Ubuntu multiarch locations of the pthread OpenBLAS.
+CANDIDATES = {
+    "x86_64": ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",),
+    "aarch64": ("/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",),
+}
+
+
+def openblas_path(system: str | None = None, machine: str | None = None) -> str | None:
+    """Path of the system OpenBLAS to preload, or None (not Linux, not installed)."""
+    system = platform.system() if system is None else system
+    machine = platform.machine() if machine is None else machine
+    if system != "Linux":
+        return None
+    for path in CANDIDATES.get(machine.lower(), ()):
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def _preloaded(library: str, ld_preload: str) -> bool:
+    """True if ``library`` (or any libopenblas) is already in LD_PRELOAD."""
+    target = os.path.realpath(library)
+    for item in ld_preload.replace(":", " ").split():
+        if os.path.basename(item).startswith("libopenblas"):
+            return True
+        if os.path.realpath(item) == target:
+            return True
+    return False
+
+
+def reexec_plan(
+    library: str | None,
+    env: Mapping[str, str],
+    executable: str,
+    orig_argv: Sequence[str],
+) -> tuple[list[str], dict[str, str]] | None:
+    """The (argv, environment) to re-exec with, or None to carry on as is.
+
+    Pure decision logic: ``library`` comes from ``openblas_path()``, ``env`` is
+    the current environment, ``orig_argv`` the interpreter's original command
+    line (``sys.orig_argv``: keeps ``-m module`` and interpreter options).
+    """
+    if library is None or env.get(DISABLE_ENV) or env.get(GUARD_ENV):
+        return None
+    current = env.get("LD_PRELOAD", "")
+    if _preloaded(library, current):
+        return None
+    if not executable or not orig_argv:
+        return None
+    new_env = dict(env)
+    new_env["LD_PRELOAD"] = f"{library}:{current}" if current else library
+    new_env[GUARD_ENV] = "1"
+    return [executable, *orig_argv[1:]], new_env
+
+
+def maybe_reexec() -> None:
+    """Re-execute the current process with OpenBLAS preloaded, when that helps.
+
+    Returns normally when nothing is to be done; otherwise does not return.
+    Only for a program's entry point: it replaces the whole process.
+    """
+    plan = reexec_plan(openblas_path(), os.environ, sys.executable, sys.orig_argv)
+    if plan is None:
+        return
+    argv, env = plan
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(argv[0], argv, env)
+    except OSError:
+        return  # could not re-exec: run on with the bundled BLAS

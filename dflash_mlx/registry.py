@@ -1,0 +1,229 @@
+"""The registry of known target -> drafter pairs (``models.toml``).
+
+Owns the schema of models.toml: parsing it with ``tomllib``, validating each
+``[[pair]]`` entry (errors name the file, the entry and the field) and the
+lookups ``registry_entries``, ``lookup`` and ``draft_for``. The packaged copy
+(``dflash_mlx/models.toml``) is read through ``importlib.resources``.
+
+Stdlib only and free of package-relative imports, so that
+``scripts/gen_model_table.py`` can load this file without importing MLX.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "KINDS",
+    "RegistryEntry",
+    "RegistryError",
+    "draft_for",
+    "load_registry",
+    "lookup",
+    "parse_registry",
+    "registry_entries",
+]
+
+KINDS = ("dflash", "dflash2")
+PACKAGE = "dflash_mlx"
+RESOURCE = "models.toml"
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
+_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class RegistryError(ValueError):
+    """models.toml is unreadable or an entry in it is invalid."""
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    """One target -> drafter pair."""
+
+    name: str
+    target: str
+    draft: str
+    block_size: int
+    kind: str
+    family: str | None = None
+    mlx_targets: tuple[str, ...] = ()
+    notes: str = ""
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """Every string ``lookup`` matches (case-insensitively) for this entry."""
+        return (self.name, self.target, *self.mlx_targets)
+
+
+# --- validation -------------------------------------------------------------
+
+
+def _check_name(value: Any) -> str | None:
+    if isinstance(value, str) and _NAME_RE.match(value):
+        return None
+    return "expected a short lowercase name (letters, digits, '.', '-')"
+
+
+def _check_repo(value: Any) -> str | None:
+    if isinstance(value, str) and _REPO_RE.match(value):
+        return None
+    return "expected a Hugging Face repo id 'owner/name'"
+
+
+def _check_block(value: Any) -> str | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 2:
+        return None
+    return "expected an integer >= 2 (the block counts the anchor)"
+
+
+def _check_kind(value: Any) -> str | None:
+    if value in KINDS:
+        return None
+    return f"expected one of {', '.join(repr(k) for k in KINDS)}"
+
+
+def _check_family(value: Any) -> str | None:
+    if isinstance(value, str) and re.match(r"^[a-z0-9_]+$", value):
+        return None
+    return "expected an mlx-lm model_type such as 'qwen3' or 'gpt_oss'"
+
+
+def _check_repo_list(value: Any) -> str | None:
+    if isinstance(value, list) and all(_check_repo(v) is None for v in value):
+        return None
+    return "expected a list of Hugging Face repo ids 'owner/name'"
+
+
+def _check_notes(value: Any) -> str | None:
+    return None if isinstance(value, str) else "expected a string"
+
+
+# field -> (required, checker)
+_FIELDS = {
+    "name": (True, _check_name),
+    "target": (True, _check_repo),
+    "draft": (True, _check_repo),
+    "block_size": (True, _check_block),
+    "kind": (True, _check_kind),
+    "family": (False, _check_family),
+    "mlx_targets": (False, _check_repo_list),
+    "notes": (False, _check_notes),
+}
+
+
+def _entry_label(index: int, table: Any) -> str:
+    name = table.get("name") if isinstance(table, dict) else None
+    label = f"[[pair]] #{index}"
+    return f"{label} (name {name!r})" if isinstance(name, str) else label
+
+
+def _parse_entry(source: str, index: int, table: Any) -> RegistryEntry:
+    where = f"{source}: {_entry_label(index, table)}"
+    if not isinstance(table, dict):
+        raise RegistryError(f"{where}: expected a table")
+    for key in table:
+        if key not in _FIELDS:
+            known = ", ".join(_FIELDS)
+            raise RegistryError(f"{where}: unknown field {key!r} (known: {known})")
+    for key, (required, check) in _FIELDS.items():
+        if key not in table:
+            if required:
+                raise RegistryError(f"{where}: missing required field {key!r}")
+            continue
+        problem = check(table[key])
+        if problem:
+            raise RegistryError(f"{where}: field {key!r}: {problem}, got {table[key]!r}")
+    return RegistryEntry(
+        name=table["name"],
+        target=table["target"],
+        draft=table["draft"],
+        block_size=table["block_size"],
+        kind=table["kind"],
+        family=table.get("family"),
+        mlx_targets=tuple(table.get("mlx_targets", ())),
+        notes=table.get("notes", ""),
+    )
+
+
+def parse_registry(text: str, source: str = RESOURCE) -> list[RegistryEntry]:
+    """Parse and validate the text of a models.toml; ``source`` names it in errors."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RegistryError(f"{source}: invalid TOML: {exc}") from exc
+    extra = [key for key in data if key != "pair"]
+    if extra:
+        raise RegistryError(f"{source}: unknown top-level key {extra[0]!r} (only [[pair]] tables)")
+    tables = data.get("pair")
+    if not isinstance(tables, list) or not tables:
+        raise RegistryError(f"{source}: expected at least one [[pair]] table")
+    entries = [_parse_entry(source, i, t) for i, t in enumerate(tables, start=1)]
+    seen: dict[str, tuple[int, str]] = {}  # lowercased alias -> (index, its entry's name)
+    for index, entry in enumerate(entries, start=1):
+        for field, alias in _alias_fields(entry):
+            key = alias.lower()
+            if key in seen and seen[key][0] != index:
+                other, other_name = seen[key]
+                raise RegistryError(
+                    f"{source}: {_entry_label(index, {'name': entry.name})}: field {field!r}: "
+                    f"{alias!r} is already used by {_entry_label(other, {'name': other_name})}"
+                )
+            seen[key] = (index, entry.name)
+    return entries
+
+
+def _alias_fields(entry: RegistryEntry) -> list[tuple[str, str]]:
+    pairs = [("name", entry.name), ("target", entry.target)]
+    return pairs + [("mlx_targets", m) for m in entry.mlx_targets]
+
+
+def load_registry(path: str | Path) -> list[RegistryEntry]:
+    """Read and validate a models.toml file at ``path``."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RegistryError(f"{path}: cannot read: {exc}") from exc
+    return parse_registry(text, str(path))
+
+
+# --- the packaged registry ----------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _packaged() -> tuple[RegistryEntry, ...]:
+    resource = resources.files(PACKAGE).joinpath(RESOURCE)
+    try:
+        text = resource.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RegistryError(f"{PACKAGE}/{RESOURCE}: cannot read: {exc}") from exc
+    return tuple(parse_registry(text, f"{PACKAGE}/{RESOURCE}"))
+
+
+def registry_entries() -> list[RegistryEntry]:
+    """All entries of the packaged models.toml, in file order."""
+    return list(_packaged())
+
+
+def lookup(name_or_repo: str) -> RegistryEntry | None:
+    """The entry whose name, target id or an MLX conversion id matches (any case).
+
+    Returns None for unknown names; the caller decides how to fail.
+    """
+    key = name_or_repo.strip().lower()
+    for entry in _packaged():
+        if any(key == alias.lower() for alias in entry.aliases):
+            return entry
+    return None
+
+
+def draft_for(target: str) -> str | None:
+    """The drafter repo id registered for ``target`` (name or repo id), or None."""
+    entry = lookup(target)
+    return entry.draft if entry else None

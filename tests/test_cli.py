@@ -1,0 +1,155 @@
+"""The dflash-mlx command line and the OpenBLAS re-exec decision."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_mlx import __version__, openblas
+from dflash_mlx.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+
+def _clean_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for key in ("LD_PRELOAD", openblas.GUARD_ENV, openblas.DISABLE_ENV):
+        env.pop(key, None)
+    return env
+
+
+def test_version_option():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.output == f"dflash-mlx {__version__}\n"
+
+
+def test_models_lists_registry_entries():
+    result = runner.invoke(app, ["models"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "qwen3-4b" in result.output
+    assert "z-lab/Qwen3-4B-DFlash-b16" in result.output
+
+
+def _console_script() -> str:
+    try:
+        metadata.distribution("dflash-mlx")
+    except metadata.PackageNotFoundError:
+        pytest.skip("dflash-mlx is not installed (pip install -e .)")
+    candidate = Path(sysconfig.get_path("scripts")) / "dflash-mlx"
+    found = str(candidate) if candidate.exists() else shutil.which("dflash-mlx")
+    assert found, "dflash-mlx is installed but its console script was not found"
+    return found
+
+
+def test_console_script_version_subprocess():
+    # LD_PRELOAD cleared: where OpenBLAS exists this goes through the re-exec.
+    result = subprocess.run(
+        [_console_script(), "--version"],
+        capture_output=True, text=True, env=_clean_env(), timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"dflash-mlx {__version__}\n"
+
+
+# --- openblas decision logic (no real re-exec) ----------------------------------
+
+LIB = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+EXE = "/usr/bin/python3"
+ARGV = ["python3", "-m", "dflash_mlx.cli", "models"]
+
+
+def test_openblas_path_platforms(tmp_path, monkeypatch):
+    assert openblas.openblas_path(system="Darwin", machine="arm64") is None
+    assert openblas.openblas_path(system="Linux", machine="riscv64") is None
+    fake = tmp_path / "libopenblas.so.0"
+    monkeypatch.setitem(openblas.CANDIDATES, "x86_64", (str(tmp_path / "missing.so"), str(fake)))
+    assert openblas.openblas_path(system="Linux", machine="x86_64") is None
+    fake.write_bytes(b"")
+    assert openblas.openblas_path(system="Linux", machine="x86_64") == str(fake)
+    assert openblas.openblas_path(system="Darwin", machine="x86_64") is None
+
+
+def test_reexec_plan_sets_preload_and_guard():
+    env = {"PATH": "/bin"}
+    argv, new_env = openblas.reexec_plan(LIB, env, EXE, ARGV)
+    assert argv == [EXE, "-m", "dflash_mlx.cli", "models"]
+    assert new_env["LD_PRELOAD"] == LIB
+    assert new_env[openblas.GUARD_ENV] == "1"
+    assert new_env["PATH"] == "/bin"
+    assert env == {"PATH": "/bin"}  # the caller's mapping is not modified
+
+
+def test_reexec_plan_prepends_to_existing_preload():
+    _, new_env = openblas.reexec_plan(LIB, {"LD_PRELOAD": "/opt/libfoo.so"}, EXE, ARGV)
+    assert new_env["LD_PRELOAD"] == f"{LIB}:/opt/libfoo.so"
+
+
+@pytest.mark.parametrize(
+    ("library", "env"),
+    [
+        (None, {}),
+        (LIB, {openblas.DISABLE_ENV: "1"}),
+        (LIB, {openblas.GUARD_ENV: "1"}),
+        (LIB, {"LD_PRELOAD": LIB}),
+        (LIB, {"LD_PRELOAD": f"/opt/libfoo.so {LIB}"}),
+        (LIB, {"LD_PRELOAD": "/opt/openblas/lib/libopenblas.so"}),
+    ],
+)
+def test_reexec_plan_does_nothing(library, env):
+    assert openblas.reexec_plan(library, env, EXE, ARGV) is None
+
+
+def test_maybe_reexec_calls_execve(monkeypatch):
+    calls = []
+    monkeypatch.setattr(openblas, "openblas_path", lambda: LIB)
+    monkeypatch.setattr(openblas.os, "execve", lambda *a: calls.append(a))
+    monkeypatch.setattr(openblas.os, "environ", {"PATH": "/bin"})
+    monkeypatch.setattr(openblas.sys, "orig_argv", ARGV)
+    openblas.maybe_reexec()
+    ((path, argv, env),) = calls
+    assert path == sys.executable and argv == [sys.executable, *ARGV[1:]]
+    assert env["LD_PRELOAD"] == LIB and env[openblas.GUARD_ENV] == "1"
+
+
+def test_maybe_reexec_without_library_is_a_no_op(monkeypatch):
+    monkeypatch.setattr(openblas, "openblas_path", lambda: None)
+    monkeypatch.setattr(openblas.os, "execve", lambda *a: pytest.fail("re-exec"))
+    openblas.maybe_reexec()
+
+
+def test_reexec_child_has_openblas_preloaded():
+    library = openblas.openblas_path()
+    if library is None:
+        pytest.skip("system OpenBLAS not installed (libopenblas0-pthread)")
+    code = (
+        "import os; from dflash_mlx import openblas; openblas.maybe_reexec(); "
+        "maps = open('/proc/self/maps').read(); "
+        "print(os.environ.get('LD_PRELOAD', '')); print('libopenblas' in maps)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, env=_clean_env(), timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    preload, mapped = result.stdout.splitlines()
+    assert preload == library
+    assert mapped == "True"
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    commands = re.findall(r"^(python3? -m pytest.*)$", readme, flags=re.M)
+    assert len(commands) == 1, commands
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert re.search(rf"^{re.escape(commands[0])}( |$)", ci, flags=re.M), commands[0]

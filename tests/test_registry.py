@@ -1,0 +1,184 @@
+"""models.toml registry: parsing, lookups, validation errors, README table sync."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from dflash_mlx.registry import (
+    KINDS,
+    RegistryEntry,
+    RegistryError,
+    draft_for,
+    load_registry,
+    lookup,
+    parse_registry,
+    registry_entries,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+GOOD_ENTRY = """
+[[pair]]
+name = "tiny"
+target = "acme/Tiny-1B"
+mlx_targets = ["mlx-community/Tiny-1B-4bit"]
+draft = "acme/Tiny-1B-DFlash"
+block_size = 8
+family = "qwen3"
+kind = "dflash"
+notes = "test entry"
+"""
+
+
+def test_packaged_registry_parses():
+    entries = registry_entries()
+    assert len(entries) >= 10
+    assert all(isinstance(e, RegistryEntry) for e in entries)
+    assert len({e.name for e in entries}) == len(entries)
+    assert all(e.kind in KINDS and e.block_size >= 2 for e in entries)
+    assert not any("gemma" in e.name or "gemma" in e.target.lower() for e in entries)
+
+
+def test_known_pair_fields():
+    entry = lookup("qwen3-4b")
+    assert entry == RegistryEntry(
+        name="qwen3-4b",
+        target="Qwen/Qwen3-4B",
+        draft="z-lab/Qwen3-4B-DFlash-b16",
+        block_size=16,
+        kind="dflash",
+        family="qwen3",
+        mlx_targets=(
+            "mlx-community/Qwen3-4B-bf16",
+            "mlx-community/Qwen3-4B-8bit",
+            "mlx-community/Qwen3-4B-4bit",
+        ),
+        notes="non-thinking: enable_thinking=False",
+    )
+    llama = lookup("llama3.1-8b-instruct")
+    assert llama.block_size == 10
+    assert llama.draft == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
+    assert {e.kind for e in registry_entries()} == {"dflash", "dflash2"}
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "qwen3-4b",
+        "QWEN3-4B",
+        "Qwen/Qwen3-4B",
+        "qwen/qwen3-4b",
+        "mlx-community/Qwen3-4B-4bit",
+        "MLX-COMMUNITY/qwen3-4b-bf16",
+        "  qwen3-4b ",
+    ],
+)
+def test_lookup_by_name_target_and_mlx_target(key):
+    entry = lookup(key)
+    assert entry is not None and entry.name == "qwen3-4b"
+    assert draft_for(key) == "z-lab/Qwen3-4B-DFlash-b16"
+
+
+def test_lookup_unknown_returns_none():
+    assert lookup("no-such-model") is None
+    assert lookup("Qwen/Qwen3-4B-Base") is None
+    assert draft_for("acme/unknown") is None
+
+
+def test_every_alias_resolves_to_its_entry():
+    for entry in registry_entries():
+        for alias in entry.aliases:
+            assert lookup(alias) == entry
+        assert draft_for(entry.target) == entry.draft
+
+
+def test_load_registry_from_file(tmp_path):
+    path = tmp_path / "models.toml"
+    path.write_text(GOOD_ENTRY, encoding="utf-8")
+    (entry,) = load_registry(path)
+    assert entry.name == "tiny" and entry.mlx_targets == ("mlx-community/Tiny-1B-4bit",)
+    with pytest.raises(AttributeError):
+        entry.name = "other"  # frozen
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field"),
+    [
+        ("block_size = 8", 'block_size = "8"', "block_size"),
+        ("block_size = 8", "block_size = 1", "block_size"),
+        ('kind = "dflash"', 'kind = "eagle"', "kind"),
+        ('draft = "acme/Tiny-1B-DFlash"', 'draft = "not a repo"', "draft"),
+        ('draft = "acme/Tiny-1B-DFlash"\n', "", "draft"),
+        ('family = "qwen3"', "family = 3", "family"),
+        ('mlx_targets = ["mlx-community/Tiny-1B-4bit"]', 'mlx_targets = "x/y"', "mlx_targets"),
+        ('notes = "test entry"', 'nots = "typo"', "nots"),
+    ],
+)
+def test_malformed_entry_names_file_entry_and_field(tmp_path, old, new, field):
+    assert old in GOOD_ENTRY
+    path = tmp_path / "models.toml"
+    path.write_text(GOOD_ENTRY.replace(old, new), encoding="utf-8")
+    with pytest.raises(RegistryError) as info:
+        load_registry(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert "[[pair]] #1" in message and "'tiny'" in message
+    assert repr(field) in message
+
+
+def test_malformed_file_level_errors(tmp_path):
+    with pytest.raises(RegistryError, match="invalid TOML"):
+        parse_registry("[[pair]\nname = ", "broken.toml")
+    with pytest.raises(RegistryError, match="at least one"):
+        parse_registry("", "empty.toml")
+    with pytest.raises(RegistryError, match="unknown top-level key 'pairs'"):
+        parse_registry(GOOD_ENTRY.replace("[[pair]]", "[[pairs]]"), "x.toml")
+    duplicate = GOOD_ENTRY + GOOD_ENTRY.replace('name = "tiny"', 'name = "tiny2"')
+    pattern = r"#2 \(name 'tiny2'\): field 'target': .* #1 \(name 'tiny'\)"
+    with pytest.raises(RegistryError, match=pattern):
+        parse_registry(duplicate, "dup.toml")
+    with pytest.raises(RegistryError, match="cannot read"):
+        load_registry(tmp_path / "missing.toml")
+
+
+def test_packaged_models_toml_equals_top_level():
+    packaged = resources.files("dflash_mlx").joinpath("models.toml").read_bytes()
+    assert packaged == (ROOT / "models.toml").read_bytes()
+
+
+def _gen(*args: str) -> subprocess.CompletedProcess:
+    script = ROOT / "scripts" / "gen_model_table.py"
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_readme_models_table_is_in_sync():
+    result = _gen("--check")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_gen_model_table_check_and_rewrite(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n<!-- models:start -->\nstale\n<!-- models:end -->\ntail\n")
+    assert _gen("--check", "--readme", str(readme)).returncode == 1
+    assert "stale" in readme.read_text()
+    assert _gen("--readme", str(readme)).returncode == 0
+    text = readme.read_text()
+    assert "stale" not in text and "`z-lab/Qwen3-4B-DFlash-b16`" in text
+    assert text.startswith("# x\n") and text.endswith("<!-- models:end -->\ntail\n")
+    assert _gen("--check", "--readme", str(readme)).returncode == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["README.md"]  # no temp file left
+
+
+def test_gen_model_table_reports_bad_registry(tmp_path):
+    bad = tmp_path / "models.toml"
+    bad.write_text(GOOD_ENTRY.replace("block_size = 8", "block_size = 0"))
+    result = _gen("--check", "--models", str(bad))
+    assert result.returncode == 2
+    assert "'block_size'" in result.stderr and str(bad) in result.stderr

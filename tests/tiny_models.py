@@ -1,0 +1,399 @@
+"""Builders for tiny on-disk models used by the test suite (no network).
+
+- ``make_tokenizer``: byte-level BPE (``tokenizers``), exactly ``TINY_VOCAB``
+  entries, ChatML template; loads with ``AutoTokenizer`` and ``mlx_lm.load``.
+- ``make_target``: an mlx-lm model directory for llama / qwen2 / qwen3 /
+  qwen3_moe / mistral, float32 or bfloat16, optionally 4/8-bit affine.
+- ``make_draft``: a DFlash v1 draft checkpoint in the real format (spec 2).
+
+Weights are random, determined by ``seed`` and each tensor's name (NumPy
+PCG64), so builds are identical across runs and machines. Target heads are
+scaled for clear greedy margins (top-1 minus top-2 logit: 5th percentile
+~0.1 in float32), which the speculative-equals-greedy tests rely on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import zlib
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+TINY_VOCAB = 512
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START_TOKEN = "<|im_start|>"
+IM_END_TOKEN = "<|im_end|>"
+MASK_TOKEN = "<|mask|>"
+BOS_TOKEN = "<s>"
+SPECIAL_TOKENS = (EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN, MASK_TOKEN, BOS_TOKEN)
+
+# Special tokens take the first ids, in the order above. ``<s>`` is in every
+# vocabulary (so ids never shift), but it is only declared as BOS and prepended
+# by the post-processor when ``make_tokenizer(..., add_bos=True)``.
+EOS_ID, IM_START_ID, IM_END_ID, MASK_ID, BOS_ID = range(len(SPECIAL_TOKENS))
+PAD_ID = EOS_ID
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Fixed training text for the BPE merges (original prose; do not edit, the
+# token ids of every tiny model depend on it).
+_CORPUS = """\
+The river ran past the old mill and under the stone bridge near the market.
+Every morning the baker opened the shop at six and sold warm bread to the town.
+A small robot named Pico liked to count things: one, two, three, four, five.
+It counted the birds on the roof, the cars on the road and the stars at night.
+When the rain came, the children played inside and built towers out of boxes.
+Their teacher asked them to write a short story about a journey to the sea.
+Some of them wrote about ships, others about trains, and one about a flying fish.
+The weather today is cold and windy, but tomorrow it should be sunny and warm.
+Please remember to bring your notebook, a pencil and a bottle of water.
+In the garden there are apples, pears, plums and a row of bright yellow flowers.
+The library is open from nine in the morning until eight in the evening.
+Numbers such as 12, 345 and 6789 appear in tables, lists and simple programs.
+def add(a, b): return a + b  # a tiny function that adds two numbers
+for i in range(10): print(i * i)
+Question: what is the capital of the country? Answer: the city by the river.
+She said that the meeting would start at ten and finish before lunch time.
+He walked to the station, bought a ticket and waited for the next train home.
+Good models predict the next word; better models also explain their answers.
+The cat sat on the warm window and watched the people walking in the street.
+We measured the length, the width and the height of each box in centimeters.
+"""
+
+_TARGET_DEFAULTS = dict(
+    num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+    rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+)  # fmt: skip
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mistral": "MistralForCausalLM",
+}  # fmt: skip
+
+# Standard deviation of the target's output logits. Large enough for clear
+# greedy margins, small enough that softmax is not one-hot at temperature 1.
+_LOGIT_STD = 8.0
+_TIED_MLP_GAIN = 4.0
+
+
+def derive_target_layer_ids(num_draft_layers: int, num_target_layers: int) -> list:
+    """Target layers a draft reads when its config gives none (spec section 2).
+
+    n = 1 -> [N // 2]; else round(1 + i * (N - 4) / (n - 1)) for i < n, i.e.
+    evenly from layer 1 to layer N - 3. For N < 4 the rule leaves the valid
+    range, so ids are clamped to [0, N - 1] (duplicates are possible there and
+    for N = 4).
+    """
+    n, big_n = int(num_draft_layers), int(num_target_layers)
+    if n < 1 or big_n < 1:
+        raise ValueError("need at least one draft layer and one target layer")
+    if n == 1:
+        return [big_n // 2]
+    ids = [round(1 + i * (big_n - 4) / (n - 1)) for i in range(n)]
+    return [min(max(int(i), 0), big_n - 1) for i in ids]
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def _train_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB, min_frequency=1, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    if tok.get_vocab_size() != TINY_VOCAB:
+        raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} entries")
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+    return tok
+
+
+def make_tokenizer(out_dir: Path, *, add_bos: bool = False) -> None:
+    """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json.
+
+    ``add_bos=True`` declares ``<s>`` (id ``BOS_ID``) as BOS, prepends it when
+    encoding with special tokens, and starts the chat template with it.
+    """
+    from tokenizers import processors
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _train_tokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A" if add_bos else "$A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B" if add_bos else "$A $B",
+        special_tokens=[(BOS_TOKEN, BOS_ID)],
+    )
+    tok.save(str(out_dir / "tokenizer.json"))
+
+    specials = dict(bos_token=BOS_TOKEN if add_bos else None, eos_token=EOS_TOKEN,
+                    pad_token=EOS_TOKEN, unk_token=None, mask_token=MASK_TOKEN)
+    config = dict(
+        specials,
+        tokenizer_class="PreTrainedTokenizerFast",
+        add_bos_token=add_bos,
+        add_eos_token=False,
+        additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
+        chat_template=("{{ bos_token }}" if add_bos else "") + CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
+    )
+    smap = {k: v for k, v in specials.items() if v is not None}
+    smap["additional_special_tokens"] = [IM_START_TOKEN, IM_END_TOKEN]
+    _write_json(out_dir / "tokenizer_config.json", config)
+    _write_json(out_dir / "special_tokens_map.json", smap)
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+# ------------------------------------------------------------ random weights
+
+
+def _normal(seed: int, name: str, shape: Sequence[int], std: float) -> np.ndarray:
+    """N(0, std^2) from a stream that depends only on (seed, tensor name)."""
+    rng = np.random.default_rng([int(seed), zlib.crc32(name.encode())])
+    return (rng.standard_normal(tuple(shape)) * std).astype(np.float32)
+
+
+def _init_tensor(seed: int, name: str, shape: Sequence[int], head_std: float) -> np.ndarray:
+    """Initialisation by role, read from the parameter's name and shape."""
+    if name.endswith("norm.weight"):
+        return 1.0 + _normal(seed, name, shape, 0.05)
+    if name.endswith(".bias"):
+        return _normal(seed, name, shape, 0.02)
+    if name.endswith("embed_tokens.weight"):
+        return _normal(seed, name, shape, 1.0)
+    if name.endswith("lm_head.weight"):
+        return _normal(seed, name, shape, head_std)
+    return _normal(seed, name, shape, shape[-1] ** -0.5)  # N(0, 1 / fan_in)
+
+
+def _mx_dtype(dtype: str):
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    return getattr(mx, dtype)
+
+
+# ------------------------------------------------------------------ target
+
+
+def target_config(
+    family: str, *, dtype: str = "float32", num_layers: int = 4, hidden_size: int = 64,
+    tie_word_embeddings: bool = False, add_bos: bool = False, **overrides,
+) -> dict:  # fmt: skip
+    """The config.json dict ``make_target`` writes (before quantization)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    cfg = dict(
+        _TARGET_DEFAULTS, model_type=family, architectures=[_ARCHITECTURES[family]],
+        hidden_size=hidden_size, num_hidden_layers=num_layers, vocab_size=TINY_VOCAB,
+        tie_word_embeddings=tie_word_embeddings, torch_dtype=dtype, hidden_act="silu",
+        bos_token_id=BOS_ID if add_bos else None, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    )  # fmt: skip
+    cfg["head_dim"] = hidden_size // cfg["num_attention_heads"]
+    if family in ("llama", "mistral"):
+        cfg.update(attention_bias=False, mlp_bias=False)
+    if family == "mistral":
+        cfg["sliding_window"] = None
+    if family == "qwen3_moe":
+        cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+        cfg.update(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    cfg.update(overrides)
+    if family == "qwen2" and cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]:
+        raise ValueError("qwen2 in mlx-lm needs head_dim == hidden_size // heads")
+    return cfg
+
+
+def make_target(
+    out_dir: Path,
+    family: str,
+    *,
+    dtype: str = "float32",
+    num_layers: int = 4,
+    hidden_size: int = 64,
+    seed: int = 0,
+    quantize_bits: Optional[int] = None,
+    quantize_group_size: int = 32,
+    tie_word_embeddings: bool = False,
+    add_bos: bool = False,
+    **overrides,
+) -> Path:
+    """Write a random mlx-lm model of ``family`` to ``out_dir`` and return it.
+
+    ``overrides`` go into config.json (and so into the mlx-lm ModelArgs), e.g.
+    ``layer_types``/``sliding_window`` for a llama with sliding layers.
+    ``add_bos`` selects the BOS tokenizer variant. Unquantized bfloat16
+    qwen3_moe loads but cannot run on mlx CPU (GatherMM is float32-only).
+    """
+    from mlx_lm.utils import _get_classes, quantize_model, save_config
+
+    if quantize_bits not in (None, 4, 8):
+        raise ValueError("quantize_bits must be None, 4 or 8")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = target_config(
+        family, dtype=dtype, num_layers=num_layers, hidden_size=hidden_size,
+        tie_word_embeddings=tie_word_embeddings, add_bos=add_bos, **overrides,
+    )  # fmt: skip
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+
+    # Logits are head @ rmsnorm(h) with |rmsnorm(h)| ~ sqrt(H): a head std of
+    # _LOGIT_STD / sqrt(H) gives logits of std ~ _LOGIT_STD. A tied embedding
+    # is the head too, so it gets the same scale. Tied heads also get a
+    # negated final norm and a louder MLP: otherwise the input token's own
+    # embedding, still present in the residual stream, wins the argmax and
+    # greedy decoding sticks to one token.
+    head_std = _LOGIT_STD / config["hidden_size"] ** 0.5
+    weights = {}
+    for name, param in tree_flatten(model.parameters()):
+        w = _init_tensor(seed, name, param.shape, head_std)
+        if tie_word_embeddings:
+            if name.endswith("embed_tokens.weight"):
+                w = w * head_std
+            elif name == "model.norm.weight":
+                w = -w
+            elif name.endswith("down_proj.weight"):
+                w = w * _TIED_MLP_GAIN
+        weights[name] = mx.array(w).astype(_mx_dtype(dtype))
+    model.load_weights(list(weights.items()), strict=True)
+
+    if quantize_bits is not None:
+        with contextlib.redirect_stdout(io.StringIO()):  # silence its [INFO]
+            model, config = quantize_model(
+                model, config, quantize_group_size, quantize_bits, mode="affine"
+            )
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    save_config(config, out_dir / "config.json")
+    make_tokenizer(out_dir, add_bos=add_bos)
+    return out_dir
+
+
+# ------------------------------------------------------------------- draft
+
+
+def draft_weight_shapes(config: dict) -> dict:
+    """Expected {key: shape} of a v1 draft checkpoint's own weights."""
+    h = config["hidden_size"]
+    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+    hd, inter = config["head_dim"], config["intermediate_size"]
+    n_ids = len(config["dflash_config"]["target_layer_ids"])
+    per_layer = {
+        "input_layernorm": (h,), "post_attention_layernorm": (h,),
+        "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter),
+        "self_attn.q_proj": (nh * hd, h), "self_attn.k_proj": (nkv * hd, h),
+        "self_attn.v_proj": (nkv * hd, h), "self_attn.o_proj": (h, nh * hd),
+        "self_attn.q_norm": (hd,), "self_attn.k_norm": (hd,),
+    }  # fmt: skip
+    shapes = {
+        f"layers.{i}.{key}.weight": shape
+        for i in range(config["num_hidden_layers"])
+        for key, shape in per_layer.items()
+    }
+    shapes.update({"fc.weight": (h, n_ids * h), "hidden_norm.weight": (h,), "norm.weight": (h,)})
+    return shapes
+
+
+def make_draft(
+    out_dir: Path,
+    target_dir: Path,
+    *,
+    num_layers: int = 2,
+    target_layer_ids: Optional[Sequence[int]] = None,
+    block_size: int = 16,
+    schema: str = "nested",
+    seed: int = 1,
+    dtype: str = "float32",
+    layer_types: Optional[Sequence[str]] = None,
+    sliding_window: Optional[int] = None,
+    is_causal: Optional[bool] = None,
+    input_embedding_scale: Optional[float] = None,
+    output_multiplier: Optional[float] = None,
+    final_logit_softcapping: Optional[float] = None,
+    rope_in_parameters: bool = False,
+    extra_keys: Iterable[str] = (),
+    **config_overrides,
+) -> Path:
+    """Write a DFlash v1 draft bound to the target in ``target_dir``.
+
+    Head shapes, vocab, eps and rope theta are taken from the target config.
+    ``schema`` is "nested" (block_size in dflash_config) or "flat" (top level);
+    weights do not depend on it. ``extra_keys`` (e.g. "embed_tokens.weight",
+    "lm_head.weight") adds random [vocab, hidden] tensors that loaders must
+    ignore; the other weights are unchanged by them. ``config_overrides`` are
+    written verbatim at the top level of config.json, last.
+    """
+    if schema not in ("nested", "flat"):
+        raise ValueError("schema must be 'nested' or 'flat'")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(Path(target_dir) / "config.json") as f:
+        tcfg = json.load(f)
+    n_target = tcfg["num_hidden_layers"]
+    if target_layer_ids is None:
+        target_layer_ids = derive_target_layer_ids(num_layers, n_target)
+    h = tcfg["hidden_size"]
+    theta = tcfg.get("rope_theta", 10000.0)
+
+    dflash = {"mask_token_id": MASK_ID, "target_layer_ids": [int(i) for i in target_layer_ids]}
+    optional = dict(input_embedding_scale=input_embedding_scale,
+                    output_multiplier=output_multiplier,
+                    final_logit_softcapping=final_logit_softcapping)  # fmt: skip
+    dflash.update({k: v for k, v in optional.items() if v is not None})
+    config = dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=h,
+        num_hidden_layers=num_layers, num_attention_heads=tcfg["num_attention_heads"],
+        num_key_value_heads=tcfg["num_key_value_heads"],
+        head_dim=tcfg.get("head_dim") or h // tcfg["num_attention_heads"],
+        intermediate_size=tcfg["intermediate_size"], vocab_size=tcfg["vocab_size"],
+        rms_norm_eps=tcfg.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=tcfg.get("max_position_embeddings", 4096),
+        num_target_layers=n_target,
+        tie_word_embeddings=bool(tcfg.get("tie_word_embeddings", False)),
+        attention_bias=False, hidden_act="silu", torch_dtype=dtype,
+    )  # fmt: skip
+    if rope_in_parameters:
+        config["rope_parameters"] = {"rope_theta": theta, "rope_type": "default"}
+    else:
+        config["rope_theta"] = theta
+    optional = dict(layer_types=layer_types, sliding_window=sliding_window, is_causal=is_causal)
+    config.update({k: v for k, v in optional.items() if v is not None})
+    (dflash if schema == "nested" else config)["block_size"] = block_size
+    config["dflash_config"] = dflash
+
+    mdt = _mx_dtype(dtype)
+    weights = {
+        name: mx.array(_init_tensor(seed, name, shape, 0.0)).astype(mdt)
+        for name, shape in draft_weight_shapes(config).items()
+    }
+    for name in extra_keys:
+        shape = (tcfg["vocab_size"], h)
+        weights[name] = mx.array(_normal(seed, name, shape, 1.0)).astype(mdt)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "pt"})
+
+    config.update(config_overrides)
+    _write_json(out_dir / "config.json", config)
+    return out_dir
