@@ -91,6 +91,7 @@ def stream_generate(
     elif block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}.")
 
+    counts_cycles = proposer is not None
     eos = tokenizer.eos_token_ids
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -104,12 +105,12 @@ def stream_generate(
         n = 0
         with mx.stream(generation_stream):
             for cycle in cycles:
+                in_cycle = counts_cycles and not cycle.from_prefill
                 if n == 0:
                     prompt_tps = prompt.size / (time.perf_counter() - tic)
                     tic = time.perf_counter()
                 for i, token in enumerate(cycle.tokens):
                     n += 1
-                    closes_cycle = i + 1 == len(cycle.tokens)
                     finish = None
                     if token in eos:
                         finish = "stop"
@@ -119,7 +120,7 @@ def stream_generate(
                             finish = "length"
                     if finish:
                         detokenizer.finalize()
-                        closes_cycle = True
+                    closes_cycle = in_cycle and (finish or i + 1 == len(cycle.tokens))
                     yield DFlashResponse(
                         text=detokenizer.last_segment,
                         token=token,
@@ -131,7 +132,7 @@ def stream_generate(
                         generation_tps=n / max(time.perf_counter() - tic, 1e-9),
                         peak_memory=mx.get_peak_memory() / 1e9,
                         finish_reason=finish,
-                        cycle_tokens=(i + 1) if closes_cycle and not cycle.from_prefill else None,
+                        cycle_tokens=(i + 1) if closes_cycle else None,
                     )
                     if finish:
                         return

@@ -1,0 +1,235 @@
+"""Greedy DFlash equals mlx-lm's own greedy decoding, token for token.
+
+The reference is `mlx_lm.stream_generate` without a draft (generate_step).
+Drafters are random tiny checkpoints (they mostly get rejected) and an oracle
+proposer that offers the target's true continuation with one corruption per
+block, cycling through every acceptance length 0..b-1.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load as mlx_lm_load
+from mlx_lm import stream_generate as mlx_lm_stream_generate
+
+from dflash_mlx import load_draft, stream_generate
+from dflash_mlx.block_size import default_block_size
+from dflash_mlx.engine import speculative_cycles
+from dflash_mlx.oracle import OracleProposer
+from dflash_mlx.proposer import DFlashProposer
+from dflash_mlx.target import TargetAdapter
+from tiny_models import EOS_ID, TINY_VOCAB
+
+DENSE = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral"]
+BF16_OK = ["llama", "qwen2", "qwen3", "mistral"]  # MLX's CPU MoE gather is float32-only
+
+
+@lru_cache(maxsize=None)
+def _load(target_dir, draft_dir):
+    model, tokenizer = mlx_lm_load(str(target_dir))
+    draft = load_draft(draft_dir, model) if draft_dir else None
+    return model, tokenizer, draft
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_target, tiny_draft):
+    """pair(family, **target_kw) -> (model, tokenizer, random drafter)."""
+
+    def get(family, draft_kw=None, **target_kw):
+        target_dir = tiny_target(family, **target_kw)
+        draft_dir = tiny_draft(target_dir, target_layer_ids=[1, 2], **(draft_kw or {}))
+        return _load(target_dir, draft_dir)
+
+    return get
+
+
+def prompt_ids(length: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(8, TINY_VOCAB, size=length)]
+
+
+def reference(model, tokenizer, prompt, max_tokens, **kw):
+    return list(mlx_lm_stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens, **kw))
+
+
+def ours(model, draft, tokenizer, prompt, max_tokens, **kw):
+    return list(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, **kw))
+
+
+def assert_same_stream(got, want, logprob_atol=1e-4):
+    assert [r.token for r in got] == [r.token for r in want]
+    assert [r.text for r in got] == [r.text for r in want]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+    assert [r.generation_tokens for r in got] == [r.generation_tokens for r in want]
+    assert all(r.prompt_tokens == want[0].prompt_tokens for r in got)
+    if logprob_atol is not None:
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.array(g.logprobs), np.array(w.logprobs), atol=logprob_atol)
+
+
+def assert_cycle_accounting(got, block_size):
+    cycles = [r.cycle_tokens for r in got if r.cycle_tokens is not None]
+    assert got[0].cycle_tokens is None  # the first token comes from prefill
+    assert sum(cycles) == got[-1].generation_tokens - 1
+    assert all(1 <= c <= block_size for c in cycles)
+    return cycles
+
+
+@contextmanager
+def without_eos(tokenizer):
+    """Long runs that must not stop early (coverage of every acceptance length)."""
+    saved = set(tokenizer.eos_token_ids)
+    tokenizer.eos_token_ids = set()
+    try:
+        yield
+    finally:
+        tokenizer.eos_token_ids = saved
+
+
+def oracle_for(want, block_size):
+    continuation = [r.token for r in want] + [0] * block_size
+    return OracleProposer(continuation, list(range(block_size)), TINY_VOCAB, block_size)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 5, 16])
+@pytest.mark.parametrize("family", DENSE)
+def test_random_drafter_equals_mlx_lm(pair, family, block_size):
+    model, tokenizer, draft = pair(family)
+    prompt = prompt_ids(7)
+    want = reference(model, tokenizer, prompt, 200)
+    got = ours(model, draft, tokenizer, prompt, 200, block_size=block_size)
+    assert_same_stream(got, want)
+    assert_cycle_accounting(got, block_size)
+
+
+@pytest.mark.parametrize("block_size", [2, 5, 16])
+@pytest.mark.parametrize("family", DENSE)
+def test_oracle_covers_every_acceptance_length(pair, family, block_size):
+    model, tokenizer, _ = pair(family)
+    prompt = prompt_ids(7, seed=1)
+    with without_eos(tokenizer):
+        want = reference(model, tokenizer, prompt, 200)
+        got = ours(model, oracle_for(want, block_size), tokenizer, prompt, 200, block_size=block_size)
+    assert_same_stream(got, want)
+    cycles = assert_cycle_accounting(got, block_size)
+    assert set(range(1, block_size + 1)) <= set(cycles)  # accepted 0..b-1 drafts
+    drafted = sum(r.from_draft for r in got)
+    assert drafted == sum(c - 1 for c in cycles if c)  # every cycle: accepted drafts + 1 bonus
+
+
+@pytest.mark.parametrize("prompt_len", [1, 7, 650])
+@pytest.mark.parametrize("prefill_step_size", [2048, 256])
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_prompt_lengths_and_chunked_prefill(pair, family, prompt_len, prefill_step_size):
+    model, tokenizer, draft = pair(family)
+    prompt = prompt_ids(prompt_len, seed=2)
+    want = reference(model, tokenizer, prompt, 60, prefill_step_size=prefill_step_size)
+    for proposer in (draft, oracle_for(want, 5)):
+        got = ours(model, proposer, tokenizer, prompt, 60, block_size=5, prefill_step_size=prefill_step_size)
+        assert_same_stream(got, want)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 17, 200])
+@pytest.mark.parametrize("block_size", [2, 16])
+def test_max_tokens_honoured_exactly(pair, max_tokens, block_size):
+    model, tokenizer, draft = pair("qwen3")
+    prompt = prompt_ids(7, seed=1)
+    with without_eos(tokenizer):
+        want = reference(model, tokenizer, prompt, max_tokens)
+        for proposer in (draft, oracle_for(want, block_size)):
+            got = ours(model, proposer, tokenizer, prompt, max_tokens, block_size=block_size)
+            assert_same_stream(got, want)
+            assert len(got) == max_tokens and got[-1].finish_reason == "length"
+            assert_cycle_accounting(got, block_size)
+
+
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize("family", BF16_OK)
+def test_bfloat16_targets(pair, family, block_size):
+    model, tokenizer, draft = pair(family, dtype="bfloat16")
+    prompt = prompt_ids(7, seed=3)
+    want = reference(model, tokenizer, prompt, 120)
+    for proposer in (draft, oracle_for(want, block_size)):
+        got = ours(model, proposer, tokenizer, prompt, 120, block_size=block_size)
+        assert_same_stream(got, want, logprob_atol=None)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+def test_quantized_targets(pair, family, bits):
+    model, tokenizer, draft = pair(family, quantize_bits=bits)
+    assert default_block_size(model, draft) == (5 if bits <= 4 else 16)
+    prompt = prompt_ids(7, seed=4)
+    want = reference(model, tokenizer, prompt, 120)
+    for proposer in (draft, oracle_for(want, 16)):
+        for block_size in (None, 16):
+            got = ours(model, proposer, tokenizer, prompt, 120, block_size=block_size)
+            assert_same_stream(got, want, logprob_atol=None)
+
+
+def test_tied_embeddings_target(pair):
+    model, tokenizer, draft = pair("qwen3", tie_word_embeddings=True)
+    assert not hasattr(model, "lm_head")
+    prompt = prompt_ids(7)
+    want = reference(model, tokenizer, prompt, 100)
+    for proposer in (draft, oracle_for(want, 8)):
+        assert_same_stream(ours(model, proposer, tokenizer, prompt, 100, block_size=8), want)
+
+
+def test_eos_inside_a_block_ends_the_output(pair):
+    model, tokenizer, _ = pair("qwen3")
+    prompt = prompt_ids(7, seed=1)
+    with without_eos(tokenizer):
+        plain = reference(model, tokenizer, prompt, 60)
+    # Declare the 23rd generated token an EOS: with blocks of 16 fully accepted it
+    # falls in the middle of the second cycle (tokens 18..33).
+    eos_token = plain[22].token
+    first = [r.token for r in plain].index(eos_token)
+    tokenizer.eos_token_ids = {EOS_ID, eos_token}
+    try:
+        want = reference(model, tokenizer, prompt, 60)
+        oracle = OracleProposer([r.token for r in plain], [15], TINY_VOCAB, 16)
+        got = ours(model, oracle, tokenizer, prompt, 60, block_size=16)
+    finally:
+        tokenizer.eos_token_ids = {EOS_ID}
+    assert_same_stream(got, want)
+    assert len(got) == first + 1 and got[-1].token == eos_token
+    assert got[-1].finish_reason == "stop" and got[-1].text == want[-1].text
+    cycles = assert_cycle_accounting(got, 16)
+    assert cycles[-1] == (first + 1) - 1 - sum(cycles[:-1]) and cycles[-1] < 16
+
+
+def test_plain_path_without_drafter(pair):
+    model, tokenizer, _ = pair("qwen2")
+    prompt = prompt_ids(9)
+    want = reference(model, tokenizer, prompt, 50)
+    got = ours(model, None, tokenizer, prompt, 50)
+    assert_same_stream(got, want)
+    assert all(r.cycle_tokens is None and not r.from_draft for r in got)
+
+
+def test_repeated_runs_are_identical(pair):
+    model, tokenizer, draft = pair("llama")
+    prompt = prompt_ids(11)
+    runs = [[(r.token, r.cycle_tokens, r.from_draft) for r in ours(model, draft, tokenizer, prompt, 80, block_size=5)]
+            for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_draft_context_holds_committed_positions_only(pair):
+    model, tokenizer, draft = pair("qwen3")
+    prompt = mx.array(prompt_ids(13))
+    proposer = DFlashProposer(draft)
+    target = TargetAdapter(model, proposer.layer_ids)
+    committed = 0
+    for cycle in speculative_cycles(target, prompt, proposer, max_tokens=90, block_size=6):
+        committed += len(cycle.tokens)
+        if committed < 90:  # the next cycle is already queued: its anchor is the last token
+            anchor_position = prompt.size + committed - 1
+            assert proposer.context_end == anchor_position
+            assert all(c.visible_rows == anchor_position for c in proposer.cache)
