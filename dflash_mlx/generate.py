@@ -84,7 +84,7 @@ def stream_generate(
     prompt = encode_prompt(tokenizer, prompt)
     if prompt.size == 0:
         raise ValueError("The prompt is empty: at least one token is needed.")
-    proposer = as_proposer(draft)
+    proposer = as_proposer(draft, model)
     target = TargetAdapter(model, proposer.layer_ids if proposer else ())
     if block_size is None:
         block_size = default_block_size(model, draft) if proposer else 1

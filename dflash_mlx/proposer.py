@@ -2,8 +2,9 @@
 
 A proposer is any object with the `Proposer` shape: it is told about each new
 generation (`start`), fed the target's features of every newly committed
-position (`add_context`, in order, only if it asked for `layer_ids`), and asked
-for `count` tokens to follow an anchor at an absolute position (`propose`).
+position (`add_context`, in order, only if it asked for `layer_ids`), asked for
+the arrays to evaluate after each prefill chunk (`state`), and asked for
+`count` tokens to follow an anchor at an absolute position (`propose`).
 `DFlashProposer` wraps a DFlash drafter; tests add oracles, later issues add
 DFlash 2 and autoregressive drafts.
 """
@@ -16,6 +17,7 @@ from typing import Protocol, runtime_checkable
 import mlx.core as mx
 
 from .draft.model import DFlashDraftModel
+from .draft.pairing import check_pair
 
 
 @dataclass
@@ -77,11 +79,12 @@ class DFlashProposer:
         return Proposal(tokens=mx.argmax(logits[0], axis=-1).astype(mx.int32))
 
 
-def as_proposer(draft) -> Proposer | None:
-    """Accept None, a DFlash drafter, or anything shaped like a `Proposer`."""
+def as_proposer(draft, target_model) -> Proposer | None:
+    """Accept None, a DFlash drafter (checked against the target), or a `Proposer`."""
     if draft is None or isinstance(draft, Proposer):
         return draft
     if isinstance(draft, DFlashDraftModel):
+        check_pair(draft, target_model, draft_name=getattr(draft, "source", "the drafter"))
         return DFlashProposer(draft)
     raise TypeError(
         f"draft must be a DFlash drafter (from dflash_mlx.load_draft), a Proposer or None, "

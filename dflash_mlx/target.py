@@ -80,7 +80,9 @@ class TargetAdapter:
                 f"{len(self.layers)} layers."
             )
         self.layer_ids = tuple(layer_ids)
-        self._capture_slot = {layer: i for i, layer in enumerate(self.layer_ids)}
+        self._capture_slots: dict[int, list[int]] = {}
+        for slot, layer in enumerate(self.layer_ids):
+            self._capture_slots.setdefault(layer, []).append(slot)
 
     @property
     def num_layers(self) -> int:
@@ -123,8 +125,8 @@ class TargetAdapter:
         captured: list[mx.array | None] = [None] * len(self.layer_ids)
         for i, (layer, mask, c) in enumerate(zip(self.layers, masks, cache)):
             h = layer(h, mask, c)
-            if i in self._capture_slot:
-                captured[self._capture_slot[i]] = h
+            for slot in self._capture_slots.get(i, ()):
+                captured[slot] = h
         features = mx.concatenate(captured, axis=-1) if captured else None
         return self.head(self.inner.norm(h)), features
 

@@ -74,8 +74,10 @@ def derive_target_layer_ids(num_draft_layers: int, num_target_layers: int) -> tu
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     span = num_target_layers - 4
+    last = max(num_target_layers - 1, 0)
     return tuple(
-        int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)
+        min(max(int(round(1 + i * span / (num_draft_layers - 1))), 0), last)
+        for i in range(num_draft_layers)
     )
 
 
@@ -113,7 +115,8 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
     hidden = fields.int("hidden_size", minimum=1)
     heads = fields.int("num_attention_heads", minimum=1)
     rope = raw.get("rope_parameters") or {}
-    rope_scaling = raw.get("rope_scaling") or (raw.get("rope_parameters") or None)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_scaling = raw.get("rope_scaling") or (rope if rope_type != "default" else None)
     rope_theta = raw.get("rope_theta", rope.get("rope_theta", DEFAULT_ROPE_THETA))
 
     if "mask_token_id" not in dflash:
@@ -127,7 +130,7 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
             )
         ids = derive_target_layer_ids(num_layers, int(raw["num_target_layers"]))
     if not isinstance(ids, (list, tuple)) or not ids or not all(
-        isinstance(i, int) and i >= 0 for i in ids
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
     ):
         raise DraftConfigError(
             f"{source}: 'dflash_config.target_layer_ids' must be a non-empty list of "
@@ -161,6 +164,13 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
         raise DraftConfigError(f"{source}: 'is_causal' must be true, false or null, got {is_causal!r}.")
     softcap = dflash.get("final_logit_softcapping", raw.get("final_logit_softcapping"))
 
+    vocab = fields.int("vocab_size", minimum=1)
+    mask_id = _int(dflash["mask_token_id"], "dflash_config.mask_token_id", source)
+    if mask_id >= vocab:
+        raise DraftConfigError(
+            f"{source}: 'dflash_config.mask_token_id' is {mask_id}, outside the draft's "
+            f"vocabulary of {vocab} ('vocab_size')."
+        )
     head_dim = raw.get("head_dim") or hidden // heads
     return DraftConfig(
         hidden_size=hidden,
@@ -169,10 +179,10 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
         num_key_value_heads=fields.int("num_key_value_heads", default=heads, minimum=1),
         head_dim=int(head_dim),
         intermediate_size=fields.int("intermediate_size", minimum=1),
-        vocab_size=fields.int("vocab_size", minimum=1),
+        vocab_size=vocab,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=fields.int("max_position_embeddings", default=32768),
-        mask_token_id=_int(dflash["mask_token_id"], "dflash_config.mask_token_id", source),
+        mask_token_id=mask_id,
         target_layer_ids=tuple(ids),
         block_size=block_size,
         num_target_layers=raw.get("num_target_layers"),
