@@ -6,6 +6,7 @@ default), then in one process:
   2. the same through dflash_mlx with no drafter (our plain path),
   3. DFlash with an OracleProposer at a fixed acceptance pattern,
   4. separately timed target forwards of 1 and b rows at the same context,
+  5. (optionally) a random DFlash drafter's forward, for the ideal with a real drafter,
 and reports measured speedup / ideal speedup, where
 ideal = tau * T(1) / (T_draft + T_verify(b)) and T_draft = 0 for the oracle.
 
@@ -89,6 +90,39 @@ def time_forward(model, prompt, rows: int, context: int, repeats: int) -> float:
     return times[len(times) // 2]
 
 
+def time_draft(model, layers: int, block: int, new_context: int, context: int, repeats: int) -> float:
+    """Seconds per DFlash draft (context ingest + block forward) of a random drafter."""
+    from dflash_mlx.draft.config import parse_draft_config
+    from dflash_mlx.draft.model import DFlashDraftModel
+
+    a = model.args
+    ids = [1 + i * (a.num_hidden_layers - 4) // max(layers - 1, 1) for i in range(layers)]
+    config = parse_draft_config(dict(
+        hidden_size=a.hidden_size, num_hidden_layers=layers, num_attention_heads=a.num_attention_heads,
+        num_key_value_heads=a.num_key_value_heads, head_dim=a.head_dim,
+        intermediate_size=a.intermediate_size, vocab_size=a.vocab_size, rms_norm_eps=a.rms_norm_eps,
+        max_position_embeddings=8192, rope_theta=a.rope_theta,
+        dflash_config=dict(mask_token_id=0, target_layer_ids=ids, block_size=block),
+    ))
+    draft = DFlashDraftModel(config)
+    mx.eval(draft.parameters())
+    target = TargetAdapter(model, config.target_layer_ids)
+    cache = draft.make_cache()
+    width = layers * a.hidden_size
+    draft.extend_context(mx.zeros((1, context, width)), cache)
+    block_ids = mx.zeros((1, block), dtype=mx.int32)
+    times = []
+    for _ in range(repeats):
+        features = mx.random.normal((1, new_context, width))
+        mx.eval(features)
+        tic = time.perf_counter()
+        draft.extend_context(features, cache)
+        mx.eval(mx.argmax(draft(block_ids, cache, target), axis=-1))
+        times.append(time.perf_counter() - tic)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=1024)
@@ -99,6 +133,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--accept", type=int, default=7, help="drafts accepted per cycle (tau = accept + 1)")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--draft-layers", type=int, default=5, help="also time a random drafter (0: skip)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
 
@@ -131,6 +166,10 @@ def main() -> None:
         "ideal_speedup": round(ideal, 3),
         "overhead_ratio": round(measured / ideal, 3),
     }
+    if args.draft_layers:
+        td = time_draft(model, args.draft_layers, args.block_size, round(tau), context, args.repeats)
+        result["t_draft_ms"] = round(td * 1e3, 2)
+        result["ideal_speedup_with_drafter"] = round(tau * t1 / (td + tb), 3)
     if args.json:
         print(json.dumps(result))
     else:
