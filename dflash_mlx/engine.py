@@ -109,7 +109,7 @@ def speculative_cycles(
         else:
             b = 1
             verify_ids = anchor.reshape(1)
-        logits, features = target.forward(verify_ids[None], cache)
+        logits, features = target.forward(verify_ids[None], cache, record=b > 1)
         verdict = greedy_verdict(drafts, logits[0])
         mx.async_eval(verdict)
         return b, verdict, logits[0], features
@@ -120,7 +120,7 @@ def speculative_cycles(
         values = verdict.tolist()
         accepted = values[0]
         tokens = values[1 : accepted + 2]
-        target.rollback(cache, b - accepted - 1)
+        target.rollback(cache, keep=accepted + 1)
         if features is not None:
             add_context(features[:, : accepted + 1])
         committed += len(tokens)

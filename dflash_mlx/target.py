@@ -1,58 +1,29 @@
-"""Per-family target knowledge: running an mlx-lm model with hidden-state capture.
+"""Running an mlx-lm target with hidden-state capture and exact rollback.
 
 `TargetAdapter` runs the target's own layer modules one by one (nothing in
 mlx-lm is patched), returning the logits plus the outputs of the decoder layers
-the drafter reads, concatenated along the hidden axis. It also lends the drafter
-the target's embedding and output head, and rolls the cache back after a verify.
-Everything that differs between model families lives in `FAMILIES`.
+the drafter reads, concatenated along the hidden axis. Gated DeltaNet layers go
+through `dflash_mlx.gated_delta` so a verify can be undone; `rollback` then
+keeps the accepted prefix in every cache (`dflash_mlx.rollback`). It also
+lends the drafter the target's embedding and output head. Family differences
+live in `dflash_mlx.families`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
+
+from .families import FAMILIES, model_family, text_model
+from .gated_delta import gated_delta_forward
+from .rollback import check_caches, rollback
 
 
 class UnsupportedTargetError(ValueError):
-    """The target's model family (or its cache layout) is not supported yet."""
-
-
-def _dense_masks(inner: nn.Module, h: mx.array, cache: list) -> list:
-    """One causal mask shared by every layer (mlx-lm's llama/qwen/mistral stacks)."""
-    return [create_attention_mask(h, cache[0])] * len(inner.layers)
-
-
-def _dense_check(inner: nn.Module) -> str | None:
-    if getattr(inner, "swa_idx", None) is not None:
-        return "sliding-window attention layers are not supported yet"
-    return None
-
-
-@dataclass(frozen=True)
-class Family:
-    """How to run one mlx-lm model family layer by layer."""
-
-    masks: Callable[[nn.Module, mx.array, list], list]
-    check: Callable[[nn.Module], str | None] = lambda inner: None
-
-
-FAMILIES: dict[str, Family] = {
-    "llama": Family(_dense_masks, _dense_check),
-    "mistral": Family(_dense_masks, _dense_check),
-    "qwen2": Family(_dense_masks),
-    "qwen3": Family(_dense_masks),
-    "qwen3_moe": Family(_dense_masks),
-}
-
-
-def model_family(model: nn.Module) -> str:
-    args = getattr(model, "args", None)
-    return getattr(model, "model_type", None) or getattr(args, "model_type", "unknown")
+    """The target's model family (or its cache layout) is not supported."""
 
 
 class TargetAdapter:
@@ -68,11 +39,12 @@ class TargetAdapter:
         self.model = model
         self.family = FAMILIES[family]
         self.family_name = family
-        self.inner = model.model
-        problem = self.family.check(self.inner)
-        if problem:
-            raise UnsupportedTargetError(f"Target model ({family}): {problem}.")
+        self.text = text_model(model)
+        self.inner = self.text.model
         self.layers = self.inner.layers
+        if len(getattr(self.inner, "pipeline_layers", self.layers)) != len(self.layers):
+            raise UnsupportedTargetError("Pipeline-parallel targets are not supported.")
+        self.linear_layers = self.family.linear_layers(self.inner)
         bad = [i for i in layer_ids if not 0 <= i < len(self.layers)]
         if bad:
             raise ValueError(
@@ -83,6 +55,12 @@ class TargetAdapter:
         self._capture_slots: dict[int, list[int]] = {}
         for slot, layer in enumerate(self.layer_ids):
             self._capture_slots.setdefault(layer, []).append(slot)
+        self._records: dict[int, Any] = {}
+        self._last_rows = 0
+
+    @property
+    def args(self):
+        return self.text.args
 
     @property
     def num_layers(self) -> int:
@@ -90,49 +68,57 @@ class TargetAdapter:
 
     @property
     def hidden_size(self) -> int:
-        return self.model.args.hidden_size
+        return self.args.hidden_size
 
     @property
     def vocab_size(self) -> int:
-        return self.model.args.vocab_size
+        return self.args.vocab_size
 
     def make_cache(self) -> list[Any]:
         cache = make_prompt_cache(self.model)
-        unsupported = {type(c).__name__ for c in cache if type(c) is not KVCache}
-        if unsupported:
-            raise UnsupportedTargetError(
-                f"Target model ({self.family_name}) uses cache types {sorted(unsupported)}, "
-                "which cannot be rolled back yet (only KVCache is supported)."
-            )
+        check_caches(cache, self.family_name, self.linear_layers)
         return cache
 
     def embed(self, ids: mx.array) -> mx.array:
-        return self.inner.embed_tokens(ids)
+        """The drafter's input embedding: the table times the target's `embed_scale`
+        attribute where mlx-lm defines one (as the upstream MLX reference does)."""
+        table = self.inner.embed_tokens
+        scale = getattr(table, "embed_scale", getattr(self.inner, "embed_scale", 1.0))
+        h = table(ids)
+        return h if scale == 1.0 else h * scale
 
     def head(self, hidden: mx.array) -> mx.array:
-        if hasattr(self.model, "lm_head"):
-            return self.model.lm_head(hidden)
+        if hasattr(self.text, "lm_head"):
+            return self.text.lm_head(hidden)
         return self.inner.embed_tokens.as_linear(hidden)
 
-    def forward(self, ids: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
+    def forward(self, ids: mx.array, cache: list, record: bool = False) -> tuple[mx.array, mx.array | None]:
         """Run ids [1, L]; return (logits [1, L, V], captured features [1, L, n*H] or None).
 
         Both are lazy: a caller that only needs the cache and the features never
-        pays for the output head.
+        pays for the output head. `record=True` keeps what `rollback` needs.
         """
-        h = self.inner.embed_tokens(ids)
+        h = self.family.embed(self.inner, ids)
         masks = self.family.masks(self.inner, h, cache)
         captured: list[mx.array | None] = [None] * len(self.layer_ids)
+        self._records = {}
+        self._last_rows = ids.shape[1]
         for i, (layer, mask, c) in enumerate(zip(self.layers, masks, cache)):
-            h = layer(h, mask, c)
+            if i in self.linear_layers:
+                records = [] if record else None
+                r = gated_delta_forward(layer.linear_attn, layer.input_layernorm(h), mask, c, records)
+                if records:
+                    self._records[i] = records[0]
+                h = h + r
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+            else:
+                h = layer(h, mask, c)
             for slot in self._capture_slots.get(i, ()):
                 captured[slot] = h
         features = mx.concatenate(captured, axis=-1) if captured else None
         return self.head(self.inner.norm(h)), features
 
-    @staticmethod
-    def rollback(cache: list, n: int) -> None:
-        """Drop the last `n` positions from every layer's cache."""
-        if n > 0:
-            for c in cache:
-                c.trim(n)
+    def rollback(self, cache: list, keep: int) -> None:
+        """Keep only the first `keep` rows of the last (recorded) forward in `cache`."""
+        rollback(cache, keep, self._last_rows, self._records)
+        self._records = {}

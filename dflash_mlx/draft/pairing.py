@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
+from ..families import text_model
+
 
 class PairMismatchError(ValueError):
     """The drafter was made for a different target."""
 
 
 def _target_facts(target_model: nn.Module) -> dict[str, int]:
-    args = getattr(target_model, "args", None)
+    args = getattr(text_model(target_model), "args", None)
     layers = getattr(target_model, "layers", None)
     return {
         "hidden_size": getattr(args, "hidden_size", None),

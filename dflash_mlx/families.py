@@ -1,0 +1,106 @@
+"""Per-family target knowledge, in one place.
+
+mlx-lm builds each family's attention masks and embeddings inside its model's
+`__call__`; to capture hidden states and record Gated DeltaNet inputs without
+patching anything, `dflash_mlx.target` runs the layers itself and asks the
+family here for: the per-layer masks (from the layer pattern and the caches),
+the input embedding (with the family's own scaling), and which layers are
+linear-attention (Gated DeltaNet) layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+
+def _one_mask(inner, h, cache) -> list:
+    """llama/qwen/mistral stacks: one causal mask for every layer."""
+    return [create_attention_mask(h, cache[0])] * len(inner.layers)
+
+
+def _llama_masks(inner, h, cache) -> list:
+    """llama (and mistral) configs may mix sliding and full layers."""
+    if getattr(inner, "swa_idx", None) is None:
+        return _one_mask(inner, h, cache)
+    full = create_attention_mask(h, cache[inner.fa_idx])
+    sliding = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.sliding_window)
+    return [sliding if layer.use_sliding else full for layer in inner.layers]
+
+
+def _gpt_oss_masks(inner, h, cache) -> list:
+    full = create_attention_mask(h, cache[inner.ga_idx])
+    sliding = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.window_size)
+    return [full if t == "full_attention" else sliding for t in inner.layer_types]
+
+
+def _gemma3_global(inner, i: int) -> bool:
+    pattern = inner.sliding_window_pattern
+    return i % pattern == pattern - 1
+
+
+def _gemma3_masks(inner, h, cache) -> list:
+    pattern = inner.sliding_window_pattern
+    full = create_attention_mask(h, cache[pattern - 1])
+    sliding = create_attention_mask(h, cache[0], window_size=inner.window_size) if pattern > 1 else None
+    return [full if _gemma3_global(inner, i) else sliding for i in range(len(inner.layers))]
+
+
+def _gemma3_embed(inner, ids):
+    h = inner.embed_tokens(ids)
+    return h * mx.array(inner.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+
+
+def _hybrid_masks(inner, h, cache) -> list:
+    full = create_attention_mask(h, cache[inner.fa_idx]) if inner.fa_idx is not None else None
+    ssm = create_ssm_mask(h, cache[inner.ssm_idx]) if inner.ssm_idx is not None else None
+    return [ssm if layer.is_linear else full for layer in inner.layers]
+
+
+def _plain_embed(inner, ids):
+    return inner.embed_tokens(ids)
+
+
+def _no_linear_layers(inner) -> set[int]:
+    return set()
+
+
+def _linear_layers(inner) -> set[int]:
+    return {i for i, layer in enumerate(inner.layers) if getattr(layer, "is_linear", False)}
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to run one mlx-lm model family layer by layer."""
+
+    masks: Callable[[nn.Module, mx.array, list], list]
+    embed: Callable[[nn.Module, mx.array], mx.array] = _plain_embed
+    linear_layers: Callable[[nn.Module], set[int]] = _no_linear_layers
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(_llama_masks),
+    "mistral": Family(_llama_masks),
+    "qwen2": Family(_one_mask),
+    "qwen3": Family(_one_mask),
+    "qwen3_moe": Family(_one_mask),
+    "qwen3_5": Family(_hybrid_masks, linear_layers=_linear_layers),
+    "qwen3_5_moe": Family(_hybrid_masks, linear_layers=_linear_layers),
+    "qwen3_next": Family(_hybrid_masks, linear_layers=_linear_layers),
+    "gemma3_text": Family(_gemma3_masks, embed=_gemma3_embed),
+    "gpt_oss": Family(_gpt_oss_masks),
+}
+
+
+def model_family(model: nn.Module) -> str:
+    args = getattr(model, "args", None)
+    return getattr(model, "model_type", None) or getattr(args, "model_type", "unknown")
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The module holding `.model` (embedding, layers, norm) and the output head."""
+    return getattr(model, "language_model", model)
