@@ -38,6 +38,9 @@ class GDNRecord:
         """Set `cache` to the state after feeding only the first `n` rows."""
         kernel = self.layer.conv_kernel_size
         cache[0] = mx.contiguous(self.conv_input[:, n : n + kernel - 1, :])
+        if n == 0:
+            cache[1] = self.state
+            return
         _, cache[1] = gated_delta_update(
             self.q[:, :n], self.k[:, :n], self.v[:, :n], self.a[:, :n], self.b[:, :n],
             self.layer.A_log, self.layer.dt_bias, self.state, None,

@@ -15,6 +15,7 @@ A verify feeds `total` rows and keeps the first `keep`. Per cache type:
 
 from __future__ import annotations
 
+import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 SUPPORTED_CACHES = (KVCache, RotatingKVCache, ArraysCache)
@@ -48,9 +49,18 @@ def rewind_ring(cache: RotatingKVCache, drop: int) -> None:
     keys, values, offset, keep, max_size, idx = cache.state
     if idx != keys.shape[2]:
         raise RuntimeError("A rotating cache is not in temporal order after a multi-row verify.")
-    cache.state = (
-        keys[..., : idx - drop, :], values[..., : idx - drop, :], offset - drop, keep, max_size, idx - drop
-    )
+    keys, values, offset, idx = keys[..., : idx - drop, :], values[..., : idx - drop, :], offset - drop, idx - drop
+    if offset >= max_size > idx:
+        # One row short of a full ring (only when every new row is dropped): mlx-lm
+        # expects a full ring once offset >= max_size, so pad the oldest end with a
+        # row outside every later query's window, the first one overwritten.
+        pad = max_size - idx
+        if pad != 1:  # a multi-row update keeps window - 1 older rows: at most one is missing
+            raise RuntimeError(f"A rotating cache lost {pad} rows of its window in a rollback.")
+        keys = mx.concatenate([mx.zeros(keys.shape[:2] + (pad, keys.shape[3]), keys.dtype), keys], axis=2)
+        values = mx.concatenate([mx.zeros(values.shape[:2] + (pad, values.shape[3]), values.dtype), values], axis=2)
+        idx = max_size
+    cache.state = (keys, values, offset, keep, max_size, idx)
 
 
 def rollback(cache: list, keep: int, total: int, gdn_records: dict) -> None:

@@ -3,13 +3,44 @@
 - ``make_tokenizer``: byte-level BPE (``tokenizers``), exactly ``TINY_VOCAB``
   entries, ChatML template; loads with ``AutoTokenizer`` and ``mlx_lm.load``.
 - ``make_target``: an mlx-lm model directory for llama / qwen2 / qwen3 /
-  qwen3_moe / mistral, float32 or bfloat16, optionally 4/8-bit affine.
+  qwen3_moe / mistral (``FAMILIES``), the hybrid Gated-DeltaNet families
+  qwen3_5 / qwen3_5_moe / qwen3_next (``HYBRID_FAMILIES``) and the
+  sliding-window families llama_sliding / gemma3_text / gemma4 / gpt_oss
+  (``SLIDING_FAMILIES``); float32 or bfloat16, optionally 4/8-bit affine.
 - ``make_draft``: a DFlash v1 draft checkpoint in the real format (spec 2).
 
 Weights are random, determined by ``seed`` and each tensor's name (NumPy
 PCG64), so builds are identical across runs and machines. Target heads are
 scaled for clear greedy margins (top-1 minus top-2 logit: 5th percentile
 ~0.1 in float32), which the speculative-equals-greedy tests rely on.
+
+The extra families (mlx-lm 0.32), 4 layers, hidden 64, vocab 512:
+
+- qwen3_5 / qwen3_5_moe: config.json is {model_type, architectures,
+  text_config: {model_type "<family>_text", ...}}; mlx-lm's Model wraps a
+  ``language_model`` (``model.model`` is a property to its inner model) and
+  weight names start with ``language_model.`` (its sanitize keeps them).
+  Layers [GDN, attention] * 2 via full_attention_interval=2; caches
+  [ArraysCache, KVCache] * 2. A_log stays float32 in bfloat16 checkpoints
+  (mlx-lm's cast_predicate). MoE: 4 experts, top 2, plus a gated shared expert.
+- qwen3_next: flat config, same layer/cache pattern, MoE in every layer.
+  Its sanitize adds 1 to norm weights only for HF-format (per-expert) files,
+  so these mlx-format files round-trip unchanged.
+- llama_sliding: model_type "llama" with layer_types [sliding, full] * 2.
+- gemma3_text: flat; sliding_window_pattern=2 ([sliding, full] * 2); its
+  RMSNorm scales by 1 + weight; embeddings are multiplied by sqrt(hidden).
+  Tied: the checkpoint has no lm_head (its sanitize then ties).
+- gemma4: model_type "gemma4" with text_config (model_type "gemma4_text");
+  Model wraps ``language_model`` and has no ``model`` attribute. Logits are
+  soft-capped at 30; embeddings scaled by sqrt(hidden); full layers use
+  head_dim 32 with proportional partial rope. No KV sharing and no per-layer
+  inputs unless overridden (num_kv_shared_layers, hidden_size_per_layer_input).
+- gpt_oss: layer_types [sliding, full] * 2, attention sinks, biases, 4
+  experts top 2, yarn rope; always an untied lm_head.
+
+Sliding layers use RotatingKVCache(max_size=sliding_window). Unquantized
+bfloat16 qwen3_moe / qwen3_5_moe / qwen3_next / gpt_oss cannot run on the mlx
+CPU backend (GatherMM is float32-only); their quantized variants can.
 """
 
 from __future__ import annotations
@@ -41,6 +72,20 @@ EOS_ID, IM_START_ID, IM_END_ID, MASK_ID, BOS_ID = range(len(SPECIAL_TOKENS))
 PAD_ID = EOS_ID
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+# Linear-attention (Gated DeltaNet) layers mixed with full-attention layers:
+# their prompt caches hold ArraysCache (GDN) and KVCache (attention) entries.
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# Sliding-window layers (RotatingKVCache, window ``sliding_window``, default
+# 8) alternating with full-attention layers (KVCache).
+SLIDING_FAMILIES = ("llama_sliding", "gemma3_text", "gemma4", "gpt_oss")
+EXTRA_FAMILIES = HYBRID_FAMILIES + SLIDING_FAMILIES
+ALL_FAMILIES = FAMILIES + EXTRA_FAMILIES
+# Families whose experts run through gather_mm: on the mlx CPU backend the
+# unquantized kernel is float32-only, so unquantized bfloat16 cannot run there.
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss")
+# Families whose config.json nests the text model under ``text_config``.
+NESTED_FAMILIES = ("qwen3_5", "qwen3_5_moe", "gemma4")
+DEFAULT_SLIDING_WINDOW = 8
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -201,11 +246,23 @@ def _mx_dtype(dtype: str):
 
 def target_config(
     family: str, *, dtype: str = "float32", num_layers: int = 4, hidden_size: int = 64,
-    tie_word_embeddings: bool = False, add_bos: bool = False, **overrides,
+    tie_word_embeddings: bool = False, add_bos: bool = False,
+    sliding_window: Optional[int] = None, **overrides,
 ) -> dict:  # fmt: skip
-    """The config.json dict ``make_target`` writes (before quantization)."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    """The config.json dict ``make_target`` writes (before quantization).
+
+    For ``NESTED_FAMILIES`` the text model's settings (and ``overrides``) sit
+    under ``text_config``; the top level holds model_type, architectures,
+    vocab size, tying, token ids and torch_dtype.
+    """
+    if family not in ALL_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {ALL_FAMILIES}")
+    if family in EXTRA_FAMILIES:
+        return _extra_config(
+            family, dtype=dtype, num_layers=num_layers, hidden_size=hidden_size,
+            tie_word_embeddings=tie_word_embeddings, add_bos=add_bos,
+            sliding_window=sliding_window, overrides=overrides,
+        )  # fmt: skip
     cfg = dict(
         _TARGET_DEFAULTS, model_type=family, architectures=[_ARCHITECTURES[family]],
         hidden_size=hidden_size, num_hidden_layers=num_layers, vocab_size=TINY_VOCAB,
@@ -220,10 +277,151 @@ def target_config(
     if family == "qwen3_moe":
         cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
         cfg.update(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    if sliding_window is not None:
+        cfg["sliding_window"] = sliding_window
     cfg.update(overrides)
     if family == "qwen2" and cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]:
         raise ValueError("qwen2 in mlx-lm needs head_dim == hidden_size // heads")
     return cfg
+
+
+def _alternating(num_layers: int, interval: int, other: str, full="full_attention") -> list:
+    """``other`` layers with a full-attention layer every ``interval``-th layer."""
+    return [full if (i + 1) % interval == 0 else other for i in range(num_layers)]
+
+
+def _extra_config(
+    family, *, dtype, num_layers, hidden_size, tie_word_embeddings, add_bos,
+    sliding_window, overrides,
+) -> dict:  # fmt: skip
+    if family in HYBRID_FAMILIES and sliding_window is not None:
+        raise ValueError(f"{family} has no sliding-window layers")
+    if family == "gpt_oss" and tie_word_embeddings:
+        raise ValueError("gpt_oss in mlx-lm always has an untied lm_head")
+    window = DEFAULT_SLIDING_WINDOW if sliding_window is None else int(sliding_window)
+    ids = dict(bos_token_id=BOS_ID if add_bos else None, eos_token_id=EOS_ID,
+               pad_token_id=PAD_ID)  # fmt: skip
+    text = dict(
+        _TARGET_DEFAULTS, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        vocab_size=TINY_VOCAB, tie_word_embeddings=tie_word_embeddings, **ids,
+    )  # fmt: skip
+    text["head_dim"] = hidden_size // text["num_attention_heads"]
+    top = None  # the outer config of nested families
+
+    if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        text.update(
+            hidden_act="silu", attention_bias=False, full_attention_interval=2,
+            linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_num_value_heads=4, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        )  # fmt: skip
+        if family != "qwen3_5":
+            text.update(
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                shared_expert_intermediate_size=64, decoder_sparse_step=1,
+                mlp_only_layers=[], norm_topk_prob=True,
+            )  # fmt: skip
+        if family == "qwen3_next":
+            text.update(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"],
+                        partial_rotary_factor=0.25, torch_dtype=dtype)  # fmt: skip
+        else:
+            text["model_type"] = family + "_text"
+            text["rope_parameters"] = dict(
+                rope_type="default", rope_theta=text.pop("rope_theta"),
+                partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
+                mrope_interleaved=True,
+            )  # fmt: skip
+            arch = "Qwen3_5MoeForConditionalGeneration" if "moe" in family else None
+            arch = arch or "Qwen3_5ForConditionalGeneration"
+            top = dict(model_type=family, architectures=[arch])
+    elif family == "llama_sliding":
+        text.update(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
+                    attention_bias=False, mlp_bias=False, torch_dtype=dtype)  # fmt: skip
+    elif family == "gemma3_text":
+        text.update(
+            model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
+            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=text["head_dim"],
+            rope_local_base_freq=10000.0, sliding_window_pattern=2, torch_dtype=dtype,
+            final_logit_softcapping=None, attn_logit_softcapping=None,
+        )  # fmt: skip
+    elif family == "gemma4":
+        text.update(
+            model_type="gemma4_text", hidden_activation="gelu_pytorch_tanh",
+            global_head_dim=2 * text["head_dim"], num_global_key_value_heads=None,
+            num_kv_shared_layers=0, hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=TINY_VOCAB, attention_k_eq_v=False,
+            use_double_wide_mlp=False, enable_moe_block=False,
+            final_logit_softcapping=30.0, sliding_window_pattern=2,
+            rope_parameters={
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                   "rope_type": "proportional"},
+                "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0,
+                                      "rope_type": "default"},
+            },
+        )  # fmt: skip
+        text.pop("rope_theta")
+        top = dict(model_type="gemma4", architectures=["Gemma4ForConditionalGeneration"])
+    elif family == "gpt_oss":
+        text.update(
+            model_type="gpt_oss", architectures=["GptOssForCausalLM"], torch_dtype=dtype,
+            num_local_experts=4, num_experts_per_tok=2, experts_per_token=2,
+            intermediate_size=64, attention_bias=True, swiglu_limit=7.0,
+            rope_theta=150000.0, initial_context_length=4096, hidden_act="silu",
+            rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                          "beta_slow": 1.0, "truncate": False,
+                          "original_max_position_embeddings": 4096},
+        )  # fmt: skip
+    if family in SLIDING_FAMILIES:
+        text["sliding_window"] = window
+    text.update(overrides)
+    if family in SLIDING_FAMILIES and "layer_types" not in overrides:
+        # [sliding, full] * n; gemma3 in mlx-lm reads only sliding_window_pattern.
+        interval = text.get("sliding_window_pattern", 2)
+        text["layer_types"] = _alternating(num_layers, interval, "sliding_attention")
+    if family in HYBRID_FAMILIES and "layer_types" not in overrides:
+        # Informational (as in HF configs): mlx-lm reads full_attention_interval.
+        interval = text["full_attention_interval"]
+        text["layer_types"] = _alternating(num_layers, interval, "linear_attention")
+    if top is None:
+        return text
+    top.update(text_config=text, vocab_size=text["vocab_size"], torch_dtype=dtype,
+               tie_word_embeddings=text["tie_word_embeddings"], **ids)  # fmt: skip
+    return top
+
+
+def _uniform(seed: int, name: str, shape: Sequence[int], low: float, high: float) -> np.ndarray:
+    rng = np.random.default_rng([int(seed), zlib.crc32(name.encode()), 1])
+    return rng.uniform(low, high, tuple(shape)).astype(np.float32)
+
+
+def _extra_init(
+    family: str, seed: int, name: str, shape: Sequence[int], head_std: float, hidden_size: int
+) -> np.ndarray:
+    """Initialisation of the EXTRA_FAMILIES (the base families keep theirs)."""
+    gemma = family in ("gemma3_text", "gemma4")
+    if name.endswith("A_log"):  # GDN decay rates A in [1, 16], as mlx-lm's init
+        return np.log(_uniform(seed, name, shape, 1.0, 16.0))
+    if name.endswith("dt_bias"):
+        return 1.0 + _normal(seed, name, shape, 0.1)
+    if name.endswith("conv1d.weight"):  # depthwise [C, kernel, 1]: fan_in = kernel
+        return _normal(seed, name, shape, shape[1] ** -0.5)
+    if name.endswith("layer_scalar"):
+        return np.ones(shape, np.float32)
+    if name.endswith(("router.scale", "per_expert_scale")):
+        return 1.0 + _normal(seed, name, shape, 0.05)
+    if name.endswith("sinks"):
+        return _normal(seed, name, shape, 1.0)
+    if family == "gemma3_text" and name.endswith("norm.weight"):
+        # gemma3's RMSNorm scales by 1 + weight. Its post-attention norm lifts
+        # the (smooth, context-averaged) attention output to full size; at
+        # gain 1 that drowns the current token and greedy decoding repeats
+        # tokens, so that norm gets gain ~0.5.
+        offset = -0.5 if name.endswith("post_attention_layernorm.weight") else 0.0
+        return offset + _normal(seed, name, shape, 0.05)
+    if gemma and name.endswith("embed_tokens.weight"):
+        # The model multiplies embeddings by sqrt(hidden_size); tied or not,
+        # the scaled input embedding is then ~N(0, 1) like the other families'.
+        return _normal(seed, name, shape, hidden_size**-0.5)
+    return _init_tensor(seed, name, shape, head_std)
 
 
 def make_target(
@@ -238,27 +436,40 @@ def make_target(
     quantize_group_size: int = 32,
     tie_word_embeddings: bool = False,
     add_bos: bool = False,
+    sliding_window: Optional[int] = None,
     **overrides,
 ) -> Path:
     """Write a random mlx-lm model of ``family`` to ``out_dir`` and return it.
 
-    ``overrides`` go into config.json (and so into the mlx-lm ModelArgs), e.g.
-    ``layer_types``/``sliding_window`` for a llama with sliding layers.
-    ``add_bos`` selects the BOS tokenizer variant. Unquantized bfloat16
-    qwen3_moe loads but cannot run on mlx CPU (GatherMM is float32-only).
+    ``family`` is one of ``ALL_FAMILIES``. ``overrides`` go into config.json
+    (under ``text_config`` for ``NESTED_FAMILIES``) and so into the mlx-lm
+    ModelArgs, e.g. ``layer_types``/``sliding_window`` for a llama with
+    sliding layers (``"llama_sliding"`` is that llama with [sliding, full]
+    * 2 layers and window 8). ``sliding_window`` sets the window of the
+    SLIDING_FAMILIES (default 8). ``add_bos`` selects the BOS tokenizer
+    variant. Unquantized bfloat16 MoE_FAMILIES load but cannot run on mlx CPU
+    (GatherMM is float32-only).
     """
     from mlx_lm.utils import _get_classes, quantize_model, save_config
 
     if quantize_bits not in (None, 4, 8):
         raise ValueError("quantize_bits must be None, 4 or 8")
+    mdt = _mx_dtype(dtype)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = target_config(
         family, dtype=dtype, num_layers=num_layers, hidden_size=hidden_size,
-        tie_word_embeddings=tie_word_embeddings, add_bos=add_bos, **overrides,
+        tie_word_embeddings=tie_word_embeddings, add_bos=add_bos,
+        sliding_window=sliding_window, **overrides,
     )  # fmt: skip
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))
+    text = config.get("text_config", config)
+    extra = family in EXTRA_FAMILIES
+    gemma = family in ("gemma3_text", "gemma4")
+    if family == "gemma3_text" and tie_word_embeddings:
+        model.tie_word_embeddings = True  # what its sanitize does without lm_head
+        model.pop("lm_head")
 
     # Logits are head @ rmsnorm(h) with |rmsnorm(h)| ~ sqrt(H): a head std of
     # _LOGIT_STD / sqrt(H) gives logits of std ~ _LOGIT_STD. A tied embedding
@@ -266,18 +477,33 @@ def make_target(
     # negated final norm and a louder MLP: otherwise the input token's own
     # embedding, still present in the residual stream, wins the argmax and
     # greedy decoding sticks to one token.
-    head_std = _LOGIT_STD / config["hidden_size"] ** 0.5
+    head_std = _LOGIT_STD / text["hidden_size"] ** 0.5
+    cast = getattr(model, "cast_predicate", None) or (lambda _: True)
     weights = {}
     for name, param in tree_flatten(model.parameters()):
-        w = _init_tensor(seed, name, param.shape, head_std)
-        if tie_word_embeddings:
+        if extra:
+            w = _extra_init(family, seed, name, param.shape, head_std, text["hidden_size"])
+        else:
+            w = _init_tensor(seed, name, param.shape, head_std)
+        if tie_word_embeddings and gemma:
+            # The input embedding is scaled up by sqrt(H): keep it small
+            # (see _extra_init) and put the logit scale in the final norm.
+            # Rows of std H^-0.5 give logits of std ~ |final norm scale|.
+            if name.endswith("model.norm.weight"):
+                if family == "gemma3_text":  # effective scale 1 + weight
+                    w = -_LOGIT_STD * (1.0 + w) - 1.0
+                else:
+                    w = -_LOGIT_STD * w
+        elif tie_word_embeddings:
             if name.endswith("embed_tokens.weight"):
                 w = w * head_std
-            elif name == "model.norm.weight":
+            elif name.endswith("model.norm.weight"):
                 w = -w
             elif name.endswith("down_proj.weight"):
                 w = w * _TIED_MLP_GAIN
-        weights[name] = mx.array(w).astype(_mx_dtype(dtype))
+        # Like mlx_lm.convert: parameters the model asks to keep (the GDN A_log)
+        # stay float32 in a bfloat16 checkpoint.
+        weights[name] = mx.array(w).astype(mdt if cast(name) else mx.float32)
     model.load_weights(list(weights.items()), strict=True)
 
     if quantize_bits is not None:
@@ -339,7 +565,8 @@ def make_draft(
 ) -> Path:
     """Write a DFlash v1 draft bound to the target in ``target_dir``.
 
-    Head shapes, vocab, eps and rope theta are taken from the target config.
+    Head shapes, vocab, eps and rope theta are taken from the target config
+    (its ``text_config`` when it has one).
     ``schema`` is "nested" (block_size in dflash_config) or "flat" (top level);
     weights do not depend on it. ``extra_keys`` (e.g. "embed_tokens.weight",
     "lm_head.weight") adds random [vocab, hidden] tensors that loaders must
@@ -352,6 +579,7 @@ def make_draft(
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(Path(target_dir) / "config.json") as f:
         tcfg = json.load(f)
+    tcfg = tcfg.get("text_config", tcfg)  # qwen3_5 / gemma4 nest the text model
     n_target = tcfg["num_hidden_layers"]
     if target_layer_ids is None:
         target_layer_ids = derive_target_layer_ids(num_layers, n_target)
