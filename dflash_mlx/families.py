@@ -4,8 +4,10 @@ mlx-lm builds each family's attention masks and embeddings inside its model's
 `__call__`; to capture hidden states and record Gated DeltaNet inputs without
 patching anything, `dflash_mlx.target` runs the layers itself and asks the
 family here for: the per-layer masks (from the layer pattern and the caches),
-the input embedding (with the family's own scaling), and which layers are
-linear-attention (Gated DeltaNet) layers.
+the input embedding (with the family's own scaling), which layers are
+linear-attention (Gated DeltaNet) layers, any transform the target applies to
+its logits, or, for stacks that thread extra state between layers (Gemma 4),
+the whole layer loop.
 """
 
 from __future__ import annotations
@@ -73,13 +75,49 @@ def _linear_layers(inner) -> set[int]:
     return {i for i, layer in enumerate(inner.layers) if getattr(layer, "is_linear", False)}
 
 
+def _gemma4_run(inner, ids, cache, on_layer) -> mx.array:
+    """Gemma 4 text stack: per-layer input embeddings and KV-shared layers."""
+    embeddings = inner.embed_tokens(ids)
+    h = embeddings * inner.embed_scale
+    n = len(inner.layers)
+    per_layer = [None] * n
+    if inner.hidden_size_per_layer_input:
+        projected = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(ids, embeddings))
+        per_layer = [projected[:, :, i, :] for i in range(n)]
+    cache = list(cache) + [None] * (n - len(cache))  # KV-shared layers own no cache
+    masks = inner._make_masks(h, cache)
+    shared = [(None, None)] * n
+    for i, (layer, c, mask, source) in enumerate(zip(inner.layers, cache, masks, inner.previous_kvs)):
+        kvs, offset = shared[source]
+        h, kvs, offset = layer(h, mask, c, per_layer_input=per_layer[i], shared_kv=kvs, offset=offset)
+        shared[i] = (kvs, offset)
+        on_layer(i, h)
+    return h
+
+
+def _gemma4_softcap(text, logits):
+    cap = getattr(text, "final_logit_softcapping", None)
+    return logits if cap is None else mx.tanh(logits / cap) * cap
+
+
+def _no_softcap(text, logits):
+    return logits
+
+
 @dataclass(frozen=True)
 class Family:
-    """How to run one mlx-lm model family layer by layer."""
+    """How to run one mlx-lm model family layer by layer.
 
-    masks: Callable[[nn.Module, mx.array, list], list]
+    Most families use the generic loop in `dflash_mlx.target` with `masks` and
+    `embed`; a family whose stack threads extra state between layers supplies
+    its own `run(inner, ids, cache, on_layer) -> last hidden state`.
+    """
+
+    masks: Callable[[nn.Module, mx.array, list], list] | None = None
     embed: Callable[[nn.Module, mx.array], mx.array] = _plain_embed
     linear_layers: Callable[[nn.Module], set[int]] = _no_linear_layers
+    run: Callable | None = None
+    final_logits: Callable = _no_softcap  # the target's own post-head transform
 
 
 FAMILIES: dict[str, Family] = {
@@ -93,6 +131,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3_next": Family(_hybrid_masks, linear_layers=_linear_layers),
     "gemma3_text": Family(_gemma3_masks, embed=_gemma3_embed),
     "gpt_oss": Family(_gpt_oss_masks),
+    "gemma4": Family(run=_gemma4_run, final_logits=_gemma4_softcap),
+    "gemma4_text": Family(run=_gemma4_run, final_logits=_gemma4_softcap),
 }
 
 

@@ -88,6 +88,7 @@ class TargetAdapter:
         return h if scale == 1.0 else h * scale
 
     def head(self, hidden: mx.array) -> mx.array:
+        """The raw output head (tied embedding or lm_head), as the drafter uses it."""
         if hasattr(self.text, "lm_head"):
             return self.text.lm_head(hidden)
         return self.inner.embed_tokens.as_linear(hidden)
@@ -98,11 +99,26 @@ class TargetAdapter:
         Both are lazy: a caller that only needs the cache and the features never
         pays for the output head. `record=True` keeps what `rollback` needs.
         """
-        h = self.family.embed(self.inner, ids)
-        masks = self.family.masks(self.inner, h, cache)
         captured: list[mx.array | None] = [None] * len(self.layer_ids)
         self._records = {}
         self._last_rows = ids.shape[1]
+
+        def on_layer(i: int, h: mx.array) -> None:
+            for slot in self._capture_slots.get(i, ()):
+                captured[slot] = h
+
+        if self.family.run is not None:
+            h = self.family.run(self.inner, ids, cache, on_layer)
+        else:
+            h = self._run_layers(ids, cache, on_layer, record)
+        features = mx.concatenate(captured, axis=-1) if captured else None
+        logits = self.family.final_logits(self.text, self.head(self.inner.norm(h)))
+        return logits, features
+
+    def _run_layers(self, ids: mx.array, cache: list, on_layer, record: bool) -> mx.array:
+        """The generic stack: embed, per-layer masks, attention or Gated DeltaNet layers."""
+        h = self.family.embed(self.inner, ids)
+        masks = self.family.masks(self.inner, h, cache)
         for i, (layer, mask, c) in enumerate(zip(self.layers, masks, cache)):
             if i in self.linear_layers:
                 records = [] if record else None
@@ -113,10 +129,8 @@ class TargetAdapter:
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
             else:
                 h = layer(h, mask, c)
-            for slot in self._capture_slots.get(i, ()):
-                captured[slot] = h
-        features = mx.concatenate(captured, axis=-1) if captured else None
-        return self.head(self.inner.norm(h)), features
+            on_layer(i, h)
+        return h
 
     def rollback(self, cache: list, keep: int) -> None:
         """Keep only the first `keep` rows of the last (recorded) forward in `cache`."""

@@ -15,6 +15,7 @@ from mlx_lm.generate import GenerationResponse
 import dflash_mlx
 from dflash_mlx import DFlashResponse, generate, load_draft, stream_generate
 from dflash_mlx.generate import encode_prompt
+from tiny_models import ALL_FAMILIES
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 
@@ -124,7 +125,7 @@ def _mlx_lm_attributes() -> dict:
     return seen
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral"])
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_no_mlx_lm_class_or_module_is_patched(tiny_target, tiny_draft, family):
     target_dir = tiny_target(family)
     model, tokenizer = mlx_lm_load(str(target_dir))

@@ -24,7 +24,7 @@ from test_lossless import assert_cycle_accounting, assert_same_stream, prompt_id
 from tiny_models import TINY_VOCAB
 
 HYBRID = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
-SLIDING = ["llama_sliding", "gemma3_text", "gpt_oss"]
+SLIDING = ["llama_sliding", "gemma3_text", "gpt_oss", "gemma4"]
 FAMILIES = HYBRID + SLIDING
 FLOAT32_ONLY = {"qwen3_5_moe", "qwen3_next", "gpt_oss"}  # MoE gather kernels on MLX's CPU
 
@@ -65,6 +65,17 @@ def test_random_drafter_and_oracle_equal_mlx_lm(pair, family, block_size):
             cycles = assert_cycle_accounting(got, block_size)
             if proposer == "oracle":
                 assert set(range(1, block_size + 1)) <= set(cycles)
+
+
+@pytest.mark.parametrize("block_size", [2, 16])
+def test_gemma4_with_kv_sharing_and_per_layer_inputs(pair, block_size):
+    model, tokenizer, draft = pair("gemma4", num_kv_shared_layers=2, hidden_size_per_layer_input=8)
+    assert len(TargetAdapter(model).make_cache()) == 2  # the shared layers own no cache
+    prompt = prompt_ids(40, seed=12)
+    with without_eos(tokenizer):
+        for proposer in (draft, "oracle"):
+            got, want = run_both(model, tokenizer, proposer, prompt, 120, block_size)
+            assert_same_stream(got, want, logprob_atol=1e-3)
 
 
 @pytest.mark.parametrize("prompt_len", [1, 650])
