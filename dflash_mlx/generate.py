@@ -71,10 +71,14 @@ def stream_generate(
     seed: int | None = None,
     prefill_step_size: int = 2048,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
+    max_draft_context: int | None = None,
 ) -> Iterator[DFlashResponse]:
     """Generate from `model`, drafting with `draft` (a DFlash drafter, a Proposer or None).
 
     `draft=None` decodes plainly through the same code path (cycle_tokens stays None).
+    `max_draft_context` bounds the committed positions the drafter attends to (its
+    sliding layers keep window - 1 anyway): less memory and draft time in long
+    conversations, possibly lower acceptance; the output does not change.
     """
     _check_sampling(temperature, top_p, top_k, min_p, logits_processors, seed)
     if max_tokens == 0:
@@ -84,7 +88,9 @@ def stream_generate(
     prompt = encode_prompt(tokenizer, prompt)
     if prompt.size == 0:
         raise ValueError("The prompt is empty: at least one token is needed.")
-    proposer = as_proposer(draft, model)
+    if max_draft_context is not None and max_draft_context < 1:
+        raise ValueError(f"max_draft_context must be >= 1, got {max_draft_context}.")
+    proposer = as_proposer(draft, model, max_draft_context)
     target = TargetAdapter(model, proposer.layer_ids if proposer else ())
     if block_size is None:
         block_size = default_block_size(model, draft) if proposer else 1

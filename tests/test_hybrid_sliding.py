@@ -113,6 +113,27 @@ def test_quantized(pair, family, bits, group_size):
             assert_same_stream(got, want, logprob_atol=None)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gpt_oss"])
+def test_mxfp4_targets(pair, family):
+    model, tokenizer, draft = pair(family, quantize_bits=4, quantize_mode="mxfp4")
+    assert default_block_size(model, draft) == 5
+    prompt = prompt_ids(40, seed=8)
+    with without_eos(tokenizer):
+        for proposer in (draft, "oracle"):
+            got, want = run_both(model, tokenizer, proposer, prompt, 80, 5)
+            assert_same_stream(got, want, logprob_atol=None)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next", "gpt_oss"])
+def test_quantized_moe_in_bfloat16(pair, family):
+    model, tokenizer, draft = pair(family, dtype="bfloat16", quantize_bits=4)
+    prompt = prompt_ids(40, seed=8)
+    with without_eos(tokenizer):
+        for proposer in (draft, "oracle"):
+            got, want = run_both(model, tokenizer, proposer, prompt, 80, 5)
+            assert_same_stream(got, want, logprob_atol=None)
+
+
 def test_mlx_lm_speculative_decoding_diverges_on_full_ring_caches_but_we_do_not(pair, tiny_target):
     """mlx-lm's trim returns 0 once a ring cache is full, so rejected tokens stay."""
     model, tokenizer, draft = pair("llama_sliding")

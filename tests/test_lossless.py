@@ -233,3 +233,18 @@ def test_draft_context_holds_committed_positions_only(pair):
             anchor_position = prompt.size + committed - 1
             assert proposer.context_end == anchor_position
             assert all(c.visible_rows == anchor_position for c in proposer.cache)
+
+
+def test_bounded_draft_context_stays_lossless(pair):
+    model, tokenizer, draft = pair("qwen3")
+    prompt = prompt_ids(30, seed=2)
+    want = reference(model, tokenizer, prompt, 80)
+    got = ours(model, draft, tokenizer, prompt, 80, block_size=6, max_draft_context=16)
+    assert_same_stream(got, want)
+    proposer = DFlashProposer(draft, max_context=16)
+    for _ in speculative_cycles(TargetAdapter(model, proposer.layer_ids), mx.array(prompt), proposer,
+                                max_tokens=40, block_size=6):  # fmt: skip
+        assert all(c.visible_rows <= 16 for c in proposer.cache)
+    assert proposer.context_end > 16
+    with pytest.raises(ValueError, match="max_draft_context"):
+        next(stream_generate(model, draft, tokenizer, prompt, max_draft_context=0))

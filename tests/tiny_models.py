@@ -434,6 +434,7 @@ def make_target(
     seed: int = 0,
     quantize_bits: Optional[int] = None,
     quantize_group_size: int = 32,
+    quantize_mode: str = "affine",
     tie_word_embeddings: bool = False,
     add_bos: bool = False,
     sliding_window: Optional[int] = None,
@@ -447,7 +448,8 @@ def make_target(
     sliding layers (``"llama_sliding"`` is that llama with [sliding, full]
     * 2 layers and window 8). ``sliding_window`` sets the window of the
     SLIDING_FAMILIES (default 8). ``add_bos`` selects the BOS tokenizer
-    variant. Unquantized bfloat16 MoE_FAMILIES load but cannot run on mlx CPU
+    variant. ``quantize_mode`` is mlx-lm's ("affine", or "mxfp4" with 4 bits
+    and group size 32). Unquantized bfloat16 MoE_FAMILIES load but cannot run on mlx CPU
     (GatherMM is float32-only).
     """
     from mlx_lm.utils import _get_classes, quantize_model, save_config
@@ -509,7 +511,7 @@ def make_target(
     if quantize_bits is not None:
         with contextlib.redirect_stdout(io.StringIO()):  # silence its [INFO]
             model, config = quantize_model(
-                model, config, quantize_group_size, quantize_bits, mode="affine"
+                model, config, quantize_group_size, quantize_bits, mode=quantize_mode
             )
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
