@@ -44,6 +44,28 @@ def pair(tiny_target, tiny_draft):
     return get
 
 
+def check_lossless(model, tokenizer, draft, prompt, max_tokens, block_size, logprob_atol=None, **kw):
+    """The random drafter and the oracle both reproduce mlx-lm's greedy stream."""
+    with without_eos(tokenizer):
+        for proposer in (draft, "oracle"):
+            got, want = run_both(model, tokenizer, proposer, prompt, max_tokens, block_size, **kw)
+            assert_same_stream(got, want, logprob_atol=logprob_atol)
+            cycles = assert_cycle_accounting(got, block_size)
+            if proposer == "oracle":  # its pattern offers acceptance lengths 0, 1, 2, ...
+                assert set(oracle_cycle_sizes(block_size, max_tokens)) <= set(cycles)
+
+
+def oracle_cycle_sizes(block_size: int, max_tokens: int) -> list[int]:
+    """Cycle sizes (accepted + 1) of the oracle's first pattern round that fit in max_tokens."""
+    sizes, committed = [], 1
+    for accepted in range(block_size):
+        if committed + accepted + 1 > max_tokens:
+            break
+        sizes.append(accepted + 1)
+        committed += accepted + 1
+    return sizes
+
+
 def run_both(model, tokenizer, proposer, prompt, max_tokens, block_size, **kw):
     want = list(mlx_lm_stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens, **kw))
     if proposer == "oracle":
@@ -58,13 +80,7 @@ def run_both(model, tokenizer, proposer, prompt, max_tokens, block_size, **kw):
 def test_random_drafter_and_oracle_equal_mlx_lm(pair, family, block_size):
     model, tokenizer, draft = pair(family)
     prompt = prompt_ids(40, seed=5)
-    with without_eos(tokenizer):
-        for proposer in (draft, "oracle"):
-            got, want = run_both(model, tokenizer, proposer, prompt, 160, block_size)
-            assert_same_stream(got, want, logprob_atol=1e-3)
-            cycles = assert_cycle_accounting(got, block_size)
-            if proposer == "oracle":
-                assert set(range(1, block_size + 1)) <= set(cycles)
+    check_lossless(model, tokenizer, draft, prompt, 160, block_size, logprob_atol=1e-3)
 
 
 @pytest.mark.parametrize("block_size", [2, 16])
@@ -72,10 +88,7 @@ def test_gemma4_with_kv_sharing_and_per_layer_inputs(pair, block_size):
     model, tokenizer, draft = pair("gemma4", num_kv_shared_layers=2, hidden_size_per_layer_input=8)
     assert len(TargetAdapter(model).make_cache()) == 2  # the shared layers own no cache
     prompt = prompt_ids(40, seed=12)
-    with without_eos(tokenizer):
-        for proposer in (draft, "oracle"):
-            got, want = run_both(model, tokenizer, proposer, prompt, 120, block_size)
-            assert_same_stream(got, want, logprob_atol=1e-3)
+    check_lossless(model, tokenizer, draft, prompt, 120, block_size, logprob_atol=1e-3)
 
 
 @pytest.mark.parametrize("prompt_len", [1, 650])
@@ -83,10 +96,7 @@ def test_gemma4_with_kv_sharing_and_per_layer_inputs(pair, block_size):
 def test_prompt_lengths_with_chunked_prefill(pair, family, prompt_len):
     model, tokenizer, draft = pair(family)
     prompt = prompt_ids(prompt_len, seed=6)
-    with without_eos(tokenizer):
-        for proposer in (draft, "oracle"):
-            got, want = run_both(model, tokenizer, proposer, prompt, 60, 5, prefill_step_size=256)
-            assert_same_stream(got, want, logprob_atol=1e-3)
+    check_lossless(model, tokenizer, draft, prompt, 60, 5, logprob_atol=1e-3, prefill_step_size=256)
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in FLOAT32_ONLY])
@@ -107,10 +117,7 @@ def test_quantized(pair, family, bits, group_size):
     model, tokenizer, draft = pair(family, quantize_bits=bits, quantize_group_size=group_size)
     assert default_block_size(model, draft) == (5 if bits == 4 else draft.config.block_size)
     prompt = prompt_ids(40, seed=8)
-    with without_eos(tokenizer):
-        for proposer in (draft, "oracle"):
-            got, want = run_both(model, tokenizer, proposer, prompt, 100, 16)
-            assert_same_stream(got, want, logprob_atol=None)
+    check_lossless(model, tokenizer, draft, prompt, 100, 16, logprob_atol=None)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gpt_oss"])
@@ -118,20 +125,14 @@ def test_mxfp4_targets(pair, family):
     model, tokenizer, draft = pair(family, quantize_bits=4, quantize_mode="mxfp4")
     assert default_block_size(model, draft) == 5
     prompt = prompt_ids(40, seed=8)
-    with without_eos(tokenizer):
-        for proposer in (draft, "oracle"):
-            got, want = run_both(model, tokenizer, proposer, prompt, 80, 5)
-            assert_same_stream(got, want, logprob_atol=None)
+    check_lossless(model, tokenizer, draft, prompt, 80, 5, logprob_atol=None)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next", "gpt_oss"])
 def test_quantized_moe_in_bfloat16(pair, family):
     model, tokenizer, draft = pair(family, dtype="bfloat16", quantize_bits=4)
     prompt = prompt_ids(40, seed=8)
-    with without_eos(tokenizer):
-        for proposer in (draft, "oracle"):
-            got, want = run_both(model, tokenizer, proposer, prompt, 80, 5)
-            assert_same_stream(got, want, logprob_atol=None)
+    check_lossless(model, tokenizer, draft, prompt, 80, 5, logprob_atol=None)
 
 
 def test_mlx_lm_speculative_decoding_diverges_on_full_ring_caches_but_we_do_not(pair, tiny_target):

@@ -15,26 +15,11 @@ import mlx_lm
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step, stream_generate
-from mlx_lm.models.cache import make_prompt_cache
 
 import tiny_models as tm
 
 PROMPT = "The cat sat on the warm window"
 TEXT = "Hello, World! 123 the quick brown fox; x = [1, 2]\n\tdone ~`|{}"
-
-
-def _greedy(model, prompt_ids, n):
-    """n greedy tokens and the top-1 minus top-2 logit gap at each step."""
-    cache = make_prompt_cache(model)
-    logits = model(mx.array(prompt_ids)[None], cache=cache)[0, -1]
-    tokens, gaps = [], []
-    for _ in range(n):
-        row = np.array(logits.astype(mx.float32))
-        top2 = np.sort(row)[-2:]
-        tokens.append(int(row.argmax()))
-        gaps.append(float(top2[1] - top2[0]))
-        logits = model(mx.array([[tokens[-1]]]), cache=cache)[0, -1]
-    return tokens, np.array(gaps)
 
 
 def _sha(path: Path) -> str:
@@ -130,7 +115,7 @@ def test_greedy_margins_and_variety(tiny_target, family, tied):
     """The property the speculative == greedy tests rely on (float32)."""
     model, tok = mlx_lm.load(str(tiny_target(family, tie_word_embeddings=tied)))
     prompt = tok.encode(PROMPT, add_special_tokens=False)[:7]
-    tokens, gaps = _greedy(model, prompt, 200)
+    tokens, gaps = tm.greedy_with_margins(model, prompt, 200)
     assert np.percentile(gaps, 5) > 0.03
     assert gaps.min() > 1e-4
     assert len(set(tokens)) > 40 and len(set(tokens[-50:])) > 5

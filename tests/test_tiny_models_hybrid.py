@@ -34,20 +34,6 @@ def _inner(model):
     return model.language_model.model if hasattr(model, "language_model") else model.model
 
 
-def _greedy(model, prompt_ids, n):
-    """n greedy tokens and the top-1 minus top-2 logit gap at each step."""
-    cache = make_prompt_cache(model)
-    logits = model(mx.array(prompt_ids)[None], cache=cache)[0, -1]
-    tokens, gaps = [], []
-    for _ in range(n):
-        row = np.array(logits.astype(mx.float32))
-        top2 = np.sort(row)[-2:]
-        tokens.append(int(row.argmax()))
-        gaps.append(float(top2[1] - top2[0]))
-        logits = model(mx.array([[tokens[-1]]]), cache=cache)[0, -1]
-    return tokens, np.array(gaps)
-
-
 def _generate(model, n=20):
     prompt = mx.array([5, 6, 7, 8, 9, 10, 11])
     return [int(t) for t, _ in generate_step(prompt, model, max_tokens=n)]
@@ -114,7 +100,7 @@ def test_greedy_margins_and_variety(tiny_target, family):
     """The property the speculative == greedy tests rely on (float32)."""
     model, tok = mlx_lm.load(str(tiny_target(family)))
     prompt = tok.encode(PROMPT, add_special_tokens=False)[:7]
-    tokens, gaps = _greedy(model, prompt, 200)  # >> the sliding window of 8
+    tokens, gaps = tm.greedy_with_margins(model, prompt, 200)  # >> the sliding window of 8
     assert np.percentile(gaps, 5) > 0.05
     assert gaps.min() > 1e-3
     assert len(set(tokens)) > 100 and len(set(tokens[-50:])) > 30
@@ -127,7 +113,7 @@ def test_tied_greedy_margins_and_variety(tiny_target, family):
         getattr(model, "language_model", model), "lm_head"
     )
     prompt = tok.encode(PROMPT, add_special_tokens=False)[:7]
-    tokens, gaps = _greedy(model, prompt, 200)
+    tokens, gaps = tm.greedy_with_margins(model, prompt, 200)
     assert np.percentile(gaps, 5) > 0.05
     assert gaps.min() > 1e-3
     assert len(set(tokens)) > 100 and len(set(tokens[-50:])) > 30

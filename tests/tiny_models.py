@@ -627,3 +627,19 @@ def make_draft(
     config.update(config_overrides)
     _write_json(out_dir / "config.json", config)
     return out_dir
+
+
+def greedy_with_margins(model, prompt_ids, n):
+    """n greedy tokens and the top-1 minus top-2 logit gap at each step."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(prompt_ids)[None], cache=cache)[0, -1]
+    tokens, gaps = [], []
+    for _ in range(n):
+        row = np.array(logits.astype(mx.float32))
+        top2 = np.sort(row)[-2:]
+        tokens.append(int(row.argmax()))
+        gaps.append(float(top2[1] - top2[0]))
+        logits = model(mx.array([[tokens[-1]]]), cache=cache)[0, -1]
+    return tokens, np.array(gaps)
