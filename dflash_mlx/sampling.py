@@ -1,0 +1,106 @@
+"""Sampling distributions with mlx-lm's semantics, and the lossless acceptance rule.
+
+`distribution` turns logits rows into the probability vectors that
+`mlx_lm.sample_utils.make_sampler` samples from (log-softmax, then top-p, min-p
+and top-k on the untempered log-probs, using mlx-lm's own filters, then divide
+by the temperature and softmax), for target and draft rows alike.
+
+`rejection_accept` is the speculative-sampling rule of Leviathan et al.: accept
+draft i with probability min(1, p_i(d_i) / q_i(d_i)) up to the first rejection,
+then emit a sample of norm(max(p - q, 0)) at the rejected row, or of the
+target's next row when every draft was accepted. The emitted tokens follow the
+target's distribution exactly. It is batched over a leading axis of independent
+runs, so tests can check that statistically with many runs at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """mlx-lm's sampling parameters; `temperature == 0` means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+
+    def __post_init__(self):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}.")
+        if isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}.")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}.")
+        if isinstance(self.min_p, bool) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}.")
+        if not isinstance(self.min_tokens_to_keep, int) or self.min_tokens_to_keep < 1:
+            raise ValueError(f"min_tokens_to_keep must be an integer >= 1, got {self.min_tokens_to_keep!r}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def filtered_logprobs(logprobs: mx.array, settings: SamplingSettings) -> mx.array:
+    """mlx-lm's filter chain, in its order; dropped tokens get -inf."""
+    if 0 < settings.top_p < 1.0:
+        logprobs = apply_top_p(logprobs, settings.top_p)
+    if settings.min_p != 0.0:
+        logprobs = apply_min_p(logprobs, settings.min_p, settings.min_tokens_to_keep)
+    if settings.top_k > 0:
+        if settings.top_k >= logprobs.shape[-1]:
+            raise ValueError(f"top_k must be smaller than the vocabulary ({logprobs.shape[-1]}), got {settings.top_k}.")
+        logprobs = apply_top_k(logprobs, settings.top_k)
+    return logprobs
+
+
+def distribution(logits: mx.array, settings: SamplingSettings) -> mx.array:
+    """Probability rows [..., V] that mlx-lm's sampler draws from for these logits."""
+    if settings.greedy:
+        raise ValueError("distribution() needs temperature > 0; greedy decoding takes the argmax.")
+    logits = logits.astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.softmax(filtered_logprobs(logprobs, settings) / settings.temperature, axis=-1)
+
+
+def dense_from_candidates(candidates: mx.array, probs: mx.array, vocab_size: int) -> mx.array:
+    """A sparse draft distribution (probabilities on candidate ids) as dense rows."""
+    shape = candidates.shape[:-1] + (vocab_size,)
+    return mx.put_along_axis(mx.zeros(shape, probs.dtype), candidates, probs, axis=-1)
+
+
+def rejection_accept(
+    drafts: mx.array, target_probs: mx.array, draft_probs: mx.array, key: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Accept a prefix of `drafts` [R, g] and sample the token that follows it.
+
+    target_probs [R, g+1, V] are the target's processed rows for [anchor, d_1..d_g];
+    draft_probs [R, g, V] are the distributions the drafts were sampled from.
+    Returns (accepted [R], next token [R]): the emitted tokens are
+    d_1..d_accepted followed by the next token.
+    """
+    runs, g = drafts.shape
+    accept_key, sample_key = mx.random.split(key)
+    p = mx.take_along_axis(target_probs[:, :g], drafts[..., None], axis=-1)[..., 0]
+    q = mx.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
+    uniform = mx.random.uniform(shape=(runs, g), key=accept_key)
+    accepted = mx.sum(mx.cumprod((uniform * q < p).astype(mx.int32), axis=-1), axis=-1)
+    # Row `accepted` of p, minus the draft row there (a zero row past the last draft).
+    padded_q = mx.concatenate([draft_probs, mx.zeros_like(draft_probs[:, :1])], axis=1)
+    index = accepted[:, None, None]
+    p_row = mx.take_along_axis(target_probs, index, axis=1)[:, 0]
+    q_row = mx.take_along_axis(padded_q, index, axis=1)[:, 0]
+    residual = mx.maximum(p_row - q_row, 0)
+    total = mx.sum(residual, axis=-1, keepdims=True)
+    dist = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p_row)
+    token = mx.random.categorical(mx.log(dist), axis=-1, key=sample_key)
+    return accepted, token

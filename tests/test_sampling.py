@@ -1,0 +1,148 @@
+"""Sampling distributions match mlx-lm's sampler; rejection acceptance is lossless.
+
+Statistical checks use a chi-square test at p > 0.001 with fixed seeds, and a
+deliberately broken rule shows each test has the power to fail.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_sampler
+
+from dflash_mlx.sampling import (
+    SamplingSettings,
+    dense_from_candidates,
+    distribution,
+    filtered_logprobs,
+    rejection_accept,
+)
+
+V = 24
+SETTINGS = {
+    "plain": dict(),
+    "top_k": dict(top_k=5),
+    "top_p": dict(top_p=0.8),
+    "min_p": dict(min_p=0.1),
+    "all": dict(top_p=0.9, min_p=0.05, top_k=8),
+}
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Upper-tail p-value of Pearson's statistic (Wilson-Hilferty approximation)."""
+    n = counts.sum()
+    support = probs > 0
+    assert counts[~support].sum() == 0, "samples outside the distribution's support"
+    expected = probs[support] * n
+    stat = float(((counts[support] - expected) ** 2 / expected).sum())
+    k = int(support.sum()) - 1
+    if k == 0:
+        return 1.0
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def logits_row(seed: int) -> mx.array:
+    return mx.random.normal((V,), key=mx.random.key(seed)) * 2.0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_distribution_matches_mlx_lm_sampler(name, temperature):
+    settings = SamplingSettings(temperature=temperature, **SETTINGS[name])
+    logits = logits_row(1)
+    ours = np.array(distribution(logits[None], settings)[0])
+    np.testing.assert_allclose(ours.sum(), 1.0, atol=1e-5)
+    # Same support as mlx-lm's own filters.
+    logprobs = logits - mx.logsumexp(logits)
+    kept = np.isfinite(np.array(filtered_logprobs(logprobs[None], settings)[0]))
+    assert ((ours > 0) == kept).all()
+    # And the same distribution as the sampler mlx-lm users call.
+    sampler = make_sampler(temp=temperature, **{k: v for k, v in SETTINGS[name].items()})
+    mx.random.seed(7)
+    n = 40_000
+    draws = np.array(sampler(mx.broadcast_to(logprobs[None], (n, V))))
+    assert chi_square_p(np.bincount(draws, minlength=V), ours) > 1e-3
+
+
+def one_position_runs(p: np.ndarray, q: np.ndarray, runs: int, seed: int, rule=rejection_accept):
+    """First emitted token of `runs` independent one-draft cycles: d ~ q, then the rule."""
+    key_d, key_r = mx.random.split(mx.random.key(seed))
+    q_rows = mx.broadcast_to(mx.array(q)[None, None], (runs, 1, V))
+    drafts = mx.random.categorical(mx.log(q_rows), axis=-1, key=key_d).astype(mx.int32)
+    target = mx.broadcast_to(mx.array(np.stack([p, p]))[None], (runs, 2, V))
+    accepted, token = rule(drafts, target, q_rows, key_r)
+    first = mx.where(accepted > 0, drafts[:, 0], token)
+    return np.array(first), np.array(accepted)
+
+
+def two_dists(seed: int, temperature: float = 1.0):
+    settings = SamplingSettings(temperature=temperature)
+    p = np.array(distribution(logits_row(seed)[None], settings)[0], dtype=np.float64)
+    q = np.array(distribution(logits_row(seed + 100)[None], settings)[0], dtype=np.float64)
+    return p / p.sum(), q / q.sum()
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_rejection_sampling_preserves_the_target_distribution(seed):
+    p, q = two_dists(seed)
+    first, accepted = one_position_runs(p, q, 100_000, seed)
+    assert chi_square_p(np.bincount(first, minlength=V), p) > 1e-3
+    # Acceptance rate is sum(min(p, q)), above sample-and-match's sum(p * q).
+    rate = accepted.mean()
+    assert abs(rate - np.minimum(p, q).sum()) < 0.01
+    assert rate > (p * q).sum() + 0.05
+
+
+def test_a_broken_rule_is_detected():
+    def always_accept(drafts, target, draft_probs, key):
+        return mx.full(drafts.shape[:1], drafts.shape[1], mx.int32), mx.zeros(drafts.shape[:1], mx.int32)
+
+    p, q = two_dists(3)
+    first, _ = one_position_runs(p, q, 100_000, 3, rule=always_accept)
+    assert chi_square_p(np.bincount(first, minlength=V), p) < 1e-6
+
+
+def test_three_drafts_emit_the_target_sequence_distribution():
+    """Positions beyond the first: the pair (token 1, token 2) follows p1 x p2."""
+    runs, g = 200_000, 3
+    rows = [two_dists(s) for s in (5, 6, 7)]
+    p_rows = np.stack([r[0] for r in rows] + [rows[0][0]])  # [g+1, V]
+    q_rows = np.stack([r[1] for r in rows])  # [g, V]
+    key_d, key_r = mx.random.split(mx.random.key(11))
+    q = mx.broadcast_to(mx.array(q_rows, mx.float32)[None], (runs, g, V))
+    drafts = mx.random.categorical(mx.log(q), axis=-1, key=key_d).astype(mx.int32)
+    target = mx.broadcast_to(mx.array(p_rows, mx.float32)[None], (runs, g + 1, V))
+    accepted, token = rejection_accept(drafts, target, q, key_r)
+    accepted, token, drafts = np.array(accepted), np.array(token), np.array(drafts)
+    # Runs that got past position 1: their second token follows p_rows[1] (the rows here do
+    # not depend on the first token, as a context-free target would).
+    second = np.where(accepted >= 2, drafts[:, 1], token)[accepted >= 1]
+    assert chi_square_p(np.bincount(second, minlength=V), p_rows[1] / p_rows[1].sum()) > 1e-3
+
+
+def test_sparse_draft_rows_become_dense():
+    candidates = mx.array([[3, 7, 1]])
+    probs = mx.array([[0.5, 0.3, 0.2]])
+    dense = np.array(dense_from_candidates(candidates, probs, 10))
+    assert dense.shape == (1, 10) and dense[0, 3] == 0.5 and dense[0, 7] == pytest.approx(0.3)
+    assert dense.sum() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [(dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+     (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+     (dict(top_k=2.5), "top_k"), (dict(min_p=1.5), "min_p"), (dict(min_tokens_to_keep=0), "min_tokens_to_keep")],
+)
+def test_invalid_settings_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingSettings(**kwargs)
+
+
+def test_top_k_must_be_below_the_vocabulary():
+    with pytest.raises(ValueError, match="top_k"):
+        distribution(logits_row(1)[None], SamplingSettings(temperature=1.0, top_k=V))
