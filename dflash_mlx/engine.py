@@ -4,7 +4,8 @@
 committed), with no I/O, no detokenizing and no knowledge of EOS: the caller
 stops consuming when it sees one. Greedy acceptance is computed on the device
 and the next cycle's graph is queued with `mx.async_eval` before the current
-cycle is handed out, so there is one host sync per cycle. Log-probabilities
+cycle is handed out, so there is one host sync per cycle. What a verify
+commits (greedy or exact sampling, logits processors) is the `Acceptor`'s. Log-probabilities
 are left lazy (a full-vocabulary log-softmax over every verified row costs
 ~10% of a 240M-parameter verify on a CPU).
 """
@@ -16,7 +17,9 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
+from .acceptance import Acceptor
 from .proposer import Proposer
+from .sampling import SamplingSettings
 from .target import TargetAdapter
 
 
@@ -38,17 +41,6 @@ def _log_softmax(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def greedy_verdict(drafts: mx.array | None, logits: mx.array) -> mx.array:
-    """[accepted, argmax row 0, ..., argmax row b-1] for verify logits [b, V]."""
-    best = mx.argmax(logits, axis=-1).astype(mx.int32)
-    if drafts is None or drafts.size == 0:
-        accepted = mx.zeros((1,), mx.int32)
-    else:
-        match = (drafts == best[:-1]).astype(mx.int32)
-        accepted = mx.sum(mx.cumprod(match), keepdims=True).astype(mx.int32)
-    return mx.concatenate([accepted, best])
-
-
 def speculative_cycles(
     target: TargetAdapter,
     prompt: mx.array,
@@ -58,6 +50,7 @@ def speculative_cycles(
     block_size: int,
     prefill_step_size: int = 2048,
     prompt_progress: Callable[[int, int], None] | None = None,
+    acceptor: Acceptor | None = None,
 ) -> Iterator[Cycle]:
     """Yield cycles until `max_tokens` tokens are committed (-1: no limit).
 
@@ -69,6 +62,7 @@ def speculative_cycles(
     if prefill_step_size < 1:
         raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}.")
     progress = prompt_progress or (lambda done, total: None)
+    acceptor = acceptor or Acceptor(SamplingSettings(), prompt)
     cache = target.make_cache()
     feeds_context = proposer is not None and bool(proposer.layer_ids)
     if proposer is not None:
@@ -91,10 +85,12 @@ def speculative_cycles(
         mx.clear_cache()
     logits, features = target.forward(prompt[None, done:], cache)
     add_context(features)
-    logprobs = _log_softmax(logits[0, -1:])
-    anchor = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    row = acceptor.process(logits[0, -1:])
+    logprobs = _log_softmax(row)
+    anchor = acceptor.first_token(row)
     mx.eval(anchor, logprobs)
     progress(total, total)
+    acceptor.commit(anchor.tolist())
     yield Cycle(tokens=anchor.tolist(), logprobs=logprobs, drafted=0, block_size=0)
 
     committed, position = 1, total
@@ -102,17 +98,21 @@ def speculative_cycles(
     def launch(anchor: mx.array, position: int, committed: int):
         """Queue one draft + verify; return what `finish` needs."""
         b = block_size if max_tokens < 0 else min(block_size, max_tokens - committed)
-        drafts = None
+        drafts = draft_probs = None
         if b > 1 and proposer is not None:
-            drafts = proposer.propose(anchor, position, b - 1).tokens
+            proposal = proposer.propose(
+                anchor, position, b - 1, sampling=acceptor.draft_settings, key=acceptor.next_key()
+            )
+            drafts, draft_probs = proposal.tokens, proposal.probs
             verify_ids = mx.concatenate([anchor.reshape(1), drafts])
         else:
             b = 1
             verify_ids = anchor.reshape(1)
         logits, features = target.forward(verify_ids[None], cache, record=b > 1)
-        verdict = greedy_verdict(drafts, logits[0])
+        rows = acceptor.process(logits[0], drafts)
+        verdict = acceptor.verdict(rows, drafts, draft_probs)
         mx.async_eval(verdict)
-        return b, verdict, logits[0], features
+        return b, verdict, rows, features
 
     pending = launch(anchor, position, committed) if committed != max_tokens else None
     while pending is not None:
@@ -123,6 +123,7 @@ def speculative_cycles(
         target.rollback(cache, keep=accepted + 1)
         if features is not None:
             add_context(features[:, : accepted + 1])
+        acceptor.commit(tokens)
         committed += len(tokens)
         position += len(tokens)
         pending = None

@@ -18,9 +18,11 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .acceptance import Acceptor
 from .block_size import default_block_size
 from .engine import speculative_cycles
 from .proposer import as_proposer
+from .sampling import SamplingSettings
 from .target import TargetAdapter
 
 
@@ -29,20 +31,6 @@ class DFlashResponse(GenerationResponse):
     """An mlx-lm `GenerationResponse` plus the size of the cycle it closes."""
 
     cycle_tokens: Optional[int] = None
-
-
-def _check_sampling(temperature, top_p, top_k, min_p, logits_processors, seed) -> None:
-    defaults = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, logits_processors=None, seed=None)
-    given = dict(
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        logits_processors=logits_processors or None, seed=seed,
-    )
-    changed = [k for k, v in given.items() if v != defaults[k]]
-    if changed:
-        raise NotImplementedError(
-            f"Sampling options {changed} are not implemented yet: only greedy decoding "
-            "(temperature=0) is supported in this version."
-        )
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
@@ -76,11 +64,15 @@ def stream_generate(
     """Generate from `model`, drafting with `draft` (a DFlash drafter, a Proposer or None).
 
     `draft=None` decodes plainly through the same code path (cycle_tokens stays None).
+    `temperature > 0` samples exactly from the target's distribution as processed by
+    mlx-lm's `make_sampler(temp, top_p, min_p, top_k)` (rejection sampling);
+    `logits_processors` are mlx-lm's (e.g. `make_logits_processors`); `seed` makes
+    sampled output reproducible.
     `max_draft_context` bounds the committed positions the drafter attends to (its
     sliding layers keep window - 1 anyway): less memory and draft time in long
     conversations, possibly lower acceptance; the output does not change.
     """
-    _check_sampling(temperature, top_p, top_k, min_p, logits_processors, seed)
+    settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     if max_tokens == 0:
         raise ValueError("max_tokens must be non-zero (use -1 for no limit).")
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -107,6 +99,7 @@ def stream_generate(
             target, prompt, proposer,
             max_tokens=max_tokens, block_size=block_size,
             prefill_step_size=prefill_step_size, prompt_progress=prompt_progress_callback,
+            acceptor=Acceptor(settings, prompt, logits_processors, seed),
         )
         n = 0
         with mx.stream(generation_stream):

@@ -47,7 +47,7 @@ class OracleProposer:
     def state(self) -> list:
         return []
 
-    def propose(self, anchor: mx.array, position: int, count: int) -> Proposal:
+    def propose(self, anchor: mx.array, position: int, count: int, *, sampling=None, key=None) -> Proposal:
         index = position - self.prompt_len + 1  # continuation index of the first draft
         truth = self.continuation[index : index + count]
         tokens = truth + [0] * (count - len(truth))

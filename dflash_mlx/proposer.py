@@ -18,13 +18,16 @@ import mlx.core as mx
 
 from .draft.model import DFlashDraftModel
 from .draft.pairing import check_pair
+from .sampling import distribution
 
 
 @dataclass
 class Proposal:
-    """Drafted tokens [count] (int32, may still be lazy)."""
+    """Drafted tokens [count] (int32, may still be lazy) and, when they were
+    sampled, the distributions [count, V] they were drawn from (None: one-hot)."""
 
     tokens: mx.array
+    probs: mx.array | None = None
 
 
 @runtime_checkable
@@ -38,14 +41,17 @@ class Proposer(Protocol):
 
     def state(self) -> list: ...  # arrays to evaluate after a prefill chunk
 
-    def propose(self, anchor: mx.array, position: int, count: int) -> Proposal: ...
+    def propose(
+        self, anchor: mx.array, position: int, count: int, *, sampling=None, key=None
+    ) -> Proposal: ...  # sampling: SamplingSettings to sample drafts with (None: greedy)
 
 
 class DFlashProposer:
     """Drafts a block in one forward of a DFlash drafter (greedy proposals)."""
 
-    def __init__(self, drafter: DFlashDraftModel, max_context: int | None = None):
+    def __init__(self, drafter: DFlashDraftModel, max_context: int | None = None, sample_drafts: bool = True):
         self.drafter = drafter
+        self.sample_drafts = sample_drafts  # under sampling: draw from q, or argmax with one-hot q
         self.layer_ids = tuple(drafter.config.target_layer_ids)
         self.block_size = drafter.config.block_size
         self.max_context = max_context
@@ -68,15 +74,19 @@ class DFlashProposer:
         """Absolute position right after the last context row the drafter has seen."""
         return self.cache[0].end if self.cache else 0
 
-    def propose(self, anchor: mx.array, position: int, count: int) -> Proposal:
+    def propose(self, anchor: mx.array, position: int, count: int, *, sampling=None, key=None) -> Proposal:
         if self.context_end != position:
             raise RuntimeError(
                 f"Drafter context ends at {self.context_end} but the anchor sits at {position}."
             )
         masks = mx.full((count,), self._mask_id, dtype=mx.int32)
         block = mx.concatenate([anchor.reshape(1).astype(mx.int32), masks])[None]
-        logits = self.drafter(block, self.cache, self.target)
-        return Proposal(tokens=mx.argmax(logits[0], axis=-1).astype(mx.int32))
+        logits = self.drafter(block, self.cache, self.target)[0]
+        if sampling is None or not self.sample_drafts:
+            return Proposal(tokens=mx.argmax(logits, axis=-1).astype(mx.int32))
+        probs = distribution(logits, sampling)
+        tokens = mx.random.categorical(mx.log(probs), axis=-1, key=key).astype(mx.int32)
+        return Proposal(tokens=tokens, probs=probs)
 
 
 def as_proposer(draft, target_model, max_context: int | None = None) -> Proposer | None:

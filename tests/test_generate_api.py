@@ -83,12 +83,13 @@ def test_generate_returns_the_text(bos_pair):
 
 
 @pytest.mark.parametrize(
-    "option", [dict(temperature=0.7), dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1),
-               dict(seed=3), dict(logits_processors=[lambda tokens, logits: logits])],
+    "option, field",
+    [(dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"),
+     (dict(min_p=1.5), "min_p")],
 )
-def test_sampling_options_not_implemented_yet(bos_pair, option):
+def test_invalid_sampling_options_name_the_field(bos_pair, option, field):
     model, tokenizer, draft = bos_pair
-    with pytest.raises(NotImplementedError, match=next(iter(option))):
+    with pytest.raises(ValueError, match=field):
         next(stream_generate(model, draft, tokenizer, TEXT, **option))
 
 

@@ -1,0 +1,88 @@
+"""Deciding what a verify commits: greedy or exact speculative sampling.
+
+`Acceptor` owns everything between the target's raw logits and the committed
+tokens: mlx-lm style logits processors (each verified row sees the token
+history plain decoding would have given it), the processed distributions of
+`dflash_mlx.sampling`, the random keys (reproducible from a seed), and the
+verdict `[accepted, t_0, ..., t_{b-1}]` where t_0..t_accepted are the tokens
+the cycle commits. Everything stays on the device; the engine syncs once.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .sampling import SamplingSettings, distribution, rejection_accept
+
+
+class Acceptor:
+    def __init__(
+        self,
+        settings: SamplingSettings,
+        prompt: mx.array,
+        logits_processors: list | None = None,
+        seed: int | None = None,
+    ):
+        self.settings = settings
+        self.processors = list(logits_processors or [])
+        self.history = prompt.astype(mx.int32) if self.processors else None
+        if seed is None and not settings.greedy:
+            seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
+        self._key = mx.random.key(seed) if seed is not None else None
+
+    @property
+    def draft_settings(self) -> SamplingSettings | None:
+        """How proposers should sample their drafts (None: greedy)."""
+        return None if self.settings.greedy else self.settings
+
+    def next_key(self) -> mx.array | None:
+        if self._key is None:
+            return None
+        self._key, key = mx.random.split(self._key)
+        return key
+
+    def process(self, logits: mx.array, drafts: mx.array | None = None) -> mx.array:
+        """Apply the processors to rows [b, V]; row j's history ends with drafts[:j]."""
+        if not self.processors:
+            return logits
+        rows = []
+        for j in range(logits.shape[0]):
+            history = self.history if j == 0 else mx.concatenate([self.history, drafts[:j]])
+            row = logits[j : j + 1]
+            for processor in self.processors:
+                row = processor(history, row)
+            rows.append(row)
+        return mx.concatenate(rows, axis=0)
+
+    def first_token(self, logits: mx.array) -> mx.array:
+        """The token after the prompt, from its processed last row [1, V]."""
+        if self.settings.greedy:
+            return mx.argmax(logits, axis=-1).astype(mx.int32)
+        probs = distribution(logits, self.settings)
+        return mx.random.categorical(mx.log(probs), axis=-1, key=self.next_key()).astype(mx.int32)
+
+    def verdict(self, rows: mx.array, drafts: mx.array | None, draft_probs: mx.array | None) -> mx.array:
+        """[accepted, t_0..t_{b-1}] for processed verify rows [b, V] of [anchor, drafts]."""
+        b = rows.shape[0]
+        if self.settings.greedy:
+            best = mx.argmax(rows, axis=-1).astype(mx.int32)
+            if drafts is None or drafts.size == 0:
+                return mx.concatenate([mx.zeros((1,), mx.int32), best])
+            match = (drafts == best[:-1]).astype(mx.int32)
+            accepted = mx.sum(mx.cumprod(match), keepdims=True).astype(mx.int32)
+            return mx.concatenate([accepted, best])
+        target_probs = distribution(rows, self.settings)
+        if drafts is None or drafts.size == 0:
+            token = mx.random.categorical(mx.log(target_probs), axis=-1, key=self.next_key())
+            return mx.concatenate([mx.zeros((1,), mx.int32), token.astype(mx.int32)])
+        if draft_probs is None:  # a deterministic proposer: its q is one-hot
+            draft_probs = mx.zeros((drafts.size, rows.shape[-1]), mx.float32)
+            draft_probs = mx.put_along_axis(draft_probs, drafts[:, None], mx.array(1.0), axis=-1)
+        accepted, token = rejection_accept(drafts[None], target_probs[None], draft_probs[None], self.next_key())
+        slots = mx.arange(b)
+        tokens = mx.where(slots == accepted, token, mx.concatenate([drafts, drafts[-1:]]))
+        return mx.concatenate([accepted.astype(mx.int32), tokens.astype(mx.int32)])
+
+    def commit(self, tokens: list[int]) -> None:
+        if self.history is not None:
+            self.history = mx.concatenate([self.history, mx.array(tokens, mx.int32)])
