@@ -71,6 +71,14 @@ class DraftContextCache:
         lo = self._rows - self.visible_rows
         return self.keys[..., lo : self._rows, :], self.values[..., lo : self._rows, :]
 
+    def broadcast(self, batch: int) -> None:
+        """Share this context with `batch` independent runs (batched drafting)."""
+        keys, values = self.fetch()
+        if keys is not None:
+            self.keys = mx.broadcast_to(keys, (batch,) + keys.shape[1:])
+            self.values = mx.broadcast_to(values, (batch,) + values.shape[1:])
+            self._rows = keys.shape[2]
+
     def _grow(self, keys: mx.array, values: mx.array, n: int) -> None:
         kept_k, kept_v = self.fetch()
         kept = 0 if kept_k is None else kept_k.shape[2]
