@@ -11,6 +11,7 @@ the cycle commits. Everything stays on the device; the engine syncs once.
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
 
 from .sampling import SamplingSettings, distribution, rejection_accept
 
@@ -22,13 +23,25 @@ class Acceptor:
         prompt: mx.array,
         logits_processors: list | None = None,
         seed: int | None = None,
+        xtc: tuple[float, float, list[int]] | None = None,
     ):
+        """`xtc` = (probability, threshold, special tokens): plain decoding only, through
+        mlx-lm's own sampler (XTC has no fixed distribution to verify drafts against)."""
         self.settings = settings
         self.processors = list(logits_processors or [])
         self.history = prompt.astype(mx.int32) if self.processors else None
         if seed is None and not settings.greedy:
             seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
         self._key = mx.random.key(seed) if seed is not None else None
+        self._xtc_sampler = None
+        if xtc is not None and not settings.greedy:
+            if seed is not None:
+                mx.random.seed(seed)  # mlx-lm's sampler draws from the global generator
+            s = settings
+            self._xtc_sampler = make_sampler(
+                s.temperature, s.top_p, s.min_p, s.min_tokens_to_keep, s.top_k,
+                xtc_probability=xtc[0], xtc_threshold=xtc[1], xtc_special_tokens=list(xtc[2]),
+            )
 
     @property
     def draft_settings(self) -> SamplingSettings | None:
@@ -58,6 +71,8 @@ class Acceptor:
         """The token after the prompt, from its processed last row [1, V]."""
         if self.settings.greedy:
             return mx.argmax(logits, axis=-1).astype(mx.int32)
+        if self._xtc_sampler is not None:
+            return self._sample_xtc(logits)
         probs = distribution(logits, self.settings)
         return mx.random.categorical(mx.log(probs), axis=-1, key=self.next_key()).astype(mx.int32)
 
@@ -71,6 +86,10 @@ class Acceptor:
             match = (drafts == best[:-1]).astype(mx.int32)
             accepted = mx.sum(mx.cumprod(match), keepdims=True).astype(mx.int32)
             return mx.concatenate([accepted, best])
+        if self._xtc_sampler is not None:
+            if drafts is not None and drafts.size:
+                raise ValueError("XTC sampling cannot verify drafts (it has no fixed distribution).")
+            return mx.concatenate([mx.zeros((1,), mx.int32), self._sample_xtc(rows)])
         target_probs = distribution(rows, self.settings)
         if drafts is None or drafts.size == 0:
             token = mx.random.categorical(mx.log(target_probs), axis=-1, key=self.next_key())
@@ -82,6 +101,10 @@ class Acceptor:
         slots = mx.arange(b)
         tokens = mx.where(slots == accepted, token, mx.concatenate([drafts, drafts[-1:]]))
         return mx.concatenate([accepted.astype(mx.int32), tokens.astype(mx.int32)])
+
+    def _sample_xtc(self, rows: mx.array) -> mx.array:
+        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+        return self._xtc_sampler(logprobs).astype(mx.int32)
 
     def commit(self, tokens: list[int]) -> None:
         if self.history is not None:

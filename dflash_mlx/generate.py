@@ -60,6 +60,9 @@ def stream_generate(
     prefill_step_size: int = 2048,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
     max_draft_context: int | None = None,
+    draft_sampling: str = "sample",
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
 ) -> Iterator[DFlashResponse]:
     """Generate from `model`, drafting with `draft` (a DFlash drafter, a Proposer or None).
 
@@ -67,7 +70,10 @@ def stream_generate(
     `temperature > 0` samples exactly from the target's distribution as processed by
     mlx-lm's `make_sampler(temp, top_p, min_p, top_k)` (rejection sampling);
     `logits_processors` are mlx-lm's (e.g. `make_logits_processors`); `seed` makes
-    sampled output reproducible.
+    sampled output reproducible. `draft_sampling="argmax"` makes a DFlash drafter
+    propose its argmax tokens (one-hot q) instead of samples of q when sampling.
+    XTC (`xtc_probability > 0`) has no fixed distribution to verify drafts
+    against: it is refused with a drafter and runs mlx-lm's sampler without one.
     `max_draft_context` bounds the committed positions the drafter attends to (its
     sliding layers keep window - 1 anyway): less memory and draft time in long
     conversations, possibly lower acceptance; the output does not change.
@@ -82,7 +88,16 @@ def stream_generate(
         raise ValueError("The prompt is empty: at least one token is needed.")
     if max_draft_context is not None and max_draft_context < 1:
         raise ValueError(f"max_draft_context must be >= 1, got {max_draft_context}.")
-    proposer = as_proposer(draft, model, max_draft_context)
+    if draft_sampling not in ("sample", "argmax"):
+        raise ValueError(f"draft_sampling must be 'sample' or 'argmax', got {draft_sampling!r}.")
+    proposer = as_proposer(draft, model, max_draft_context, sample_drafts=draft_sampling == "sample")
+    if xtc_probability and proposer is not None:
+        raise ValueError(
+            "XTC sampling (xtc_probability > 0) has no fixed distribution, so drafts cannot be "
+            "verified against it: pass draft=None (plain decoding) or drop XTC."
+        )
+    if not 0 <= xtc_probability <= 1:
+        raise ValueError(f"xtc_probability must be in [0, 1], got {xtc_probability!r}.")
     target = TargetAdapter(model, proposer.layer_ids if proposer else ())
     if block_size is None:
         block_size = default_block_size(model, draft) if proposer else 1
@@ -99,7 +114,10 @@ def stream_generate(
             target, prompt, proposer,
             max_tokens=max_tokens, block_size=block_size,
             prefill_step_size=prefill_step_size, prompt_progress=prompt_progress_callback,
-            acceptor=Acceptor(settings, prompt, logits_processors, seed),
+            acceptor=Acceptor(
+                settings, prompt, logits_processors, seed,
+                xtc=(xtc_probability, xtc_threshold, sorted(eos)) if xtc_probability else None,
+            ),
         )
         n = 0
         with mx.stream(generation_stream):

@@ -89,13 +89,15 @@ class DFlashProposer:
         return Proposal(tokens=tokens, probs=probs)
 
 
-def as_proposer(draft, target_model, max_context: int | None = None) -> Proposer | None:
+def as_proposer(
+    draft, target_model, max_context: int | None = None, sample_drafts: bool = True
+) -> Proposer | None:
     """Accept None, a DFlash drafter (checked against the target), or a `Proposer`."""
     if draft is None or isinstance(draft, Proposer):
         return draft
     if isinstance(draft, DFlashDraftModel):
         check_pair(draft, target_model, draft_name=getattr(draft, "source", "the drafter"))
-        return DFlashProposer(draft, max_context)
+        return DFlashProposer(draft, max_context, sample_drafts)
     raise TypeError(
         f"draft must be a DFlash drafter (from dflash_mlx.load_draft), a Proposer or None, "
         f"not {type(draft).__name__}."

@@ -72,11 +72,15 @@ def _pooled(counts: np.ndarray, probs: np.ndarray, runs: int):
     return (np.append(counts[~small], counts[small].sum()), np.append(probs[~small], probs[small].sum()))
 
 
-@pytest.mark.parametrize("settings", [dict(temperature=1.5), dict(temperature=1.0, top_k=20, top_p=0.95)])
+@pytest.mark.parametrize(
+    "settings",
+    [dict(temperature=1.5), dict(temperature=1.0, top_k=20, top_p=0.95),
+     dict(temperature=1.5, draft_sampling="argmax")],
+)
 def test_first_two_sampled_tokens_follow_the_target(pair, settings):
     model, tokenizer, draft = pair
     prompt = prompt_ids(6, seed=5)
-    s = SamplingSettings(**settings)
+    s = SamplingSettings(**{k: v for k, v in settings.items() if k != "draft_sampling"})
     # Exact distributions by enumeration: p(t1), and p(t2 | t1) for every t1 in the support.
     logits = model(mx.array(prompt)[None])[0, -1:]
     p1 = np.array(distribution(logits, s)[0], dtype=np.float64)
@@ -101,3 +105,16 @@ def test_first_two_sampled_tokens_follow_the_target(pair, settings):
         c, p = _pooled(counts, probs / probs.sum(), runs)
         assert chi_square_p(c, p) > 1e-3
     assert not math.isnan(p2.sum())
+
+
+def test_xtc_is_refused_with_a_drafter_and_runs_without(pair):
+    model, tokenizer, draft = pair
+    prompt = prompt_ids(8, seed=6)
+    with pytest.raises(ValueError, match="XTC"):
+        next(stream_generate(model, draft, tokenizer, prompt, temperature=1.0, xtc_probability=0.5))
+    runs = [[r.token for r in stream_generate(model, None, tokenizer, prompt, max_tokens=20, temperature=1.0,
+                                              xtc_probability=0.5, xtc_threshold=0.05, seed=4)]
+            for _ in range(2)]  # fmt: skip
+    assert len(runs[0]) == 20 and runs[0] == runs[1]
+    with pytest.raises(ValueError, match="draft_sampling"):
+        next(stream_generate(model, draft, tokenizer, prompt, temperature=1.0, draft_sampling="top"))
