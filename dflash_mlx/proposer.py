@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from .draft.model import DFlashDraftModel
 from .draft.pairing import check_pair
-from .sampling import distribution
+from .sampling import dense_from_candidates, distribution
 
 
 @dataclass
@@ -47,7 +47,11 @@ class Proposer(Protocol):
 
 
 class DFlashProposer:
-    """Drafts a block in one forward of a DFlash drafter (greedy proposals)."""
+    """Drafts a block in one forward of a DFlash (v1 or v2) drafter.
+
+    v1 rows are chosen independently (argmax, or samples of the processed q);
+    v2 walks its candidate selector (greedy, or sampling at the temperature with
+    q living on each row's candidates)."""
 
     def __init__(self, drafter: DFlashDraftModel, max_context: int | None = None, sample_drafts: bool = True):
         self.drafter = drafter
@@ -81,8 +85,17 @@ class DFlashProposer:
             )
         masks = mx.full((count,), self._mask_id, dtype=mx.int32)
         block = mx.concatenate([anchor.reshape(1).astype(mx.int32), masks])[None]
+        sample = sampling is not None and self.sample_drafts
+        if self.drafter.config.is_dflash2:
+            hidden = self.drafter.hidden_states(block, self.cache, self.target)[0]
+            logits = self.drafter.logits(hidden, self.target)
+            path, candidates, q = self.drafter.candidate_selector.select(
+                hidden, logits, anchor, sampling.temperature if sample else 0.0, key
+            )
+            probs = dense_from_candidates(candidates, q, logits.shape[-1]) if q is not None else None
+            return Proposal(tokens=path, probs=probs)
         logits = self.drafter(block, self.cache, self.target)[0]
-        if sampling is None or not self.sample_drafts:
+        if not sample:
             return Proposal(tokens=mx.argmax(logits, axis=-1).astype(mx.int32))
         probs = distribution(logits, sampling)
         tokens = mx.random.categorical(mx.log(probs), axis=-1, key=key).astype(mx.int32)

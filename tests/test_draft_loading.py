@@ -239,8 +239,12 @@ BAD_CHECKPOINTS = {
                           DraftWeightsError, [f"unexpected tensors [{CONV}]"]),
     "shape": (dict(weights=lambda w: w.update({"fc.weight": mx.zeros((64, 64))})),
               DraftWeightsError, ["'fc.weight'", "(64, 64)", "(64, 128)"]),
-    "dflash2": (dict(config=_set(architectures=["DFlash2DraftModel"])), DraftConfigError,
-                ["DFlash2DraftModel", "not supported"]),
+    "dflash2-without-fields": (dict(config=_set(architectures=["DFlash2DraftModel"])), DraftConfigError,
+                               ["DFlash2DraftModel", "conv_kernel_size"]),
+    "dflash2-config-on-v1-weights": (
+        dict(config=lambda c: (_set(architectures=["DFlash2DraftModel"])(c), _dflash(
+            conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)(c))),
+        DraftWeightsError, ["missing tensors", "attention_conv", "DFlash2DraftModel"]),
     "conflicting-num-target-layers": (dict(config=_set(num_target_layers=6)), PairMismatchError,
                                       ["num_target_layers is 6", "has 4"]),
 }  # fmt: skip

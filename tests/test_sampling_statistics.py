@@ -18,9 +18,10 @@ import pytest
 from mlx_lm import load as mlx_lm_load
 
 from dflash_mlx import load_draft
-from dflash_mlx.sampling import SamplingSettings, distribution, rejection_accept
+from dflash_mlx.sampling import SamplingSettings, dense_from_candidates, distribution, rejection_accept
 from dflash_mlx.target import TargetAdapter
 from test_sampling import chi_square_p
+from tiny_models import make_draft2
 
 RUNS = 20_000
 PROMPT = [17, 301, 45, 222, 9, 140]
@@ -34,15 +35,25 @@ MIN_EXPECTED = 5  # chi-square bins expected fewer times are pooled into one
 EPS = MIN_EXPECTED / RUNS  # so only prefixes at least this likely need enumerating
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_target, tiny_draft):
-    target_dir = tiny_target("qwen3")
-    model, _ = mlx_lm_load(str(target_dir))
+def _flat_target(tiny_target):
+    model, _ = mlx_lm_load(str(tiny_target("qwen3")))
     # A flatter head than the greedy fixtures' (which are tuned for clear margins),
     # so that several tokens are likely at each step and drafts get accepted often.
     model.lm_head.weight = model.lm_head.weight * 0.3
-    draft = load_draft(tiny_draft(target_dir, target_layer_ids=[1, 2]), model)
-    return model, draft
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_target, tiny_draft):
+    model = _flat_target(tiny_target)
+    return model, load_draft(tiny_draft(tiny_target("qwen3"), target_layer_ids=[1, 2]), model)
+
+
+@pytest.fixture(scope="module")
+def pair2(tiny_target, tmp_path_factory):
+    model = _flat_target(tiny_target)
+    path = make_draft2(tmp_path_factory.mktemp("d2"), tiny_target("qwen3"), target_layer_ids=[1, 2])
+    return model, load_draft(path, model)
 
 
 def _shared(rows: mx.array, runs: int, room: int = 3) -> mx.array:
@@ -66,8 +77,16 @@ def dflash_first_three(model, draft, settings, runs, seed, rule=rejection_accept
     p1 = distribution(logits[:, -1], settings)
     t1 = mx.random.categorical(mx.log(mx.broadcast_to(p1, (runs, p1.shape[-1]))), key=k1).astype(mx.int32)
     mask = mx.full((runs, 2), draft.config.mask_token_id, mx.int32)
-    q = distribution(draft(mx.concatenate([t1[:, None], mask], 1), draft_cache, target), settings)
-    drafts = mx.random.categorical(mx.log(q), axis=-1, key=k2).astype(mx.int32)
+    block = mx.concatenate([t1[:, None], mask], 1)
+    if draft.config.is_dflash2:  # the selector's walk, q on each row's candidates
+        hidden = draft.hidden_states(block, draft_cache, target)
+        path, candidates, q_rows = draft.candidate_selector.select(
+            hidden, draft.logits(hidden, target), t1, settings.temperature, k2
+        )
+        drafts, q = path, dense_from_candidates(candidates, q_rows, p1.shape[-1])
+    else:
+        q = distribution(draft(block, draft_cache, target), settings)
+        drafts = mx.random.categorical(mx.log(q), axis=-1, key=k2).astype(mx.int32)
     verify, _ = target.forward(mx.concatenate([t1[:, None], drafts], 1), cache)
     accepted, token = rule(drafts, distribution(verify, settings), q, k3)
     t2 = mx.where(accepted >= 1, drafts[:, 0], token)
@@ -134,3 +153,12 @@ def test_always_accepting_is_rejected(pair, temperature):
     settings = SamplingSettings(temperature=temperature)
     t1, t2, t3, _ = dflash_first_three(model, draft, settings, RUNS, seed=1, rule=always_accept)
     assert joint_p_value(t1, t2, t3, exact_first_three(model, settings)) < 1e-6
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_dflash2_first_three_tokens_follow_the_target(pair2, temperature):
+    model, draft = pair2
+    settings = SamplingSettings(temperature=temperature)
+    t1, t2, t3, accepted = dflash_first_three(model, draft, settings, RUNS, seed=2)
+    assert (accepted >= 1).mean() > 0.03, "drafts are rarely accepted"
+    assert joint_p_value(t1, t2, t3, exact_first_three(model, settings)) > 1e-3

@@ -1,4 +1,4 @@
-"""Loading a DFlash drafter: local directory or Hugging Face repo, weights, quantization.
+"""Loading a DFlash (v1 or v2) drafter: local directory or Hugging Face repo, weights, quantization.
 
 `load_draft` reads config.json + *.safetensors (nothing else is downloaded),
 checks the tensor names and shapes against the modules the config describes,
@@ -14,9 +14,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .config import DraftConfig, DraftConfigError, read_draft_config
+from .dflash2 import DFlash2DraftModel
 from .model import DFlashDraftModel
 from .pairing import check_pair
 
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 # Early checkpoints carry copies of the target's embedding/head: the target's are used.
 IGNORED_KEYS = ("embed_tokens.weight", "lm_head.weight")
 
@@ -63,10 +65,17 @@ def read_weights(model_dir: Path) -> dict[str, mx.array]:
 def build_draft(config: DraftConfig, weights: dict[str, mx.array], source: str) -> DFlashDraftModel:
     """Instantiate the drafter for `config` and load `weights`, checking names and shapes."""
     if config.is_dflash2:
-        raise DraftConfigError(
-            f"{source}: DFlash 2 drafters ('DFlash2DraftModel') are not supported yet."
-        )
-    model = DFlashDraftModel(config)
+        missing = [f for f in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+                   if getattr(config, f) <= 0]  # fmt: skip
+        if missing:
+            raise DraftConfigError(
+                f"{source}: a DFlash2DraftModel needs dflash_config fields {missing} (positive integers)."
+            )
+        weights = dict(weights)
+        for name in CODEBOOKS:  # stored as bare tables, without the `.weight` suffix
+            if name in weights:
+                weights[name + ".weight"] = weights.pop(name)
+    model = (DFlash2DraftModel if config.is_dflash2 else DFlashDraftModel)(config)
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))

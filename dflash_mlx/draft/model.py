@@ -178,13 +178,15 @@ class DraftLayer(nn.Module):
 class DFlashDraftModel(nn.Module):
     """DFlash v1 drafter (spec section 3)."""
 
+    layer_class = DraftLayer
+
     def __init__(self, config: DraftConfig):
         super().__init__()
         self.config = config
         H = config.hidden_size
         self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
-        self.layers = [DraftLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.layers = [self.layer_class(config, i) for i in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
         self.rope = initialize_rope(
             config.head_dim,
