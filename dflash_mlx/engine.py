@@ -2,12 +2,12 @@
 
 `speculative_cycles` is a generator of `Cycle`s (the tokens one target forward
 committed), with no I/O, no detokenizing and no knowledge of EOS: the caller
-stops consuming when it sees one. Greedy acceptance is computed on the device
+stops consuming when it sees one. Acceptance is computed on the device
 and the next cycle's graph is queued with `mx.async_eval` before the current
 cycle is handed out, so there is one host sync per cycle. What a verify
-commits (greedy or exact sampling, logits processors) is the `Acceptor`'s. Log-probabilities
-are left lazy (a full-vocabulary log-softmax over every verified row costs
-~10% of a 240M-parameter verify on a CPU).
+commits (greedy or exact sampling, logits processors) is the `Acceptor`'s.
+Log-probabilities are left lazy (a full-vocabulary log-softmax over every
+verified row costs ~10% of a 240M-parameter verify on a CPU).
 """
 
 from __future__ import annotations

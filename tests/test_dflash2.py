@@ -7,12 +7,10 @@ import json
 import subprocess
 import sys
 import textwrap
-from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm import load as mlx_lm_load
 
 from dflash_mlx import load_draft
 from dflash_mlx.draft.dflash2 import DFlash2DraftModel
@@ -21,7 +19,7 @@ from dflash_mlx.target import TargetAdapter
 from test_hybrid_sliding import check_lossless
 from test_lossless import prompt_ids
 from test_reference_parity import REPO_ID, fake_hub_cache, hub_env, make_inputs
-from tiny_models import make_draft2
+from tiny_models import load_pair, make_draft2
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +36,9 @@ def draft2_factory(tmp_path_factory):
     return get
 
 
-@lru_cache(maxsize=None)
-def _load(target_dir, draft_dir):
-    model, tokenizer = mlx_lm_load(str(target_dir))
-    return model, tokenizer, load_draft(draft_dir, model)
-
-
 def test_loads_the_real_layout(tiny_target, draft2_factory):
     target_dir = tiny_target("qwen3")
-    model, _, draft = _load(target_dir, draft2_factory(target_dir))
+    model, _, draft = load_pair(target_dir, draft2_factory(target_dir))
     assert isinstance(draft, DFlash2DraftModel) and draft.config.is_dflash2
     assert draft.config.is_causal is False and all(draft.config.layer_is_sliding(i) for i in range(2))
     assert draft.candidate_selector.predecessor_codebook.weight.shape == (512, draft.config.selector_rank)
@@ -70,7 +62,7 @@ def test_v1_config_over_v2_weights_names_the_unexpected_tensors(tiny_target, dra
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_greedy_dflash2_equals_mlx_lm(tiny_target, draft2_factory, family, block_size):
     target_dir = tiny_target(family)
-    model, tokenizer, draft = _load(target_dir, draft2_factory(target_dir))
+    model, tokenizer, draft = load_pair(target_dir, draft2_factory(target_dir))
     prompt = prompt_ids(40, seed=13)  # longer than the drafter's window of 8
     check_lossless(model, tokenizer, draft, prompt, 120, block_size, logprob_atol=1e-3)
 
@@ -103,7 +95,7 @@ REFERENCE_V2 = textwrap.dedent(
 def test_parity_with_upstream(tiny_target, draft2_factory, tmp_path):
     target_dir = tiny_target("qwen3")
     draft_dir = draft2_factory(target_dir)
-    model, _, draft = _load(target_dir, draft_dir)
+    model, _, draft = load_pair(target_dir, draft_dir)
     cycles = make_inputs(tmp_path / "inputs.npz", 2 * draft.config.hidden_size)
     hub = fake_hub_cache(tmp_path / "hub", REPO_ID, draft_dir)
     subprocess.run(
@@ -127,7 +119,7 @@ def test_sampled_generation_runs_through_the_selector(tiny_target, draft2_factor
     from dflash_mlx import stream_generate
 
     target_dir = tiny_target("qwen3")
-    model, tokenizer, draft = _load(target_dir, draft2_factory(target_dir))
+    model, tokenizer, draft = load_pair(target_dir, draft2_factory(target_dir))
     prompt = prompt_ids(20, seed=14)
 
     def run(seed):

@@ -6,7 +6,6 @@ ring cache many times, and blocks of 16 overflow a window within one verify.
 
 from __future__ import annotations
 
-from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -15,13 +14,13 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache
 
-from dflash_mlx import load_draft, stream_generate
+from dflash_mlx import stream_generate
 from dflash_mlx.block_size import default_block_size
 from dflash_mlx.oracle import OracleProposer
 from dflash_mlx.rollback import UnsupportedCacheError, check_caches
 from dflash_mlx.target import TargetAdapter
 from test_lossless import assert_cycle_accounting, assert_same_stream, prompt_ids, without_eos
-from tiny_models import TINY_VOCAB
+from tiny_models import TINY_VOCAB, load_pair
 
 HYBRID = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 SLIDING = ["llama_sliding", "gemma3_text", "gpt_oss", "gemma4"]
@@ -29,17 +28,11 @@ FAMILIES = HYBRID + SLIDING
 FLOAT32_ONLY = {"qwen3_5_moe", "qwen3_next", "gpt_oss"}  # MoE gather kernels on MLX's CPU
 
 
-@lru_cache(maxsize=None)
-def _load(target_dir, draft_dir):
-    model, tokenizer = mlx_lm_load(str(target_dir))
-    return model, tokenizer, load_draft(draft_dir, model)
-
-
 @pytest.fixture(scope="module")
 def pair(tiny_target, tiny_draft):
     def get(family, **target_kw):
         target_dir = tiny_target(family, **target_kw)
-        return _load(target_dir, tiny_draft(target_dir, target_layer_ids=[1, 2]))
+        return load_pair(target_dir, tiny_draft(target_dir, target_layer_ids=[1, 2]))
 
     return get
 

@@ -9,31 +9,22 @@ block, cycling through every acceptance length 0..b-1.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 
-from dflash_mlx import load_draft, stream_generate
+from dflash_mlx import stream_generate
 from dflash_mlx.block_size import default_block_size
 from dflash_mlx.engine import speculative_cycles
 from dflash_mlx.oracle import OracleProposer
 from dflash_mlx.proposer import DFlashProposer
 from dflash_mlx.target import TargetAdapter
-from tiny_models import EOS_ID, TINY_VOCAB
+from tiny_models import EOS_ID, TINY_VOCAB, load_pair
 
 DENSE = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral"]
 BF16_OK = ["llama", "qwen2", "qwen3", "mistral"]  # MLX's CPU MoE gather is float32-only
-
-
-@lru_cache(maxsize=None)
-def _load(target_dir, draft_dir):
-    model, tokenizer = mlx_lm_load(str(target_dir))
-    draft = load_draft(draft_dir, model) if draft_dir else None
-    return model, tokenizer, draft
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +34,7 @@ def pair(tiny_target, tiny_draft):
     def get(family, draft_kw=None, **target_kw):
         target_dir = tiny_target(family, **target_kw)
         draft_dir = tiny_draft(target_dir, target_layer_ids=[1, 2], **(draft_kw or {}))
-        return _load(target_dir, draft_dir)
+        return load_pair(target_dir, draft_dir)
 
     return get
 

@@ -8,33 +8,25 @@ sampled tokens with the target's exact distribution, enumerated with the target.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
-from dflash_mlx import load_draft, stream_generate
+from dflash_mlx import stream_generate
 from dflash_mlx.oracle import OracleProposer
 from dflash_mlx.sampling import SamplingSettings, distribution
 from test_lossless import assert_same_stream, prompt_ids, without_eos
 from test_sampling import chi_square_p
-from tiny_models import TINY_VOCAB
-
-
-@lru_cache(maxsize=None)
-def _load(target_dir, draft_dir):
-    model, tokenizer = mlx_lm_load(str(target_dir))
-    return model, tokenizer, load_draft(draft_dir, model)
+from tiny_models import TINY_VOCAB, load_pair
 
 
 @pytest.fixture(scope="module")
 def pair(tiny_target, tiny_draft):
     target_dir = tiny_target("qwen3")
-    return _load(target_dir, tiny_draft(target_dir, target_layer_ids=[1, 2]))
+    return load_pair(target_dir, tiny_draft(target_dir, target_layer_ids=[1, 2]))
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 16])

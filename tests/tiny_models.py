@@ -48,6 +48,7 @@ CPU backend (GatherMM is float32-only); their quantized variants can.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import zlib
@@ -752,3 +753,14 @@ def greedy_with_margins(model, prompt_ids, n):
         gaps.append(float(top2[1] - top2[0]))
         logits = model(mx.array([[tokens[-1]]]), cache=cache)[0, -1]
     return tokens, np.array(gaps)
+
+
+@functools.lru_cache(maxsize=None)
+def load_pair(target_dir, draft_dir=None):
+    """(model, tokenizer, drafter or None), loaded once per directory pair; share read-only."""
+    from mlx_lm import load
+
+    from dflash_mlx import load_draft
+
+    model, tokenizer = load(str(target_dir))
+    return model, tokenizer, (load_draft(draft_dir, model) if draft_dir else None)
