@@ -23,7 +23,8 @@ def min_quantized_bits(model: nn.Module | None) -> int | None:
     bits = [
         m.bits
         for _, m in model.named_modules()
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or hasattr(m, "bits") and hasattr(m, "group_size")
+        # mlx's quantized layers, and mlx-lm's (e.g. QuantizedSwitchLinear for MoE experts)
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or (hasattr(m, "bits") and hasattr(m, "group_size"))
     ]
     return min(bits) if bits else None
 

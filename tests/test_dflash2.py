@@ -18,7 +18,7 @@ from dflash_mlx.draft.load import DraftWeightsError
 from dflash_mlx.target import TargetAdapter
 from test_hybrid_sliding import check_lossless
 from test_lossless import prompt_ids
-from test_reference_parity import REPO_ID, fake_hub_cache, hub_env, make_inputs
+from test_reference_parity import REFERENCE_PREAMBLE, REPO_ID, fake_hub_cache, hub_env, make_inputs
 from tiny_models import load_pair, make_draft2
 
 
@@ -67,17 +67,8 @@ def test_greedy_dflash2_equals_mlx_lm(tiny_target, draft2_factory, family, block
     check_lossless(model, tokenizer, draft, prompt, 120, block_size, logprob_atol=1e-3)
 
 
-REFERENCE_V2 = textwrap.dedent(
+REFERENCE_V2 = (REFERENCE_PREAMBLE + textwrap.dedent(
     """
-    import sys, numpy as np, mlx.core as mx
-    from mlx_lm import load
-    from dflash.model_mlx import load_draft
-    target_dir, inputs, out = sys.argv[1:4]
-    model, _ = load(target_dir)
-    draft = load_draft("{repo}")
-    draft.bind(model)
-    cache = draft.make_cache()
-    data = np.load(inputs)
     results = {{}}
     for i in range(2):  # cycles before any one-row context update (see the v1 parity test)
         block = mx.array(data[f"block{{i}}"])[None]
@@ -88,7 +79,7 @@ REFERENCE_V2 = textwrap.dedent(
         results[f"path{{i}}"] = np.array(path[0])
     np.savez(out, **results)
     """
-).format(repo=REPO_ID)
+)).format(repo=REPO_ID)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("dflash") is None, reason="upstream dflash==0.1.0 not installed")

@@ -36,7 +36,9 @@ REPO_ID = "dflash-test/draft"
 # sliding window used below, later ones are what a cycle commits.
 CYCLES = [(40, 8), (3, 8), (8, 8), (1, 4), (2, 8)]
 
-REFERENCE_SCRIPT = textwrap.dedent(
+# Upstream loads the draft by repo id (from a fake offline hub cache) and binds it to
+# the target; argv: target dir, inputs .npz, output .npz.
+REFERENCE_PREAMBLE = textwrap.dedent(
     """
     import sys, numpy as np, mlx.core as mx
     from mlx_lm import load
@@ -47,6 +49,11 @@ REFERENCE_SCRIPT = textwrap.dedent(
     draft.bind(model)
     cache = draft.make_cache()
     data = np.load(inputs)
+    """
+)
+
+REFERENCE_SCRIPT = (REFERENCE_PREAMBLE + textwrap.dedent(
+    """
     results, history = {{}}, []
     for i in range(int(data["cycles"])):
         block = mx.array(data[f"block{{i}}"])[None]
@@ -59,7 +66,7 @@ REFERENCE_SCRIPT = textwrap.dedent(
         results[f"oneshot{{i}}"] = np.array(logits[0].astype(mx.float32))
     np.savez(out, **results)
     """
-).format(repo=REPO_ID)
+)).format(repo=REPO_ID)
 
 
 def fake_hub_cache(root: Path, repo_id: str, model_dir: Path) -> Path:
