@@ -9,6 +9,7 @@ import mlx.nn as nn
 
 from .draft.load import load_draft
 from .draft.model import DFlashDraftModel
+from .families import text_model
 
 
 def load(
@@ -51,5 +52,5 @@ def load(
 
 def _float_dtype(model: nn.Module) -> mx.Dtype | None:
     """The target's activation dtype (its final norm's), so the drafter computes alike."""
-    norm = getattr(getattr(model, "model", None), "norm", None)
+    norm = getattr(getattr(text_model(model), "model", None), "norm", None)
     return getattr(getattr(norm, "weight", None), "dtype", None)

@@ -330,6 +330,9 @@ def test_load_pairs_local_dirs_and_casts_draft(tiny_target, tiny_draft, qwen3_ta
     assert isinstance(draft, DFlashDraftModel) and draft.config.target_layer_ids == (1, 2)
     assert tok.encode("the cat") and hasattr(model, "layers")
     assert {v.dtype for _, v in tree_flatten(draft.parameters())} == {mx.bfloat16}
+    nested = tiny_target("gemma4", dtype="bfloat16")  # its Model has no `.model`: found via language_model
+    cast = dflash_mlx.load(nested, tiny_draft(nested, target_layer_ids=[1, 2]))[2]
+    assert {v.dtype for _, v in tree_flatten(cast.parameters())} == {mx.bfloat16}
     f32 = dflash_mlx.load(qwen3_target, qwen3_draft)[2]
     assert {v.dtype for _, v in tree_flatten(f32.parameters())} == {mx.float32}
     with pytest.raises(ValueError, match="draft=") as e:
