@@ -24,7 +24,8 @@ def min_quantized_bits(model: nn.Module | None) -> int | None:
         m.bits
         for _, m in model.named_modules()
         # mlx's quantized layers, and mlx-lm's (e.g. QuantizedSwitchLinear for MoE experts)
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or (hasattr(m, "bits") and hasattr(m, "group_size"))
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        or (hasattr(m, "bits") and hasattr(m, "group_size"))
     ]
     return min(bits) if bits else None
 

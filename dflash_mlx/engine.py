@@ -13,13 +13,14 @@ verified row costs ~10% of a 240M-parameter verify on a CPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Collection, Iterator
 
 import mlx.core as mx
 
 from .acceptance import Acceptor
 from .proposer import Proposer
 from .sampling import SamplingSettings
+from .session import Session
 from .target import TargetAdapter
 
 
@@ -51,35 +52,45 @@ def speculative_cycles(
     prefill_step_size: int = 2048,
     prompt_progress: Callable[[int, int], None] | None = None,
     acceptor: Acceptor | None = None,
+    stop_tokens: Collection[int] = (),
+    session: Session | None = None,
 ) -> Iterator[Cycle]:
-    """Yield cycles until `max_tokens` tokens are committed (-1: no limit).
+    """Yield cycles until `max_tokens` tokens are committed (-1: no limit) or a stop token.
 
     The first cycle holds the token sampled from the prompt's last logits; each
-    later cycle holds 1..block_size tokens.
+    later cycle holds 1..block_size tokens. A cycle containing one of
+    `stop_tokens` ends there (the tokens after it are dropped and never reach
+    the caches). `session` (made with this target and proposer) keeps the caches
+    for the next call; only the prompt tokens it does not hold are prefilled.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}.")
     if prefill_step_size < 1:
         raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}.")
+    if session is None:
+        session = Session(target, proposer)
+    elif session.target is not target or session.proposer is not proposer:
+        raise ValueError("The session was made for another target or proposer.")
     progress = prompt_progress or (lambda done, total: None)
     acceptor = acceptor or Acceptor(SamplingSettings(), prompt)
-    cache = target.make_cache()
+    stop_tokens = frozenset(stop_tokens)
+    prompt_ids = prompt.tolist()
+    done = session.begin(prompt_ids)
+    cache = session.cache
     feeds_context = proposer is not None and bool(proposer.layer_ids)
-    if proposer is not None:
-        proposer.start(target, prompt)
 
     def add_context(features: mx.array | None) -> None:
         if feeds_context:
             proposer.add_context(features)
 
     # Prefill exactly as mlx-lm does: chunks of all but the last token, then the last.
-    total, done = prompt.size, 0
-    progress(0, total)
+    total = prompt.size
+    progress(done, total)
     while total - done > 1:
         n = min(prefill_step_size, total - done - 1)
         _, features = target.forward(prompt[None, done : done + n], cache)
         add_context(features)
-        mx.eval([c.state for c in cache], proposer.state() if feeds_context else [])
+        mx.eval([c.state for c in cache if c is not None], proposer.state() if feeds_context else [])
         done += n
         progress(done, total)
         mx.clear_cache()
@@ -90,6 +101,7 @@ def speculative_cycles(
     anchor = acceptor.first_token(row)
     mx.eval(anchor, logprobs)
     progress(total, total)
+    session.prefilled(prompt_ids)
     acceptor.commit(anchor.tolist())
     yield Cycle(tokens=anchor.tolist(), logprobs=logprobs, drafted=0, block_size=0)
 
@@ -108,27 +120,40 @@ def speculative_cycles(
         else:
             b = 1
             verify_ids = anchor.reshape(1)
-        logits, features = target.forward(verify_ids[None], cache, record=b > 1)
+        logits, features = target.forward(verify_ids[None], cache, record=True)
         rows = acceptor.process(logits[0], drafts)
         verdict = acceptor.verdict(rows, drafts, draft_probs)
         mx.async_eval(verdict)
         return b, verdict, rows, features
 
-    pending = launch(anchor, position, committed) if committed != max_tokens else None
-    while pending is not None:
-        b, verdict, logits, features = pending
-        values = verdict.tolist()
-        accepted = values[0]
-        tokens = values[1 : accepted + 2]
-        target.rollback(cache, keep=accepted + 1)
-        if features is not None:
-            add_context(features[:, : accepted + 1])
-        acceptor.commit(tokens)
-        committed += len(tokens)
-        position += len(tokens)
-        pending = None
-        if committed < max_tokens or max_tokens < 0:
-            pending = launch(mx.array(tokens[-1:], mx.int32), position, committed)
-        # Log-probabilities stay lazy: only a caller that reads them pays for them.
-        logprobs = _log_softmax(logits[: accepted + 1])
-        yield Cycle(tokens=tokens, logprobs=logprobs, drafted=accepted, block_size=b)
+    anchor_id = anchor.tolist()[0]
+    pending = None
+    if committed != max_tokens and anchor_id not in stop_tokens:
+        pending = launch(anchor, position, committed)
+    try:
+        while pending is not None:
+            b, verdict, logits, features = pending
+            pending = None
+            values = verdict.tolist()
+            accepted = values[0]
+            tokens = values[1 : accepted + 2]
+            stop = next((i for i, t in enumerate(tokens) if t in stop_tokens), None)
+            if stop is not None:
+                tokens = tokens[: stop + 1]
+            kept = len(tokens)  # rows kept: the anchor and the accepted drafts before the last token
+            target.rollback(cache, keep=kept)
+            session.fed([anchor_id] + tokens[:-1])
+            if features is not None:
+                add_context(features[:, :kept])
+            acceptor.commit(tokens)
+            committed += len(tokens)
+            position += len(tokens)
+            anchor_id = tokens[-1]
+            if stop is None and (committed < max_tokens or max_tokens < 0):
+                pending = launch(mx.array([anchor_id], mx.int32), position, committed)
+            # Log-probabilities stay lazy: only a caller that reads them pays for them.
+            logprobs = _log_softmax(logits[:kept])
+            yield Cycle(tokens=tokens, logprobs=logprobs, drafted=min(accepted, kept), block_size=b)
+    finally:
+        if pending is not None:  # the consumer stopped early: undo the queued verify
+            session.undo_last_forward()

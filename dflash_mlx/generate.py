@@ -21,9 +21,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .acceptance import Acceptor
 from .block_size import default_block_size
 from .engine import speculative_cycles
-from .proposer import as_proposer
 from .sampling import SamplingSettings
-from .target import TargetAdapter
+from .session import Session, make_session
 
 
 @dataclass
@@ -60,9 +59,10 @@ def stream_generate(
     prefill_step_size: int = 2048,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
     max_draft_context: int | None = None,
-    draft_sampling: str = "sample",
+    draft_sampling: str | None = None,
     xtc_probability: float = 0.0,
     xtc_threshold: float = 0.1,
+    session: Session | None = None,
 ) -> Iterator[DFlashResponse]:
     """Generate from `model`, drafting with `draft` (a DFlash drafter, a Proposer or None).
 
@@ -77,6 +77,9 @@ def stream_generate(
     `max_draft_context` bounds the committed positions the drafter attends to (its
     sliding layers keep window - 1 anyway): less memory and draft time in long
     conversations, possibly lower acceptance; the output does not change.
+    `session` (from `make_session(model, draft)`) keeps the target and drafter
+    caches across calls: a prompt that extends the previous prompt and reply
+    (a chat's next turn) only prefills what is new. Output is unchanged.
     """
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     if max_tokens == 0:
@@ -86,11 +89,20 @@ def stream_generate(
     prompt = encode_prompt(tokenizer, prompt)
     if prompt.size == 0:
         raise ValueError("The prompt is empty: at least one token is needed.")
-    if max_draft_context is not None and max_draft_context < 1:
-        raise ValueError(f"max_draft_context must be >= 1, got {max_draft_context}.")
-    if draft_sampling not in ("sample", "argmax"):
-        raise ValueError(f"draft_sampling must be 'sample' or 'argmax', got {draft_sampling!r}.")
-    proposer = as_proposer(draft, model, max_draft_context, sample_drafts=draft_sampling == "sample")
+    if session is None:
+        session = make_session(
+            model, draft, max_draft_context=max_draft_context, draft_sampling=draft_sampling or "sample"
+        )
+    elif session.model is not model or session.draft is not draft:
+        raise ValueError("The session was made with another model or drafter (make_session(model, draft)).")
+    elif max_draft_context is not None:
+        raise ValueError("Pass max_draft_context to make_session, not with a session.")
+    elif draft_sampling is not None:
+        if draft_sampling not in ("sample", "argmax"):
+            raise ValueError(f"draft_sampling must be 'sample' or 'argmax', got {draft_sampling!r}.")
+        if hasattr(session.proposer, "sample_drafts"):
+            session.proposer.sample_drafts = draft_sampling == "sample"
+    proposer, target = session.proposer, session.target
     if xtc_probability and proposer is not None:
         raise ValueError(
             "XTC sampling (xtc_probability > 0) has no fixed distribution, so drafts cannot be "
@@ -98,7 +110,6 @@ def stream_generate(
         )
     if not 0 <= xtc_probability <= 1:
         raise ValueError(f"xtc_probability must be in [0, 1], got {xtc_probability!r}.")
-    target = TargetAdapter(model, proposer.layer_ids if proposer else ())
     if block_size is None:
         block_size = default_block_size(model, draft) if proposer else 1
     elif block_size < 1:
@@ -118,13 +129,14 @@ def stream_generate(
                 settings, prompt, logits_processors, seed,
                 xtc=(xtc_probability, xtc_threshold, sorted(eos)) if xtc_probability else None,
             ),
+            stop_tokens=eos, session=session,
         )
         n = 0
         with mx.stream(generation_stream):
             for cycle in cycles:
                 in_cycle = counts_cycles and not cycle.from_prefill
                 if n == 0:
-                    prompt_tps = prompt.size / (time.perf_counter() - tic)
+                    prompt_tps = (prompt.size - session.reused) / (time.perf_counter() - tic)
                     tic = time.perf_counter()
                 for i, token in enumerate(cycle.tokens):
                     n += 1

@@ -36,7 +36,7 @@ class OracleProposer:
         self.cycle = 0
         self.history: list[tuple[int, int]] = []  # (position, drafts offered)
 
-    def start(self, target, prompt: mx.array) -> None:
+    def start(self, target, prompt: mx.array, reused: int = 0) -> None:
         self.prompt_len = prompt.size
         self.cycle = 0
         self.history = []

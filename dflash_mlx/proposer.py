@@ -1,7 +1,8 @@
 """Proposers: what drafts tokens for a block. The engine accepts or rejects them.
 
 A proposer is any object with the `Proposer` shape: it is told about each new
-generation (`start`), fed the target's features of every newly committed
+generation (`start`; with `reused=n` when the caches kept the first n prompt
+positions from the previous generation, see `dflash_mlx.session`), fed the target's features of every newly committed
 position (`add_context`, in order, only if it asked for `layer_ids`), asked for
 the arrays to evaluate after each prefill chunk (`state`), and asked for
 `count` tokens to follow an anchor at an absolute position (`propose`).
@@ -35,7 +36,7 @@ class Proposer(Protocol):
     layer_ids: tuple[int, ...]  # target layers whose outputs it reads (may be empty)
     block_size: int  # preferred block size, anchor included
 
-    def start(self, target, prompt: mx.array) -> None: ...
+    def start(self, target, prompt: mx.array, reused: int = 0) -> None: ...
 
     def add_context(self, features: mx.array) -> None: ...
 
@@ -63,9 +64,21 @@ class DFlashProposer:
         self.target = None
         self.cache = None
 
-    def start(self, target, prompt: mx.array) -> None:
+    def start(self, target, prompt: mx.array, reused: int = 0) -> None:
         self.target = target
+        if reused and self.cache is not None and self._rewind(reused):
+            return
         self.cache = self.drafter.make_cache(self.max_context)
+        for c in self.cache:
+            c.skip(reused)  # context the drafter never saw: drafts get worse, output does not change
+
+    def _rewind(self, position: int) -> bool:
+        drop = self.context_end - position
+        if drop < 0 or any(drop > c.held_rows for c in self.cache):
+            return False
+        for c in self.cache:
+            c.trim(drop)
+        return True
 
     def add_context(self, features: mx.array) -> None:
         self.drafter.extend_context(features, self.cache)

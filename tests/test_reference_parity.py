@@ -180,4 +180,5 @@ def test_load_draft_from_hub_repo_id(tiny_target, tiny_draft, tmp_path):
         [sys.executable, "-c", script], env=hub_env(hub), capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == [str(json.loads((draft_dir / "config.json").read_text())["dflash_config"]["block_size"]), str(MASK_ID)]
+    block_size = json.loads((draft_dir / "config.json").read_text())["dflash_config"]["block_size"]
+    assert result.stdout.split() == [str(block_size), str(MASK_ID)]

@@ -56,6 +56,18 @@ class DraftContextCache:
         """Advance past `n` positions without storing them (they can never be seen)."""
         self.end += n
 
+    @property
+    def held_rows(self) -> int:
+        """Rows in the buffers (the most recent positions), visible or not."""
+        return self._rows
+
+    def trim(self, n: int) -> None:
+        """Forget the last `n` positions (at most `held_rows`)."""
+        if not 0 <= n <= self._rows:
+            raise ValueError(f"Cannot trim {n} context rows: {self._rows} are held.")
+        self._rows -= n
+        self.end -= n
+
     def append(self, keys: mx.array, values: mx.array) -> None:
         n = keys.shape[2]
         if self.keys is None or self._rows + n > self.keys.shape[2]:

@@ -1,0 +1,141 @@
+"""Target and drafter state kept across generations (prefix reuse).
+
+A `Session` owns the target's caches, the tokens they hold and the drafter
+that feeds on them. Each generation hands it the full prompt (for a chat: the
+whole templated history); `begin` keeps the longest prefix the caches already
+hold and returns its length, so only the rest is prefilled:
+
+- the prompt extends what the caches hold: nothing to undo;
+- it diverges inside the held tokens (a re-rendered reply, an edit): plain KV
+  caches are trimmed; ring (sliding-window) and Gated DeltaNet caches cannot
+  be trimmed, so they go back to the checkpoint taken at the end of the last
+  prompt's prefill, if that point is still a common prefix;
+- otherwise the caches start afresh.
+
+The engine keeps the caches honest: they hold the prompt and every committed
+token except the last (the next anchor, not yet fed), and generation stopped
+at a stop token keeps nothing at or after it. The drafter's context follows the
+same positions (`Proposer.start(..., reused=n)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from .proposer import Proposer, as_proposer
+from .target import TargetAdapter
+
+
+@dataclass
+class _Checkpoint:
+    position: int
+    states: list  # per cache: a private copy of its state, or None for trimmable caches
+
+
+def _copy(state):
+    """A copy no later in-place cache update can reach (lists and arrays included)."""
+    if isinstance(state, (list, tuple)):
+        return type(state)(_copy(x) for x in state)
+    return mx.array(state) if isinstance(state, mx.array) else state
+
+
+def _trimmable(c) -> bool:
+    return c is None or type(c) is KVCache
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Session:
+    """Caches of one conversation with one target (and optionally one drafter)."""
+
+    def __init__(self, target: TargetAdapter, proposer: Proposer | None, draft=None):
+        self.target = target
+        self.model = target.model
+        self.proposer = proposer
+        self.draft = draft  # what the proposer was made from (a drafter, a Proposer or None)
+        self.cache: list | None = None
+        self.tokens: list[int] = []  # what the caches hold, in order
+        self._checkpoint: _Checkpoint | None = None
+        self.reused = 0  # prompt tokens the last `begin` kept
+
+    def reset(self) -> None:
+        """Forget everything (the next generation prefills its whole prompt)."""
+        self.cache, self.tokens, self._checkpoint = None, [], None
+
+    def begin(self, prompt: list[int]) -> int:
+        """Make the caches hold a prefix of `prompt` (never all of it); return its length."""
+        keep = 0
+        if self.cache is not None:
+            common = common_prefix(self.tokens, prompt[:-1])
+            if common == len(self.tokens):
+                keep = common
+            elif common and all(_trimmable(c) for c in self.cache):
+                for c in self.cache:
+                    if c is not None:
+                        c.trim(len(self.tokens) - common)
+                keep = common
+            elif self._checkpoint and 0 < self._checkpoint.position <= common:
+                self._restore(self._checkpoint)
+                keep = self._checkpoint.position
+        if keep == 0:
+            self.cache = self.target.make_cache()
+        self.tokens = list(prompt[:keep])
+        if self.proposer is not None:
+            if keep:
+                self.proposer.start(self.target, mx.array(prompt, mx.int32), reused=keep)
+            else:
+                self.proposer.start(self.target, mx.array(prompt, mx.int32))
+        self.reused = keep
+        return keep
+
+    def prefilled(self, prompt: list[int]) -> None:
+        """The whole prompt is in the caches: remember it, checkpoint untrimmable state."""
+        self.tokens = list(prompt)
+        if all(_trimmable(c) for c in self.cache):
+            self._checkpoint = None
+            return
+        states = [None if _trimmable(c) else _copy(c.state) for c in self.cache]
+        self._checkpoint = _Checkpoint(len(prompt), states)
+
+    def fed(self, tokens: list[int]) -> None:
+        """`tokens` were committed to the caches after the prompt."""
+        self.tokens.extend(tokens)
+
+    def undo_last_forward(self) -> None:
+        """Drop every row of the last (recorded) forward, or start afresh if impossible."""
+        try:
+            self.target.rollback(self.cache, keep=0)
+        except Exception:  # a single-row update of a full ring cannot be undone
+            self.reset()
+
+    def _restore(self, checkpoint: _Checkpoint) -> None:
+        for c, state in zip(self.cache, checkpoint.states):
+            if c is None:
+                continue
+            if state is None:
+                c.trim(len(self.tokens) - checkpoint.position)
+            else:
+                c.state = _copy(state)
+
+
+def make_session(
+    model: nn.Module, draft=None, *, max_draft_context: int | None = None, draft_sampling: str = "sample"
+) -> Session:
+    """A reusable cache for `stream_generate(..., session=...)` with this model and drafter."""
+    if draft_sampling not in ("sample", "argmax"):
+        raise ValueError(f"draft_sampling must be 'sample' or 'argmax', got {draft_sampling!r}.")
+    if max_draft_context is not None and max_draft_context < 1:
+        raise ValueError(f"max_draft_context must be >= 1, got {max_draft_context}.")
+    proposer = as_proposer(draft, model, max_draft_context, sample_drafts=draft_sampling == "sample")
+    return Session(TargetAdapter(model, proposer.layer_ids if proposer else ()), proposer, draft)
