@@ -1,0 +1,129 @@
+"""Every setting of a drafter training run, checked, with the flag that sets it.
+
+`TrainOptions` mirrors the `dflash-mlx train` flags one to one (field
+`block_size` is `--block-size`), so errors name the flag. The options that
+shape the training trajectory must not change between a run and its
+`--resume`; `check_resumable` compares them with a checkpoint's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+SAVE_DTYPES = ("float32", "bfloat16", "float16")
+TARGET_DTYPES = ("float32", "bfloat16", "float16")
+
+# Options that determine which batches, targets and updates a run makes.
+TRAJECTORY_OPTIONS = (
+    "model", "steps", "block_size", "draft_layers", "max_tokens", "max_length", "lr",
+    "warmup", "weight_decay", "grad_clip", "loss_decay", "batch_size", "anchors_per_seq",
+    "seed", "holdout", "target_layers", "mask_token_id", "intermediate_size",
+    "gen_temperature", "chat_template_kwargs", "target_dtype",
+)  # fmt: skip
+
+
+class OptionError(ValueError):
+    """A training option has a bad value (the message names the flag)."""
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class TrainOptions:
+    model: str  # target: local mlx-lm directory or Hugging Face repo id
+    data: str  # JSONL prompts
+    out: str  # output drafter directory
+    steps: int = 1000
+    block_size: int = 16
+    draft_layers: int = 5
+    max_tokens: int = 256  # response length when the target regenerates answers
+    max_length: int = 2048  # prompt + response tokens kept per training sequence
+    lr: float = 6e-4
+    warmup: float = 0.04  # fraction of the steps
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    loss_decay: float | None = None  # c of w_k = exp(-(k-1)/c); None: by block size
+    batch_size: int = 8
+    anchors_per_seq: int = 32
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    seed: int = 0
+    holdout: int = 16
+    val_max_tokens: int | None = None  # None: max_tokens
+    target_layers: list[int] | None = None  # None: derived from draft_layers
+    mask_token_id: int | None = None  # None: the tokenizer's mask token
+    intermediate_size: int | None = None  # None: the target's
+    gen_batch_size: int = 32
+    gen_temperature: float = 0.0
+    chat_template_kwargs: dict[str, Any] | None = None
+    work_dir: str | None = None  # None: <out>/work
+    responses: str | None = None  # None: <work_dir>/responses.jsonl
+    cache_features: bool = False
+    save_dtype: str = "float32"
+    target_dtype: str | None = None  # None: as stored
+    resume: bool = False
+    stop_at: int | None = None  # stop (with a checkpoint) at this step; resume later
+
+    def check(self) -> None:
+        """Raise OptionError for the first bad value."""
+        positive = ("steps", "block_size", "draft_layers", "max_tokens", "max_length", "batch_size",
+                    "anchors_per_seq", "save_every", "gen_batch_size")  # fmt: skip
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise OptionError(f"{flag(name)} must be an integer >= 1, got {value!r}.")
+        if self.block_size < 2:
+            raise OptionError(f"--block-size must be >= 2 (the anchor plus drafted rows), got {self.block_size}.")
+        for name in ("holdout", "keep_checkpoints", "seed"):
+            if getattr(self, name) < 0:
+                raise OptionError(f"{flag(name)} must be >= 0, got {getattr(self, name)}.")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise OptionError(f"--lr must be a positive number, got {self.lr!r}.")
+        if not 0 <= self.warmup < 1:
+            raise OptionError(f"--warmup is a fraction of the steps in [0, 1), got {self.warmup!r}.")
+        if self.weight_decay < 0 or self.grad_clip <= 0 or self.gen_temperature < 0:
+            name = "weight_decay" if self.weight_decay < 0 else (
+                "grad_clip" if self.grad_clip <= 0 else "gen_temperature")
+            raise OptionError(f"{flag(name)} has a bad value {getattr(self, name)!r}.")
+        if self.loss_decay is not None and not self.loss_decay > 0:
+            raise OptionError(f"--loss-decay must be > 0, got {self.loss_decay!r}.")
+        if self.val_max_tokens is not None and self.val_max_tokens < 1:
+            raise OptionError(f"--val-max-tokens must be >= 1, got {self.val_max_tokens}.")
+        if self.stop_at is not None and not 1 <= self.stop_at:
+            raise OptionError(f"--stop-at must be >= 1, got {self.stop_at}.")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise OptionError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}.")
+        if self.target_dtype is not None and self.target_dtype not in TARGET_DTYPES:
+            raise OptionError(
+                f"--target-dtype must be one of {', '.join(TARGET_DTYPES)}, got {self.target_dtype!r}."
+            )
+        layers = self.target_layers
+        if layers is not None and (
+            not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers)
+        ):
+            raise OptionError(f"--target-layers must be layer indices >= 0, got {self.target_layers!r}.")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise OptionError(f"--mask-token-id must be >= 0, got {self.mask_token_id}.")
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
+            raise OptionError("--chat-template-kwargs must be a JSON object.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_resumable(saved: dict[str, Any], current: TrainOptions, checkpoint: str) -> None:
+    """Refuse to resume with options that change the trajectory of the run."""
+    known = {f.name for f in fields(TrainOptions)}
+    for name in TRAJECTORY_OPTIONS:
+        if name not in known or name not in saved:
+            continue
+        before, now = saved[name], getattr(current, name)
+        if before != now:
+            raise OptionError(
+                f"{flag(name)} is {now!r} but the checkpoint {checkpoint} was trained with "
+                f"{before!r}: pass the same value to --resume (or start a new run in a new --out)."
+            )
