@@ -1,0 +1,298 @@
+"""mlx-lm's API with DFlash underneath: switch a script by changing one import.
+
+``from dflash_mlx.mlx_lm import load, stream_generate, generate`` instead of
+``from mlx_lm import ...``: the same signatures, keyword arguments and
+`GenerationResponse`s (ours add ``cycle_tokens``), greedy output token for token
+equal to mlx-lm's.
+
+- `load(path_or_repo, draft=None, **kwargs)` returns exactly what
+  ``mlx_lm.load(path_or_repo, **kwargs)`` returns (registry names from
+  models.toml are also accepted) and remembers the model's DFlash drafter
+  (``draft=``, else the registered one) outside the model: not a child module,
+  no attribute set on any mlx-lm object. `remember_draft` does the same for a
+  model loaded otherwise.
+- `stream_generate` / `generate` run DFlash with the explicit ``draft_model``
+  when it is a DFlash drafter, else with the remembered drafter;
+  ``num_draft_tokens=n`` means blocks of n + 1 (default: the drafter's own
+  block size, see `dflash_mlx.block_size`). An ordinary mlx-lm draft model, or
+  no drafter, runs ``mlx_lm.stream_generate`` itself. So do options DFlash
+  cannot honour (a sampler not made by ``make_sampler``, XTC,
+  ``min_tokens_to_keep > 1``, ``kv_bits``, ``max_kv_size``,
+  ``input_embeddings``, another ``stream``): plain mlx-lm decoding, with one
+  warning per reason and process. Unknown keyword arguments raise TypeError.
+- Samplers: see `dflash_mlx.mlx_lm_samplers`. Sampled DFlash draws its seed
+  from MLX's global generator, so ``mx.random.seed(n)`` before a call makes it
+  reproducible, as in mlx-lm (the samples differ from mlx-lm's; the
+  distribution is the same).
+- `make_prompt_cache(model)`: with a drafter, a `DFlashPromptCache` (target and
+  drafter state, a `dflash_mlx.session.Session`) with mlx-lm's semantics: each
+  call passes only the new tokens, the cache holds every earlier prompt and
+  generated token. Without one, mlx-lm's own cache. An mlx-lm cache passed
+  while DFlash runs is refused with an error, and so is ours for mlx-lm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import weakref
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .draft.load import load_draft
+from .draft.model import DFlashDraftModel
+from .generate import encode_prompt
+from .generate import stream_generate as dflash_stream_generate
+from .families import text_model
+from .mlx_lm_samplers import UnsupportedSampler, sampler_settings
+from .proposer import Proposer
+from .registry import lookup
+from .session import Session, make_session
+
+__all__ = [
+    "DFlashPromptCache", "generate", "load", "make_prompt_cache", "remember_draft", "remembered_draft",
+    "stream_generate",
+]
+
+# Every keyword mlx_lm.stream_generate passes on to generate_step / speculative_generate_step.
+OPTIONS = frozenset({
+    "sampler", "logits_processors", "max_kv_size", "prompt_cache", "prefill_step_size", "kv_bits",
+    "kv_group_size", "quantized_kv_start", "prompt_progress_callback", "input_embeddings", "num_draft_tokens",
+})
+
+_drafters: dict[int, object] = {}  # id(model) -> drafter; entries leave with their model
+_warned: set[str] = set()
+
+
+def remember_draft(model: nn.Module, draft) -> None:
+    """Use `draft` (a DFlash drafter, a Proposer or None) for `model` from now on."""
+    key = id(model)
+    if key not in _drafters:
+        weakref.finalize(model, _drafters.pop, key, None)
+    _drafters[key] = draft
+
+
+def remembered_draft(model: nn.Module):
+    """The drafter `load` or `remember_draft` recorded for `model`, or None."""
+    return _drafters.get(id(model))
+
+
+def load(path_or_repo: str | Path, draft: str | Path | None = None, **mlx_lm_load_kwargs):
+    """``mlx_lm.load(path_or_repo, **mlx_lm_load_kwargs)``, remembering the model's DFlash drafter.
+
+    `draft` is a drafter directory or repo id; None takes the one models.toml
+    registers for `path_or_repo` (a registry name is also accepted as target).
+    Without either, generation is plain mlx-lm decoding (a warning says so).
+    """
+    target = str(path_or_repo)
+    entry = lookup(target)
+    if entry is not None and not Path(target).expanduser().exists() and target.lower() == entry.name.lower():
+        target = _registered(entry, "target")
+    loaded = mlx_lm.load(target, **mlx_lm_load_kwargs)
+    model = loaded[0]
+    if draft is None and entry is not None:
+        draft = _registered(entry, "draft")
+    if draft is None:
+        warnings.warn(
+            f"No DFlash drafter is registered for '{path_or_repo}' (models.toml) and none was passed "
+            "(draft=...): generation falls back to plain mlx-lm decoding.",
+            stacklevel=2,
+        )
+        remember_draft(model, None)
+        return loaded
+    drafter = load_draft(draft, model, dtype=_norm_dtype(model), target_name=target)
+    remember_draft(model, drafter)
+    return loaded
+
+
+def _registered(entry, field: str) -> str:
+    """A registry entry's target or draft location (packaged directories for bundled entries)."""
+    path = getattr(entry, f"{field}_path", None)
+    return path() if callable(path) else getattr(entry, field)
+
+
+def _norm_dtype(model: nn.Module):
+    """The target's activation dtype (its final norm's): the drafter computes in it too."""
+    norm = getattr(getattr(text_model(model), "model", None), "norm", None)
+    return getattr(getattr(norm, "weight", None), "dtype", None)
+
+
+class DFlashPromptCache:
+    """An mlx-lm-style prompt cache for DFlash: target and drafter caches of one conversation.
+
+    ``tokens`` is everything the cache stands for (every earlier prompt and
+    generated token, as in an mlx-lm cache); the session below reuses what its
+    caches already hold of it.
+    """
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.tokens: list[int] = []
+
+    @property
+    def model(self) -> nn.Module:
+        return self.session.model
+
+    @property
+    def draft(self):
+        return self.session.draft
+
+
+def make_prompt_cache(model: nn.Module, max_kv_size: int | None = None, *, draft_model=None):
+    """A prompt cache for `stream_generate(..., prompt_cache=...)` with this model.
+
+    With a DFlash drafter (`draft_model`, else the remembered one) a
+    `DFlashPromptCache`; otherwise ``mlx_lm.models.cache.make_prompt_cache``.
+    """
+    draft = draft_model if draft_model is not None else remembered_draft(model)
+    if not _is_dflash(draft):
+        return mlx_lm_make_prompt_cache(model, max_kv_size=max_kv_size)
+    if max_kv_size is not None:
+        raise ValueError(
+            "max_kv_size: a DFlash prompt cache cannot be a bounded rotating cache (drafts are verified "
+            "and rolled back in it); pass max_kv_size=None, or decode without a drafter."
+        )
+    return DFlashPromptCache(make_session(model, draft))
+
+
+def _is_dflash(draft) -> bool:
+    return isinstance(draft, (DFlashDraftModel, Proposer))
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"dflash_mlx.mlx_lm: {reason}: falling back to mlx-lm's own decoding.", stacklevel=3)
+
+
+def _fallback_reason(kwargs: dict, stream) -> str | None:
+    """Why these options need mlx-lm's decoding, or None if DFlash honours them all."""
+    try:
+        sampler_settings(kwargs.get("sampler"))
+    except UnsupportedSampler as e:
+        return str(e)
+    for name in ("kv_bits", "max_kv_size", "input_embeddings"):
+        if kwargs.get(name) is not None:
+            return f"{name} is not supported with a DFlash drafter"
+    if stream is not generation_stream:
+        return "DFlash runs on mlx-lm's generation stream, not on another stream="
+    return None
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer,
+    prompt,
+    max_tokens: int = 256,
+    draft_model=None,
+    stream=generation_stream,
+    **kwargs,
+):
+    """``mlx_lm.stream_generate`` with DFlash drafting (see the module docstring)."""
+    unknown = sorted(set(kwargs) - OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"stream_generate() got an unexpected keyword argument {unknown[0]!r} "
+            f"(mlx-lm's options: {', '.join(sorted(OPTIONS))})."
+        )
+    draft = draft_model if draft_model is not None else remembered_draft(model)
+    cache = kwargs.get("prompt_cache")
+    reason = _fallback_reason(kwargs, stream) if _is_dflash(draft) else None
+    if not _is_dflash(draft) or reason:
+        if isinstance(cache, DFlashPromptCache):
+            raise ValueError(
+                "prompt_cache: a DFlash prompt cache cannot be used by mlx-lm's decoding"
+                + (f" ({reason})" if reason else " (no DFlash drafter)")
+                + "; make one with mlx_lm.models.cache.make_prompt_cache(model) instead."
+            )
+        if reason:
+            _warn_once(reason)
+        plain_draft = None if _is_dflash(draft_model) else draft_model
+        return mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens, draft_model=plain_draft, stream=stream,
+                                      **kwargs)  # fmt: skip
+    return _dflash(model, tokenizer, prompt, max_tokens, draft, **kwargs)
+
+
+def _dflash(model, tokenizer, prompt, max_tokens, draft, *, sampler=None, logits_processors=None,
+            prompt_cache=None, prefill_step_size=2048, prompt_progress_callback=None,
+            num_draft_tokens=None, kv_group_size=64, quantized_kv_start=None, **_unused_none):  # fmt: skip
+    # kv_group_size / quantized_kv_start only act with kv_bits, which falls back to mlx-lm;
+    # _unused_none holds kv_bits, max_kv_size and input_embeddings, all None here.
+    settings = sampler_settings(sampler)
+    if num_draft_tokens is not None and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int)
+                                         or num_draft_tokens < 0):  # fmt: skip
+        raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}.")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    ids = encode_prompt(tokenizer, prompt).tolist()
+    session, earlier = None, []
+    if isinstance(prompt_cache, DFlashPromptCache):
+        if prompt_cache.model is not model or prompt_cache.draft is not draft:
+            raise ValueError(
+                "prompt_cache: this DFlash prompt cache was made for another model or drafter "
+                "(make_prompt_cache(model, draft_model=...))."
+            )
+        session, earlier = prompt_cache.session, list(prompt_cache.tokens)
+    elif prompt_cache is not None:
+        raise ValueError(
+            "prompt_cache: an mlx-lm prompt cache (a list of per-layer caches) cannot hold the DFlash "
+            "drafter's state; make it with dflash_mlx.mlx_lm.make_prompt_cache(model)."
+        )
+    if logits_processors and earlier:
+        # mlx-lm's processors see the tokens of this call only, not the cached ones.
+        logits_processors = [_skipping(p, len(earlier)) for p in logits_processors]
+    responses = dflash_stream_generate(
+        model, draft, tokenizer, earlier + ids, max_tokens=max_tokens,
+        block_size=None if num_draft_tokens is None else num_draft_tokens + 1,
+        temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p,
+        logits_processors=logits_processors, prefill_step_size=prefill_step_size,
+        prompt_progress_callback=prompt_progress_callback, session=session,
+    )
+    return _relabelled(responses, len(ids), prompt_cache if session is not None else None, earlier + ids)
+
+
+def _skipping(processor, n: int):
+    def processor_without_cached_tokens(tokens: mx.array, logits: mx.array) -> mx.array:
+        return processor(tokens[n:], logits)
+
+    return processor_without_cached_tokens
+
+
+def _relabelled(responses, prompt_tokens: int, cache: DFlashPromptCache | None, held: list[int]):
+    """Report this call's prompt length (as mlx-lm does with a cache) and keep the cache's tokens."""
+    try:
+        for r in responses:
+            if cache is not None:
+                cache.tokens = held  # every prompt token and every token yielded so far
+                held.append(r.token)
+            yield dataclasses.replace(r, prompt_tokens=prompt_tokens)
+    finally:
+        responses.close()  # an early stop: the session undoes a queued verify now
+
+
+def generate(model: nn.Module, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
+    """``mlx_lm.generate``: the whole text, printed with timings when `verbose`."""
+    if verbose:
+        print("=" * 10)
+    text = ""
+    response = None
+    for response in stream_generate(model, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose:
+        print()
+        print("=" * 10)
+        if len(text) == 0:
+            print("No text generated for this prompt")
+            return text
+        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
+        print(f"Peak memory: {response.peak_memory:.3f} GB")
+    return text
