@@ -170,3 +170,11 @@ def stream_generate(
 def generate(model: nn.Module, draft, tokenizer, prompt, **kwargs) -> str:
     """The whole completion as one string (same arguments as `stream_generate`)."""
     return "".join(r.text for r in stream_generate(model, draft, tokenizer, prompt, **kwargs))
+
+
+if __name__ == "__main__":  # `python -m dflash_mlx.generate`: mlx_lm generate's flags (dflash_mlx.mlx_lm_cli)
+    import sys
+
+    from dflash_mlx.__main__ import main
+
+    main(["generate", *sys.argv[1:]])
