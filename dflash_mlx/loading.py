@@ -45,12 +45,12 @@ def load(
     model, tokenizer = mlx_lm_load(target_id, **mlx_lm_load_kwargs)[:2]
     drafter = load_draft(
         draft, model, bits=draft_bits, group_size=draft_group_size,
-        dtype=_float_dtype(model), target_name=target_id,
+        dtype=target_float_dtype(model), target_name=target_id,
     )
     return model, tokenizer, drafter
 
 
-def _float_dtype(model: nn.Module) -> mx.Dtype | None:
+def target_float_dtype(model: nn.Module) -> mx.Dtype | None:
     """The target's activation dtype (its final norm's), so the drafter computes alike."""
     norm = getattr(getattr(text_model(model), "model", None), "norm", None)
     return getattr(getattr(norm, "weight", None), "dtype", None)

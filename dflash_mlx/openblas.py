@@ -4,7 +4,7 @@ MLX's Linux CPU wheel bundles a slow reference BLAS. Preloading the system
 OpenBLAS (Debian: ``libopenblas0-pthread``) makes MLX's float32 matmuls use it
 instead. LD_PRELOAD only works when set before the process starts, so the CLI
 re-executes itself once with it set. Does nothing on macOS (MLX uses
-Accelerate and Metal there). Set ``DFLASH_MLX_NO_OPENBLAS=1`` to opt out.
+Accelerate and Metal there). Set ``DFLASH_MLX_NO_REEXEC=1`` to opt out.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import platform
 import sys
 from collections.abc import Mapping, Sequence
 
-DISABLE_ENV = "DFLASH_MLX_NO_OPENBLAS"
+DISABLE_ENV = "DFLASH_MLX_NO_REEXEC"
 GUARD_ENV = "_DFLASH_MLX_OPENBLAS_REEXEC"
 
 # Debian / Ubuntu multiarch locations of the pthread OpenBLAS.

@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 KINDS = ("dflash", "dflash2")
+REASONING_KEYS = ("enable_thinking", "reasoning_effort", "reasoning_strength")
 PACKAGE = "dflash_mlx"
 RESOURCE = "models.toml"
 
@@ -54,10 +55,23 @@ class RegistryEntry:
     family: str | None = None
     mlx_targets: tuple[str, ...] = ()
     notes: str = ""
+    reasoning: str | None = None  # the chat template's switch: one of REASONING_KEYS
+    reasoning_values: tuple[str, ...] = ()
+    reasoning_default: str | None = None  # applied when the user passes no --reasoning
+    bundled: bool = False  # target and draft are directories inside the package
+
+    def target_path(self) -> str:
+        """What to load the target from: its repo id, or the packaged directory."""
+        return str(resources.files(PACKAGE).joinpath(self.target)) if self.bundled else self.target
+
+    def draft_path(self) -> str:
+        return str(resources.files(PACKAGE).joinpath(self.draft)) if self.bundled else self.draft
 
     @property
     def aliases(self) -> tuple[str, ...]:
         """Every string ``lookup`` matches (case-insensitively) for this entry."""
+        if self.bundled:
+            return (self.name,)
         return (self.name, self.target, *self.mlx_targets)
 
 
@@ -104,6 +118,22 @@ def _check_notes(value: Any) -> str | None:
     return None if isinstance(value, str) else "expected a string"
 
 
+def _check_reasoning(value: Any) -> str | None:
+    if value in REASONING_KEYS:
+        return None
+    return f"expected one of {', '.join(REASONING_KEYS)}"
+
+
+def _check_levels(value: Any) -> str | None:
+    if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
+        return None
+    return "expected a non-empty list of strings such as [\"low\", \"medium\", \"high\"]"
+
+
+def _check_bool(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "expected true or false"
+
+
 # field -> (required, checker)
 _FIELDS = {
     "name": (True, _check_name),
@@ -114,7 +144,17 @@ _FIELDS = {
     "family": (False, _check_family),
     "mlx_targets": (False, _check_repo_list),
     "notes": (False, _check_notes),
+    "reasoning": (False, _check_reasoning),
+    "reasoning_values": (False, _check_levels),
+    "reasoning_default": (False, _check_notes),
+    "bundled": (False, _check_bool),
 }
+
+
+def _check_bundled_path(value: Any) -> str | None:
+    if isinstance(value, str) and value and not value.startswith("/") and ".." not in value.split("/"):
+        return None
+    return "expected a directory path inside the dflash_mlx package (bundled = true)"
 
 
 def _entry_label(index: int, table: Any) -> str:
@@ -136,9 +176,12 @@ def _parse_entry(source: str, index: int, table: Any) -> RegistryEntry:
             if required:
                 raise RegistryError(f"{where}: missing required field {key!r}")
             continue
+        if key in ("target", "draft") and table.get("bundled") is True:
+            check = _check_bundled_path
         problem = check(table[key])
         if problem:
             raise RegistryError(f"{where}: field {key!r}: {problem}, got {table[key]!r}")
+    _check_reasoning_fields(where, table)
     return RegistryEntry(
         name=table["name"],
         target=table["target"],
@@ -148,7 +191,24 @@ def _parse_entry(source: str, index: int, table: Any) -> RegistryEntry:
         family=table.get("family"),
         mlx_targets=tuple(table.get("mlx_targets", ())),
         notes=table.get("notes", ""),
+        reasoning=table.get("reasoning"),
+        reasoning_values=tuple(table.get("reasoning_values", ())),
+        reasoning_default=table.get("reasoning_default"),
+        bundled=table.get("bundled", False),
     )
+
+
+def _check_reasoning_fields(where: str, table: dict) -> None:
+    key, values, default = table.get("reasoning"), table.get("reasoning_values"), table.get("reasoning_default")
+    if (values or default) and not key:
+        raise RegistryError(f"{where}: field 'reasoning' is required with reasoning_values / reasoning_default")
+    if key == "enable_thinking" and values:
+        raise RegistryError(f"{where}: field 'reasoning_values': enable_thinking takes only on/off")
+    allowed = ("on", "off") if key == "enable_thinking" else tuple(values or ())
+    if default is not None and allowed and default not in allowed:
+        raise RegistryError(
+            f"{where}: field 'reasoning_default': expected one of {', '.join(allowed)}, got {default!r}"
+        )
 
 
 def parse_registry(text: str, source: str = RESOURCE) -> list[RegistryEntry]:
@@ -179,6 +239,8 @@ def parse_registry(text: str, source: str = RESOURCE) -> list[RegistryEntry]:
 
 
 def _alias_fields(entry: RegistryEntry) -> list[tuple[str, str]]:
+    if entry.bundled:
+        return [("name", entry.name)]
     pairs = [("name", entry.name), ("target", entry.target)]
     return pairs + [("mlx_targets", m) for m in entry.mlx_targets]
 

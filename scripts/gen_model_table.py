@@ -38,14 +38,21 @@ def render_table(models_toml: Path) -> str:
     """The Markdown table (no markers) for the entries of ``models_toml``."""
     entries = _registry_module().load_registry(models_toml)
     lines = [
-        "| name | target | also matches (MLX conversions, unverified) | drafter | block | kind | notes |",
-        "|---|---|---|---|---:|---|---|",
+        "| name | target | also matches (MLX conversions, unverified) | drafter | family | block | kind "
+        "| reasoning | notes |",
+        "|---|---|---|---|---|---:|---|---|---|",
     ]
     for e in entries:
         also = "<br>".join(f"`{m}`" for m in e.mlx_targets)
+        where = " (bundled)" if e.bundled else ""
+        reasoning = ""
+        if e.reasoning:
+            levels = "on/off" if e.reasoning == "enable_thinking" else "/".join(e.reasoning_values)
+            default = f", default {e.reasoning_default}" if e.reasoning_default else ""
+            reasoning = f"`{e.reasoning}` {levels}{default}"
         lines.append(
-            f"| `{e.name}` | `{e.target}` | {also} | `{e.draft}` | {e.block_size} "
-            f"| {e.kind} | {_cell(e.notes)} |"
+            f"| `{e.name}` | `{e.target}`{where} | {also} | `{e.draft}`{where} | {e.family or ''} | {e.block_size} "
+            f"| {e.kind} | {reasoning} | {_cell(e.notes)} |"
         )
     return "\n".join(lines)
 

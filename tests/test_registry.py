@@ -59,7 +59,10 @@ def test_known_pair_fields():
             "mlx-community/Qwen3-4B-4bit",
         ),
         notes="non-thinking: enable_thinking=False",
+        reasoning="enable_thinking",
+        reasoning_default="off",
     )
+    assert lookup("gpt-oss-20b").reasoning_values == ("low", "medium", "high")
     llama = lookup("llama3.1-8b-instruct")
     assert llama.block_size == 10
     assert llama.draft == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
@@ -117,6 +120,14 @@ def test_load_registry_from_file(tmp_path):
         ('family = "qwen3"', "family = 3", "family"),
         ('mlx_targets = ["mlx-community/Tiny-1B-4bit"]', 'mlx_targets = "x/y"', "mlx_targets"),
         ('notes = "test entry"', 'nots = "typo"', "nots"),
+        ('notes = "test entry"', 'reasoning = "thinking"', "reasoning"),
+        ('notes = "test entry"', 'reasoning = "reasoning_effort"\nreasoning_values = []', "reasoning_values"),
+        ('notes = "test entry"', 'reasoning_values = ["low"]', "reasoning"),
+        ('notes = "test entry"', 'reasoning = "enable_thinking"\nreasoning_values = ["a"]', "reasoning_values"),
+        ('notes = "test entry"', 'reasoning = "reasoning_effort"\nreasoning_values = ["low"]\n'
+         'reasoning_default = "high"', "reasoning_default"),
+        ('notes = "test entry"', 'bundled = "yes"', "bundled"),
+        ('target = "acme/Tiny-1B"', 'target = "../outside"\nbundled = true', "target"),
     ],
 )
 def test_malformed_entry_names_file_entry_and_field(tmp_path, old, new, field):

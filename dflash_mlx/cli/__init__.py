@@ -1,0 +1,56 @@
+"""The ``dflash-mlx`` command line (Typer + rich).
+
+Commands: ``chat``, ``generate``, ``bench``, ``models``, ``doctor`` (and
+``train`` / ``serve`` from their own packages). Each lives in its own module;
+this one builds the app. ``main()`` is the console-script entry point: on
+Linux it first re-executes with the system OpenBLAS preloaded (see
+``dflash_mlx.openblas``); embedders and tests use ``app`` directly.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .. import __version__, openblas
+from .bench_cmd import bench
+from .chat import chat
+from .generate_cmd import generate
+from .info import doctor, models
+
+app = typer.Typer(
+    name="dflash-mlx",
+    help="Lossless block-diffusion speculative decoding (DFlash) for MLX.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"dflash-mlx {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Lossless block-diffusion speculative decoding (DFlash) for MLX."""
+
+
+app.command()(chat)
+app.command()(generate)
+app.command()(bench)
+app.command()(models)
+app.command()(doctor)
+
+
+def main() -> None:
+    """Console entry point: preload OpenBLAS on Linux (re-exec), then run the app."""
+    openblas.maybe_reexec()
+    app()

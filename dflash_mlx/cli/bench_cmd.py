@@ -1,0 +1,136 @@
+"""`dflash-mlx bench`: mlx-lm's decoding vs DFlash on a packaged dataset, one process.
+
+Progress over prompts while it runs, then a rich table; `--out FILE` writes the
+JSON report (see `dflash_mlx.benchmark.report`) atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ..benchmark import BenchSettings, report, run_benchmark
+from ..chat_template import reasoning_kwargs
+from ..datasets import DATASETS, sample
+from ..environment import describe
+from ..resolve import choose_block_size
+from .common import DraftOpt, ModelOpt, ReasoningOpt, console, fail, load_models, user_errors
+
+
+def bench(
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    dataset: Annotated[str, typer.Option("--dataset", "-d", help=f"One of {', '.join(DATASETS)}.")] = "gsm8k",
+    num_prompts: Annotated[int, typer.Option("--num-prompts", min=1, help="Prompts (fixed-seed sample).")] = 10,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Tokens per reply.")] = 256,
+    block_size: Annotated[
+        list[int] | None, typer.Option("--block-size", "-b", min=1, help="Block size; repeat to compare several.")
+    ] = None,
+    temperature: Annotated[float, typer.Option("--temperature", "--temp", min=0.0, help="0: greedy.")] = 0.0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for sampled runs.")] = 0,
+    baseline: Annotated[
+        str, typer.Option("--baseline", help="mlx-lm (plain decoding) or mlx-lm-draft (adds a third leg).")
+    ] = "mlx-lm",
+    draft_model: Annotated[
+        str | None, typer.Option("--draft-model", help="mlx-lm draft model for --baseline mlx-lm-draft.")
+    ] = None,
+    num_draft_tokens: Annotated[int, typer.Option("--num-draft-tokens", min=1)] = 3,
+    reasoning: ReasoningOpt = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the JSON report here.")] = None,
+) -> None:
+    """Benchmark DFlash against mlx-lm's plain decoding on the same prompts."""
+    if dataset not in DATASETS:
+        fail(f"--dataset: expected one of {', '.join(DATASETS)}, got {dataset!r}.")
+    if baseline not in ("mlx-lm", "mlx-lm-draft"):
+        fail(f"--baseline: expected mlx-lm or mlx-lm-draft, got {baseline!r}.")
+    if (baseline == "mlx-lm-draft") != (draft_model is not None):
+        fail("--baseline mlx-lm-draft and --draft-model PATH go together.")
+    if out is not None and out.is_dir():
+        fail(f"--out {out}: is a directory; expected a file name.")
+    choice, model_, tokenizer, drafter = load_models(model, draft)
+    with user_errors():
+        template_kwargs = reasoning_kwargs(tokenizer, reasoning, choice.entry, choice.label)
+        sizes = block_size or [choose_block_size(None, choice.entry, model_, drafter)]
+        conversations = sample(dataset, num_prompts)
+        assistant = None
+        if draft_model is not None:
+            from mlx_lm import load as mlx_lm_load
+
+            assistant = mlx_lm_load(draft_model)[0]
+    settings = BenchSettings(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                             template_kwargs=template_kwargs, num_draft_tokens=num_draft_tokens)  # fmt: skip
+    progress = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.fields[leg]}"), console=console, transient=True,
+    )
+    with progress:
+        task = progress.add_task(f"{dataset} (warm-up)", total=len(conversations), leg="")
+
+        def on_prompt(i: int, leg: str) -> None:
+            progress.update(task, completed=i, description=dataset, leg=leg)
+
+        legs = run_benchmark(model_, tokenizer, drafter, conversations, sizes, settings,
+                             draft_model=assistant, on_prompt=on_prompt)  # fmt: skip
+        progress.update(task, completed=len(conversations))
+    dtype = str(next(iter(_float_dtypes(model_)), "quantized"))
+    doc = report(legs, describe(dtype=dtype), {
+        "model": choice.label, "target": choice.target, "draft": choice.draft, "dataset": dataset,
+        "num_prompts": len(conversations), "max_tokens": max_tokens, "temperature": temperature,
+        "seed": seed, "baseline": "mlx_lm.stream_generate",
+    })
+    _print_table(doc, legs)
+    if out is not None:
+        _write_atomic(out, json.dumps(doc, indent=2) + "\n")
+        console.print(f"[dim]Report written to {out}[/]")
+
+
+def _float_dtypes(model):
+    from mlx.utils import tree_flatten
+
+    return [v.dtype for _, v in tree_flatten(model.parameters()) if "float" in str(v.dtype)][:1]
+
+
+def _print_table(doc: dict, legs) -> None:
+    env = doc["environment"]
+    title = f"{doc['model']} · {doc['dataset']} · {doc['num_prompts']} prompts · {env['chip']} ({env['device']})"
+    table = Table(title=title, box=box.SIMPLE_HEAD)
+    for col in ("leg", "tok/s", "speedup", "tokens/cycle", "same text as baseline"):
+        table.add_column(col, justify="left" if col == "leg" else "right")
+    table.add_row("mlx-lm (baseline)", f"{doc['baseline_tps']:.1f}", "1.00x", "-", "-")
+    for run in doc["runs"]:
+        acc = run["acceptance_length"]
+        table.add_row(
+            f"DFlash b={run['block_size']}", f"{run['dflash_tps']:.1f}", f"{run['speedup']:.2f}x",
+            f"{acc:.2f}" if acc is not None else "-", "yes" if run["greedy_matches"] else "no",
+        )
+    if "mlx_lm_draft" in doc:
+        d = doc["mlx_lm_draft"]
+        table.add_row("mlx-lm draft model", f"{d['tps']:.1f}", f"{d['speedup']:.2f}x", "-",
+                      "yes" if d["greedy_matches"] else "no")  # fmt: skip
+    console.print(table)
+    hist = doc["histogram"]
+    console.print("[dim]tokens per cycle (first block size): "
+                  + "  ".join(f"{k}:{v}" for k, v in hist.items()) + "[/]")  # fmt: skip
+    if doc["temperature"] == 0 and not all(r["greedy_matches"] for r in doc["runs"]):
+        console.print("[yellow]Some greedy DFlash replies differ from the baseline's (see the JSON "
+                      "'prompts'): near-tie logits in low precision can flip a token.[/]")  # fmt: skip
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

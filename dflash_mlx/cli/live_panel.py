@@ -1,0 +1,57 @@
+"""The live view of a reply: streamed text above a panel of speed and acceptance.
+
+`reply_view` renders the text so far plus a panel with tok/s, mean tokens per
+cycle and the acceptance histogram (cycles that committed 1..block size
+tokens), redrawn by rich's `Live` while tokens arrive. `summary_line` is the
+one line printed after each turn.
+"""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from ..stats import RunStats
+
+BAR_WIDTH = 30
+
+
+def histogram_table(stats: RunStats) -> Table:
+    table = Table.grid(padding=(0, 1))
+    table.add_column(justify="right", style="bold")
+    table.add_column()
+    table.add_column(justify="right", style="dim")
+    counts = stats.histogram_dict()
+    top = max(counts.values(), default=0)
+    for size, count in counts.items():
+        width = round(BAR_WIDTH * count / top) if top else 0
+        table.add_row(size, Text("█" * width or "·", style="cyan"), str(count))
+    return table
+
+
+def stats_title(stats: RunStats) -> str:
+    parts = [f"{stats.tps:.1f} tok/s", f"{stats.tokens} tokens"]
+    if stats.acceptance_length is not None:
+        parts.append(f"{stats.acceptance_length:.2f} tokens/cycle")
+    if stats.block_size:
+        parts.append(f"block {stats.block_size}")
+    return " · ".join(parts)
+
+
+def stats_panel(stats: RunStats) -> Panel:
+    body = histogram_table(stats) if stats.block_size else Text("plain decoding (no drafter)", style="dim")
+    return Panel(body, title=stats_title(stats), title_align="left", subtitle="tokens per cycle",
+                 subtitle_align="left", border_style="blue", expand=False)  # fmt: skip
+
+
+def reply_view(text: str, stats: RunStats) -> Group:
+    return Group(Text(text), stats_panel(stats))
+
+
+def summary_line(stats: RunStats) -> str:
+    accept = f", mean acceptance {stats.acceptance_length:.2f}" if stats.acceptance_length is not None else ""
+    return (
+        f"{stats.tokens} tokens, {stats.tps:.1f} tok/s{accept}, peak memory {stats.peak_memory_gb:.2f} GB"
+    )

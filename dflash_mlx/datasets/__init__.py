@@ -1,0 +1,51 @@
+"""Benchmark prompts packaged with dflash-mlx (GSM8K test, HumanEval, MT-Bench).
+
+The files are copies of the public datasets with their licences alongside
+(LICENSE.*). Prompt formats follow upstream DFlash's benchmarks: GSM8K asks for
+step-by-step reasoning and a boxed answer, HumanEval for a solution that passes
+the tests, MT-Bench is multi-turn (each later turn sees the model's own earlier
+replies). Samples are shuffled with a fixed seed (42) so every run and every
+machine benchmarks the same prompts.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from importlib import resources
+
+DATASETS = ("gsm8k", "humaneval", "mt-bench")
+SEED = 42
+GSM8K_FORMAT = "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+HUMANEVAL_FORMAT = (
+    "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+)
+
+
+def _lines(name: str) -> list[dict]:
+    file = resources.files(__name__).joinpath(name)
+    raw = file.read_bytes()
+    if name.endswith(".gz"):
+        raw = gzip.decompress(raw)
+    return [json.loads(line) for line in raw.decode("utf-8").splitlines() if line.strip()]
+
+
+def conversations(dataset: str) -> list[list[str]]:
+    """Every item of `dataset` as its list of user turns (one turn except MT-Bench)."""
+    if dataset == "gsm8k":
+        return [[GSM8K_FORMAT.format(question=row["question"])] for row in _lines("gsm8k_test.jsonl")]
+    if dataset == "humaneval":
+        return [[HUMANEVAL_FORMAT.format(prompt=row["prompt"].strip())] for row in _lines("HumanEval.jsonl.gz")]
+    if dataset == "mt-bench":
+        return [list(row["turns"]) for row in _lines("mt_bench_questions.jsonl")]
+    raise ValueError(f"--dataset: expected one of {', '.join(DATASETS)}, got {dataset!r}.")
+
+
+def sample(dataset: str, num_prompts: int, seed: int = SEED) -> list[list[str]]:
+    """`num_prompts` items of `dataset` after a fixed-seed shuffle."""
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts: expected an integer >= 1, got {num_prompts}.")
+    items = conversations(dataset)
+    random.Random(seed).shuffle(items)
+    return items[:num_prompts]

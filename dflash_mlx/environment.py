@@ -1,0 +1,92 @@
+"""Facts about the machine a run happens on (for `doctor` and benchmark reports).
+
+Platform, chip or CPU model, MLX / mlx-lm versions, the device MLX computes
+on (Metal GPU or CPU), memory, and on Linux which BLAS library the process
+actually has loaded (MLX's bundled reference BLAS is slow; the system OpenBLAS
+is what `dflash_mlx.openblas` preloads).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def chip() -> str:
+    """The Apple chip (e.g. "Apple M4 Max") or the CPU model name."""
+    if platform.system() == "Darwin":
+        try:
+            out = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5
+            )
+            if out.stdout.strip():
+                return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def memory_gb() -> float | None:
+    """Total physical memory."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def loaded_blas() -> str | None:
+    """On Linux: the BLAS shared library this process has mapped (None elsewhere)."""
+    if platform.system() != "Linux":
+        return None
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            maps = f.read()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split()[-1] if line.split() else ""
+        if "libopenblas" in os.path.basename(path):
+            return f"OpenBLAS ({path})"
+    return "MLX's bundled reference BLAS (slow)"
+
+
+def device() -> str:
+    import mlx.core as mx
+
+    return "Metal GPU" if mx.metal.is_available() else "CPU"
+
+
+def describe(**extra) -> dict:
+    """A JSON-ready description of this machine and software (plus `extra` fields)."""
+    info = {
+        "os": platform.platform(),
+        "chip": chip(),
+        "cpu_count": os.cpu_count(),
+        "memory_gb": round(memory_gb() or 0, 1) or None,
+        "python": platform.python_version(),
+        "mlx": package_version("mlx"),
+        "mlx_lm": package_version("mlx-lm"),
+        "dflash_mlx": package_version("dflash-mlx"),
+        "device": device(),
+    }
+    blas = loaded_blas()
+    if blas is not None:
+        info["blas"] = blas
+    info.update(extra)
+    return info

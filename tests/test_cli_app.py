@@ -1,0 +1,245 @@
+"""The terminal app on tiny local models: chat, generate, bench, models, doctor.
+
+Commands run through Typer's CliRunner (the app object, no re-exec); one test
+drives `dflash-mlx chat` in a real pseudo-terminal with pexpect.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_mlx import generate as dflash_generate
+from dflash_mlx.chat_template import ReasoningError, reasoning_kwargs
+from dflash_mlx.cli import app
+from dflash_mlx.registry import RegistryEntry, lookup
+from dflash_mlx.resolve import ModelChoiceError, choose_block_size, choose_model
+from tiny_models import load_pair
+
+runner = CliRunner()
+
+
+def invoke(*args, input=None):
+    return runner.invoke(app, [str(a) for a in args], input=input, catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(qwen3_target, qwen3_draft):
+    return qwen3_target, qwen3_draft
+
+
+def test_generate_json_has_the_text_and_the_statistics(pair_dirs):
+    target, draft = pair_dirs
+    r = invoke("generate", "hello there", "--model", target, "--draft", draft, "-n", 24, "--json", "-b", 4)
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {"text", "tokens", "tps", "acceptance_length", "histogram", "peak_memory_gb"} <= set(out)
+    assert list(out["histogram"]) == ["1", "2", "3", "4"]
+    assert sum(int(k) * v for k, v in out["histogram"].items()) == out["tokens"] - 1
+    model, tokenizer, drafter = load_pair(target, draft)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}], tokenize=False,
+                                           add_generation_prompt=True)  # fmt: skip
+    assert out["text"] == dflash_generate(model, None, tokenizer, prompt, max_tokens=24)
+
+
+def test_generate_raw_streams_the_plain_continuation(pair_dirs):
+    target, draft = pair_dirs
+    r = invoke("generate", "hello there", "--model", target, "--draft", draft, "-n", 16, "--raw")
+    assert r.exit_code == 0
+    model, tokenizer, _ = load_pair(target, draft)
+    assert r.stdout.startswith(dflash_generate(model, None, tokenizer, "hello there", max_tokens=16))
+    plain = invoke("generate", "hello there", "--model", target, "--no-dflash", "-n", 16, "--raw")
+    assert plain.stdout == r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "qwen3-4bb"], "Did you mean qwen3-4b"),
+        (["--model", "kimi-k2.5"], "cannot run that family"),
+        (["--model", "someone/unknown-model"], "--draft PATH_OR_REPO"),
+        (["--model", "/"], "has no config.json"),
+    ],
+)
+def test_errors_say_what_to_do(args, message):
+    r = invoke("generate", "hi", *args)
+    assert r.exit_code == 2
+    assert message in " ".join(r.stderr.split())
+
+
+def test_reasoning_without_a_template_key_is_refused(pair_dirs):
+    target, draft = pair_dirs
+    r = invoke("generate", "hi", "--model", target, "--draft", draft, "--reasoning", "high")
+    assert r.exit_code == 2
+    assert "has none of enable_thinking, reasoning_effort, reasoning_strength" in " ".join(r.stderr.split())
+
+
+class FakeTokenizer:
+    def __init__(self, template):
+        self.chat_template = template
+
+
+def test_reasoning_levels_map_onto_the_template_key():
+    thinking = FakeTokenizer("{% if enable_thinking is defined and enable_thinking is false %}{% endif %}")
+    assert reasoning_kwargs(thinking, "off") == {"enable_thinking": False}
+    assert reasoning_kwargs(thinking, "on") == {"enable_thinking": True}
+    with pytest.raises(ReasoningError, match="use on or off"):
+        reasoning_kwargs(thinking, "high")
+    effort = FakeTokenizer("{% if reasoning_effort == 'low' %}{% elif reasoning_effort == 'high' %}"
+                           "{% elif reasoning_effort == 'medium' %}{% endif %}")  # fmt: skip
+    assert reasoning_kwargs(effort, "low") == {"reasoning_effort": "low"}
+    with pytest.raises(ReasoningError, match="low, medium, high"):
+        reasoning_kwargs(effort, "xhigh")
+    with pytest.raises(ReasoningError, match="cannot be switched off"):
+        reasoning_kwargs(effort, "off")
+    gpt_oss = lookup("gpt-oss-20b")
+    assert reasoning_kwargs(FakeTokenizer(""), "medium", gpt_oss) == {"reasoning_effort": "medium"}
+    glimmer = lookup("muse-glimmer-30b")
+    assert reasoning_kwargs(FakeTokenizer(""), None, glimmer) == {"reasoning_strength": "high"}
+    assert reasoning_kwargs(FakeTokenizer(""), "xhigh", glimmer) == {"reasoning_strength": "xhigh"}
+    qwen3 = lookup("qwen3-4b")  # the registry default: non-thinking
+    assert reasoning_kwargs(thinking, None, qwen3) == {"enable_thinking": False}
+    with pytest.raises(ReasoningError, match="expected one of"):
+        reasoning_kwargs(thinking, "loud")
+
+
+def test_block_size_precedence(tiny_target, tiny_draft):
+    target = tiny_target("qwen3", quantize_bits=4)
+    model, _, drafter = load_pair(target, tiny_draft(target, block_size=16, target_layer_ids=[1, 2]))
+    entry = RegistryEntry("x", "a/b", "c/d", block_size=8, kind="dflash")
+    assert choose_block_size(12, entry, model, drafter) == 12  # the flag wins, even above the cap
+    assert choose_block_size(None, entry, model, drafter) == 5  # registry 8, capped for 4-bit
+    assert choose_block_size(None, None, model, drafter) == 5  # drafter 16, capped
+    plain, _, plain_drafter = load_pair(*(lambda t: (t, tiny_draft(t, block_size=16, target_layer_ids=[1, 2])))(
+        tiny_target("qwen3")))  # fmt: skip
+    assert choose_block_size(None, entry, plain, plain_drafter) == 8
+    assert choose_block_size(None, None, plain, plain_drafter) == 16
+    assert choose_block_size(None, entry, plain, None) is None
+
+
+def test_choose_model_takes_names_repo_ids_and_directories(qwen3_target):
+    choice = choose_model("qwen3-4b")
+    assert (choice.target, choice.draft) == ("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16")
+    choice = choose_model("mlx-community/Qwen3-4B-4bit")
+    assert (choice.target, choice.draft) == ("mlx-community/Qwen3-4B-4bit", "z-lab/Qwen3-4B-DFlash-b16")
+    assert choose_model("qwen3-4b", "my/drafter").draft == "my/drafter"
+    assert choose_model(str(qwen3_target), use_draft=False).draft is None
+    with pytest.raises(ModelChoiceError, match="no drafter is registered"):
+        choose_model(str(qwen3_target))
+
+
+def test_chat_commands_and_history(pair_dirs):
+    target, draft = pair_dirs
+    script = "\n".join([
+        "/help", "hello", "/block 3", "/temp 0.5", "/temp -1", "/block x", "/system be brief",
+        "and again", "/stats", "/reset", "/nonsense", "/quit",
+    ]) + "\n"
+    r = invoke("chat", "--model", target, "--draft", draft, "-n", 12, input=script)
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.stdout.split())
+    for expected in ("/reset", "Block size 3.", "Temperature 0.5.", "/temp: expected a number >= 0",
+                     "/block: expected an integer >= 1", "System prompt set.", "Conversation cleared.",
+                     "Unknown command /nonsense", "tokens per cycle", "mean acceptance"):  # fmt: skip
+        assert expected in out, expected
+    assert out.count("cached)") == 2
+    assert "(0 cached)" in out  # the first turn prefills everything
+
+
+def test_chat_reuses_the_conversation_prefix(pair_dirs):
+    target, draft = pair_dirs
+    r = invoke("chat", "--model", target, "--draft", draft, "-n", 8, input="hello\nmore\n/quit\n")
+    assert r.exit_code == 0
+    cached = [int(part.split("(")[1].split()[0]) for part in r.stdout.split("prompt ")[1:]]
+    assert cached[0] == 0 and cached[1] > 10
+
+
+def test_bench_report_is_consistent(pair_dirs, tmp_path):
+    target, draft = pair_dirs
+    out = tmp_path / "report.json"
+    r = invoke("bench", "--model", target, "--draft", draft, "--num-prompts", 2, "--max-tokens", 12,
+               "-b", 4, "-b", 2, "--baseline", "mlx-lm-draft", "--draft-model", target, "--out", out)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    for key in ("speedup", "acceptance_length", "baseline_tps", "dflash_tps", "histogram",
+                "per_position_acceptance", "prefill_tps", "peak_memory_gb", "prompts", "environment", "runs"):
+        assert key in doc, key
+    assert [run["block_size"] for run in doc["runs"]] == [4, 2]
+    for run in doc["runs"]:
+        assert run["speedup"] == pytest.approx(run["dflash_tps"] / run["baseline_tps"])
+        b = run["block_size"]
+        assert list(run["histogram"]) == [str(k) for k in range(1, b + 1)]
+        assert len(run["per_position_acceptance"]) == b - 1
+        cycles = sum(run["histogram"].values())
+        committed = sum(int(k) * v for k, v in run["histogram"].items())
+        assert run["dflash_tokens"] == committed + len(run["prompts"])  # + each reply's first token
+        assert run["greedy_matches"] and all(p["matches_baseline"] for p in run["prompts"])
+        assert len(run["prompts"]) == 2
+        accept = [p["acceptance_length"] for p in run["prompts"]]
+        assert run["acceptance_length"] == pytest.approx(sum(accept) / 2)
+        assert all(0 <= f <= 1 for f in run["per_position_acceptance"]) and cycles > 0
+    assert doc["speedup"] == doc["runs"][0]["speedup"]
+    assert doc["environment"]["block_size"] == 4 and doc["environment"]["mlx"]
+    assert doc["mlx_lm_draft"]["greedy_matches"]
+    assert "DFlash b=4" in r.stdout and "mlx-lm (baseline)" in r.stdout
+
+
+def test_bench_multi_turn_dataset_and_errors(pair_dirs, tmp_path):
+    target, draft = pair_dirs
+    out = tmp_path / "mt.json"
+    r = invoke("bench", "--model", target, "--draft", draft, "--dataset", "mt-bench", "--num-prompts", 1,
+               "--max-tokens", 6, "--out", out)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    assert doc["prompts"][0]["turns"] == 2 and len(doc["prompts"][0]["text"]) == 2
+    bad = invoke("bench", "--model", target, "--draft", draft, "--dataset", "mmlu")
+    assert bad.exit_code == 2 and "--dataset: expected one of gsm8k, humaneval, mt-bench" in bad.stderr
+    bad = invoke("bench", "--model", target, "--draft", draft, "--baseline", "mlx-lm-draft")
+    assert bad.exit_code == 2 and "--draft-model" in bad.stderr
+
+
+def test_models_and_doctor():
+    r = runner.invoke(app, ["models"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0
+    assert "qwen3-4b" in r.stdout and "reasoning_effort: low/medium/high" in r.stdout
+    assert "kimi_k25 *" in r.stdout and "not supported" in r.stdout
+    r = invoke("doctor")
+    assert r.exit_code == 0
+    assert "mlx" in r.stdout and "device" in r.stdout
+
+
+@pytest.mark.skipif(shutil.which("dflash-mlx") is None, reason="console script not installed")
+def test_chat_in_a_real_terminal(pair_dirs):
+    pexpect = pytest.importorskip("pexpect")
+    target, draft = pair_dirs
+    env = dict(os.environ, TERM="xterm", COLUMNS="120")
+    child = pexpect.spawn(shutil.which("dflash-mlx"), ["chat", "--model", str(target), "--draft", str(draft),
+                          "-n", "-1"], encoding="utf-8", timeout=120, dimensions=(40, 120), env=env)  # fmt: skip
+    child.logfile_read = sys.stdout if os.environ.get("DFLASH_TEST_VERBOSE") else None
+    child.expect("you>")
+    child.sendline("hello")  # this tiny model's reply runs for hundreds of tokens
+    child.expect("assistant>")
+    child.expect("tokens per cycle")  # the live histogram panel
+    child.expect(r"\d+\.\d tok/s · [1-9]\d* tokens")  # tokens are streaming
+    child.sendintr()
+    child.expect(r"reply interrupted")
+    child.expect("you>")
+    child.sendline("/block 4")
+    child.expect("Block size 4")
+    child.sendline("second turn")
+    child.expect("tokens per cycle")
+    child.sendintr()
+    child.expect(r"cached\)")
+    child.expect("you>")
+    child.sendline("/reset")
+    child.expect("Conversation cleared")
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    assert Path(shutil.which("dflash-mlx")).exists()
