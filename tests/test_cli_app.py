@@ -243,3 +243,21 @@ def test_chat_in_a_real_terminal(pair_dirs):
     child.close()
     assert child.exitstatus == 0
     assert Path(shutil.which("dflash-mlx")).exists()
+
+
+def test_doctor_selftest_compares_outputs(pair_dirs, monkeypatch):
+    target, draft = pair_dirs
+    args = ["doctor", "--selftest", "--model", target, "--draft", draft, "--num-prompts", 2, "--max-tokens", 10]
+    r = invoke(*args)
+    assert r.exit_code == 0 and "outputs identical" in r.stdout and "speedup" in r.stdout
+    import dflash_mlx.benchmark as benchmark
+
+    real = benchmark.stream_generate
+
+    def off_by_one(*a, **kw):  # a DFlash that loses its last token: the self-test must catch it
+        responses = list(real(*a, **kw))
+        yield from responses[:-1]
+
+    monkeypatch.setattr(benchmark, "stream_generate", off_by_one)
+    r = invoke(*args)
+    assert r.exit_code == 1 and "DIFFERENT" in r.stdout

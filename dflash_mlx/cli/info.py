@@ -11,11 +11,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..benchmark import BenchSettings, report, run_benchmark
+from ..chat_template import reasoning_kwargs
+from ..datasets import sample
 from ..environment import describe
 from ..openblas import openblas_path
 from ..registry import registry_entries
-from ..resolve import default_available, supported
-from .common import console
+from ..resolve import choose_block_size, default_available, supported
+from .common import DraftOpt, ModelOpt, console, load_models, user_errors
 
 
 def models(
@@ -56,8 +59,44 @@ def models(
     Console(highlight=False).print(table)  # a fresh console: the width of the terminal as it is now
 
 
-def doctor() -> None:
+def doctor(
+    selftest: Annotated[
+        bool, typer.Option("--selftest", help="Also run a model greedy with and without DFlash and compare.")
+    ] = False,
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    num_prompts: Annotated[int, typer.Option("--num-prompts", min=1, help="GSM8K prompts for --selftest.")] = 3,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens per reply for --selftest.")] = 128,
+) -> None:
     """Report the platform, MLX and mlx-lm, the compute device, memory and (Linux) the BLAS in use."""
+    _environment_report()
+    if selftest:
+        _selftest(model, draft, num_prompts, max_tokens)
+
+
+def _selftest(model: str | None, draft: str | None, num_prompts: int, max_tokens: int) -> None:
+    """Greedy DFlash must reproduce mlx-lm's greedy text; report the speedup. Exit 1 on a mismatch."""
+    choice, model_, tokenizer, drafter = load_models(model, draft)
+    with user_errors():
+        template_kwargs = reasoning_kwargs(tokenizer, None, choice.entry, choice.label)
+        block = choose_block_size(None, choice.entry, model_, drafter)
+    console.print(f"[bold]Self-test[/]: {escape(choice.label)}, {num_prompts} GSM8K prompts, "
+                  f"{max_tokens} tokens each, greedy, block {block}…")  # fmt: skip
+    settings = BenchSettings(max_tokens=max_tokens, template_kwargs=template_kwargs)
+    legs = run_benchmark(model_, tokenizer, drafter, sample("gsm8k", num_prompts), [block], settings)
+    run = report(legs, {}, {})
+    status = "[green]identical[/]" if run["greedy_matches"] else "[bold red]DIFFERENT[/]"
+    console.print(
+        f"outputs {status} · mlx-lm {run['baseline_tps']:.1f} tok/s · DFlash {run['dflash_tps']:.1f} tok/s · "
+        f"speedup {run['speedup']:.2f}x · acceptance length {run['acceptance_length'] or 0:.2f}"
+    )
+    if not run["greedy_matches"]:
+        bad = [p["index"] for p in run["prompts"] if not p["matches_baseline"]]
+        console.print(f"[red]Prompts {bad} differ. Please report this with `dflash-mlx doctor` output.[/]")
+        raise typer.Exit(1)
+
+
+def _environment_report() -> None:
     info = describe()
     table = Table(box=box.SIMPLE, show_header=False, pad_edge=False)
     table.add_column(style="bold")
