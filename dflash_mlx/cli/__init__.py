@@ -18,6 +18,7 @@ from .bench_cmd import bench
 from .chat import chat
 from .generate_cmd import generate
 from .info import doctor, models
+from ..train.command import train
 
 app = typer.Typer(
     name="dflash-mlx",
@@ -48,6 +49,7 @@ app.command()(generate)
 app.command()(bench)
 app.command()(models)
 app.command()(doctor)
+app.command()(train)
 
 
 def main() -> None:
