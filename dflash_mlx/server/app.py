@@ -1,0 +1,105 @@
+"""`DFlashServer`: a ThreadingHTTPServer in front of one generation worker, and `make_server`.
+
+Each connection gets a handler thread (`handler.Handler`); all of them queue
+their requests on the one `worker.GenerationWorker`, which owns the model.
+`start()` serves from a background thread (tests, embedding); `serve_forever()`
+serves from the caller's. `stop()` shuts the listener down, cancels the
+running job, fails queued ones with 503, joins the worker and closes the
+socket; it is safe to call more than once.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from http.server import ThreadingHTTPServer
+
+from ..families import text_model
+from .handler import Handler
+from .request import ServerInfo
+from .worker import GenerationWorker
+
+
+class DFlashServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], worker: GenerationWorker, info: ServerInfo, *,
+                 model_id: str, draft_id: str | None, log_requests: bool = False):  # fmt: skip
+        infos = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        self.address_family = infos[0][0]
+        super().__init__(infos[0][4][:2], Handler)
+        self.worker, self.info = worker, info
+        self.model_id, self.draft_id = model_id, draft_id
+        self.log_requests = log_requests
+        self.created = int(time.time())
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{port}"
+
+    def model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "dflash-mlx",
+                "draft": self.draft_id}  # fmt: skip
+
+    def start(self) -> "DFlashServer":
+        """Serve from a background thread; returns at once."""
+        self._thread = threading.Thread(target=self.serve_forever, name="dflash-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._thread is not None:
+            self.shutdown()
+            self._thread.join(timeout)
+        self.worker.stop(timeout)
+        self.server_close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def vocab_size(model, tokenizer) -> int:
+    """Rows of the target's embedding table (the logits' width), else the tokenizer's size."""
+    try:
+        return int(text_model(model).model.embed_tokens.weight.shape[0])
+    except AttributeError:
+        return len(tokenizer.vocab)
+
+
+def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: int = 8080,
+                model_id: str = "default", draft_id: str | None = None, max_tokens: int = 512,
+                block_size: int | None = None, chat_template_args: dict | None = None,
+                log_requests: bool = False) -> DFlashServer:  # fmt: skip
+    """A server for a loaded pair (`draft=None`: plain decoding), bound but not yet serving.
+
+    `port=0` picks a free port (see `server.url`). `max_tokens` is the default
+    for requests that give none; `block_size` the default block (requests'
+    ``num_draft_tokens`` override it); `chat_template_args` are passed to the
+    chat template of every chat request (``chat_template_kwargs`` add to them).
+    """
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}.")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
+    info = ServerInfo(
+        vocab_size=vocab_size(model, tokenizer), has_draft=draft is not None,
+        has_chat_template=bool(tokenizer.has_chat_template), max_tokens=max_tokens,
+        chat_template_args=dict(chat_template_args or {}),
+    )
+    worker = GenerationWorker(model, tokenizer, draft, block_size=block_size)
+    server = DFlashServer((host, port), worker, info, model_id=model_id, draft_id=draft_id,
+                          log_requests=log_requests)  # fmt: skip
+    worker.start()
+    return server

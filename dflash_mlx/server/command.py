@@ -1,0 +1,67 @@
+"""``dflash-mlx serve``: the Typer-annotated command (registered by the CLI app).
+
+Loads the pair (``dflash_mlx.load``: registry name, repo id or directory;
+the registered drafter unless ``--draft``), binds, prints the URL and serves
+until Ctrl-C or SIGTERM, then stops cleanly (`app.DFlashServer.stop`).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from typing import Annotated, Optional
+
+import typer
+
+from .app import make_server
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def serve(
+    model: Annotated[str, typer.Option("--model", "-m", help="Target: a models.toml name, repo id or directory.")],
+    draft: Annotated[Optional[str], typer.Option(
+        "--draft", help="DFlash drafter (directory or repo id); default: the one models.toml registers.")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).", min=0, max=65535)] = 8080,
+    max_tokens: Annotated[int, typer.Option(
+        "--max-tokens", min=1, help="Default max_tokens of requests that give none.")] = 512,
+    block_size: Annotated[Optional[int], typer.Option(
+        "--block-size", min=1, help="Default block size (anchor included); requests' num_draft_tokens override "
+                                    "it. Default: the drafter's, capped at 5 for <= 4-bit models.")] = None,
+    chat_template_args: Annotated[Optional[str], typer.Option(
+        "--chat-template-args", help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'.'
+    )] = None,
+    draft_bits: Annotated[Optional[int], typer.Option("--draft-bits", help="Quantize the drafter (4 or 8).")] = None,
+    log_requests: Annotated[bool, typer.Option("--log-requests", help="Log each HTTP request.")] = False,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API with DFlash speculative decoding."""
+    template_args = {}
+    if chat_template_args is not None:
+        try:
+            template_args = json.loads(chat_template_args)
+        except json.JSONDecodeError as e:
+            raise typer.BadParameter(f"not valid JSON: {e}", param_hint="--chat-template-args") from None
+        if not isinstance(template_args, dict):
+            raise typer.BadParameter("expected a JSON object", param_hint="--chat-template-args")
+    from .. import load
+
+    target, tokenizer, drafter = load(model, draft, draft_bits=draft_bits)
+    server = make_server(
+        target, tokenizer, drafter, host=host, port=port, model_id=model,
+        draft_id=getattr(drafter, "source", draft), max_tokens=max_tokens, block_size=block_size,
+        chat_template_args=template_args, log_requests=log_requests,
+    )
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        typer.echo(f"dflash-mlx serving {model} (drafter {server.draft_id}) at {server.url}/v1 (Ctrl-C stops)",
+                   err=True)  # fmt: skip
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        signal.signal(signal.SIGTERM, previous)
+        typer.echo("dflash-mlx serve: stopped", err=True)

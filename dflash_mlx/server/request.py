@@ -1,0 +1,312 @@
+"""Parsing and validating OpenAI-style request bodies into a `GenerationRequest`.
+
+Every field mlx-lm's server reads is either honoured or refused with a
+`RequestError` naming it (HTTP 400); so is every field this module does not
+know. Sampling values follow mlx-lm's meaning (`dflash_mlx.sampling`), and the
+penalties are mlx-lm's logits processors (``make_logits_processors``: presence
+and frequency penalties count the last ``*_context_size`` tokens, prompt
+included). Refused: ``n``/``best_of`` other than 1, ``echo``, ``suffix``,
+``tools``, ``adapters``, another ``draft_model``, and XTC when the server has a
+drafter (XTC has no fixed distribution to verify drafts against).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+COMMON = {
+    "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+    "min_p", "seed", "stop", "repetition_penalty", "repetition_context_size", "presence_penalty",
+    "presence_context_size", "frequency_penalty", "frequency_context_size", "logit_bias", "logprobs",
+    "top_logprobs", "xtc_probability", "xtc_threshold", "num_draft_tokens", "draft_model", "adapters", "n", "user",
+}
+CHAT = COMMON | {"messages", "tools", "tool_choice", "role_mapping", "chat_template_kwargs"}
+TEXT = COMMON | {"prompt", "echo", "suffix", "best_of"}
+MAX_TOP_LOGPROBS = 20
+
+
+class RequestError(ValueError):
+    """A request field that cannot be served; `field` names it."""
+
+    def __init__(self, field: str | None, message: str, status: int = 400):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What validation needs to know about the served pair, and the server's defaults."""
+
+    vocab_size: int
+    has_draft: bool
+    has_chat_template: bool
+    max_tokens: int = 512
+    chat_template_args: dict = field(default_factory=dict)
+
+
+@dataclass
+class GenerationRequest:
+    kind: str  # "chat" or "text"
+    messages: list | None = None
+    prompt: str | list[int] | None = None
+    role_mapping: dict | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    stop: list[str] = field(default_factory=list)
+    processors: dict = field(default_factory=dict)  # keyword arguments of make_logits_processors
+    logprobs: bool = False
+    top_logprobs: int = 0
+    num_draft_tokens: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+class _Body:
+    """Typed access to the body's fields; each getter validates and names the field on error."""
+
+    def __init__(self, body: dict):
+        self.body = body
+
+    def get(self, name, default=None):
+        value = self.body.get(name)
+        return default if value is None else value
+
+    def number(self, name, default, low=None, high=None, *, low_open=False):
+        value = self.get(name, default)
+        if not _is_number(value):
+            raise RequestError(name, f"expected a number, got {value!r}")
+        if low is not None and (value < low or (low_open and value == low)):
+            raise RequestError(name, f"must be {'>' if low_open else '>='} {low}, got {value!r}")
+        if high is not None and value > high:
+            raise RequestError(name, f"must be <= {high}, got {value!r}")
+        return value
+
+    def integer(self, name, default, low=None, high=None):
+        value = self.get(name, default)
+        if value is not None and not _is_int(value):
+            raise RequestError(name, f"expected an integer, got {value!r}")
+        if value is not None and low is not None and value < low:
+            raise RequestError(name, f"must be >= {low}, got {value!r}")
+        if value is not None and high is not None and value > high:
+            raise RequestError(name, f"must be <= {high}, got {value!r}")
+        return value
+
+    def boolean(self, name, default=False):
+        value = self.get(name, default)
+        if not isinstance(value, bool):
+            raise RequestError(name, f"expected true or false, got {value!r}")
+        return value
+
+    def mapping(self, name):
+        value = self.get(name, {})
+        if not isinstance(value, dict):
+            raise RequestError(name, f"expected an object, got {value!r}")
+        return value
+
+
+def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
+    """Validate a /v1/chat/completions ("chat") or /v1/completions ("text") body."""
+    if not isinstance(body, dict):
+        raise RequestError(None, "the request body must be a JSON object")
+    known = CHAT if kind == "chat" else TEXT
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise RequestError(unknown[0], "unknown field (not supported by this server)")
+    b = _Body(body)
+    req = GenerationRequest(kind=kind)
+    _refusals(b, kind, info)
+    if kind == "chat":
+        req.messages = _messages(body.get("messages"))
+        req.role_mapping = _role_mapping(b, info)
+        req.chat_template_kwargs = {**info.chat_template_args, **b.mapping("chat_template_kwargs")}
+    else:
+        req.prompt = _prompt(body.get("prompt"), info.vocab_size)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError("model", f"expected a string, got {model!r}")
+    req.model = model
+    _lengths(b, req, info)
+    _sampling(b, req, info)
+    req.processors = _processors(b, info.vocab_size)
+    req.stop = _stop(body.get("stop"))
+    _logprobs(b, req, kind)
+    req.stream = b.boolean("stream")
+    options = b.mapping("stream_options")
+    if options and not req.stream:
+        raise RequestError("stream_options", "only allowed with stream: true")
+    if set(options) - {"include_usage"}:
+        raise RequestError("stream_options", f"unknown option {sorted(set(options) - {'include_usage'})[0]!r}")
+    req.include_usage = _Body(options).boolean("include_usage")
+    return req
+
+
+def _refusals(b: _Body, kind: str, info: ServerInfo) -> None:
+    if b.get("n", 1) != 1:
+        raise RequestError("n", f"only one choice per request is supported, got {b.get('n')!r}")
+    if b.get("draft_model") not in (None, "default_model"):
+        raise RequestError("draft_model", "this server runs the one drafter chosen when it started (--draft)")
+    if b.get("adapters") is not None:
+        raise RequestError("adapters", "LoRA adapters are not supported by this server")
+    if b.get("user") is not None and not isinstance(b.get("user"), str):
+        raise RequestError("user", f"expected a string, got {b.get('user')!r}")
+    if kind == "chat":
+        if b.get("tools"):
+            raise RequestError("tools", "tool calling is not supported by this server")
+        if b.get("tool_choice", "none") != "none":
+            raise RequestError("tool_choice", "tool calling is not supported by this server")
+    else:
+        if b.get("best_of", 1) != 1:
+            raise RequestError("best_of", f"only 1 is supported, got {b.get('best_of')!r}")
+        if b.get("echo", False) is not False:
+            raise RequestError("echo", "echoing the prompt is not supported")
+        if b.get("suffix") is not None:
+            raise RequestError("suffix", "insertion (a suffix) is not supported")
+
+
+def _messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages", "expected a non-empty list of messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(where, "expected an object with a string 'role'")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise RequestError(f"{where}.content[{j}]", "only text parts ({'type': 'text', 'text': ...}) "
+                                                                 "are supported")  # fmt: skip
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise RequestError(f"{where}.content", f"expected a string or a list of text parts, got {content!r}")
+        out.append({**message, "content": content})
+    return out
+
+
+def _role_mapping(b: _Body, info: ServerInfo) -> dict | None:
+    mapping = b.get("role_mapping")
+    if mapping is None:
+        return None
+    if info.has_chat_template:
+        raise RequestError("role_mapping", "the model has a chat template; role_mapping is only used without one")
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+        raise RequestError("role_mapping", "expected an object of strings")
+    return mapping
+
+
+def _prompt(prompt, vocab_size: int) -> str | list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        return list(prompt)
+    raise RequestError("prompt", "expected a non-empty string or a non-empty list of token ids (one prompt)")
+
+
+def _lengths(b: _Body, req: GenerationRequest, info: ServerInfo) -> None:
+    a = b.integer("max_completion_tokens", None, low=1)
+    m = b.integer("max_tokens", None, low=1)
+    if a is not None and m is not None and a != m:
+        raise RequestError("max_completion_tokens", f"differs from max_tokens ({a} != {m}); give one of them")
+    req.max_tokens = a or m or info.max_tokens
+
+
+def _sampling(b: _Body, req: GenerationRequest, info: ServerInfo) -> None:
+    req.temperature = b.number("temperature", 0.0, low=0)
+    req.top_p = b.number("top_p", 1.0, low=0, high=1, low_open=True)
+    req.top_k = b.integer("top_k", 0, low=0)
+    if req.top_k >= info.vocab_size:
+        raise RequestError("top_k", f"must be smaller than the vocabulary ({info.vocab_size}), got {req.top_k}")
+    req.min_p = b.number("min_p", 0.0, low=0, high=1)
+    req.seed = b.integer("seed", None, low=0, high=2**63 - 1)
+    req.xtc_probability = b.number("xtc_probability", 0.0, low=0, high=1)
+    req.xtc_threshold = b.number("xtc_threshold", 0.1, low=0, high=0.5)
+    if req.xtc_probability > 0 and info.has_draft:
+        raise RequestError("xtc_probability", "XTC has no fixed distribution, so drafted tokens cannot be verified "
+                                              "against it: this server (with a drafter) cannot run it")  # fmt: skip
+    req.num_draft_tokens = b.integer("num_draft_tokens", None, low=0)
+    if req.num_draft_tokens is not None and not info.has_draft:
+        raise RequestError("num_draft_tokens", "this server has no drafter")
+
+
+def _processors(b: _Body, vocab_size: int) -> dict:
+    kwargs = {}
+    bias = b.mapping("logit_bias")
+    if bias:
+        parsed = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise RequestError("logit_bias", f"keys must be token ids, got {key!r}") from None
+            if not 0 <= token < vocab_size:
+                raise RequestError("logit_bias", f"token id {token} is outside the vocabulary [0, {vocab_size})")
+            if not _is_number(value) or not -100 <= value <= 100:
+                raise RequestError("logit_bias", f"biases must be numbers in [-100, 100], got {value!r}")
+            parsed[token] = float(value)
+        kwargs["logit_bias"] = parsed
+    penalty = b.number("repetition_penalty", 0.0, low=0)
+    if penalty:
+        kwargs["repetition_penalty"] = penalty
+        kwargs["repetition_context_size"] = b.integer("repetition_context_size", 20, low=1)
+    for name in ("presence", "frequency"):
+        value = b.number(f"{name}_penalty", 0.0, low=-2, high=2)
+        if value:
+            kwargs[f"{name}_penalty"] = value
+            kwargs[f"{name}_context_size"] = b.integer(f"{name}_context_size", 20, low=1)
+    for name in ("repetition", "presence", "frequency"):
+        if b.get(f"{name}_context_size") is not None and f"{name}_context_size" not in kwargs:
+            raise RequestError(f"{name}_context_size", f"has no effect without a non-zero {name}_penalty")
+    return kwargs
+
+
+def _stop(stop) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError("stop", f"expected a non-empty string or a list of them, got {stop!r}")
+    return stops
+
+
+def _logprobs(b: _Body, req: GenerationRequest, kind: str) -> None:
+    value = b.get("logprobs", False)
+    top = b.integer("top_logprobs", None, low=-1, high=MAX_TOP_LOGPROBS)
+    if kind == "text" and _is_int(value):  # the legacy completions API: logprobs = how many top entries
+        if not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise RequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+        if top not in (None, -1, value):
+            raise RequestError("top_logprobs", "give the number of top entries once (logprobs is an integer)")
+        req.logprobs, req.top_logprobs = True, value
+        return
+    req.logprobs = b.boolean("logprobs")
+    req.top_logprobs = 0 if top in (None, -1) else top
+    if req.top_logprobs and not req.logprobs:
+        raise RequestError("top_logprobs", "requires logprobs: true")

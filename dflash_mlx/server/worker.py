@@ -1,0 +1,249 @@
+"""The generation worker: one thread owns the model and serves queued requests in order.
+
+MLX is not thread-safe for concurrent generation, so HTTP handler threads
+never touch the model: they `submit` a `GenerationRequest` and read the job's
+events (`Started`, then `Token`s, then `Finished`; or `Failed` at any point).
+Everything MLX computes (tokens, log-probabilities, top entries) is turned
+into plain Python in this thread before it is put on a job's queue.
+
+The worker keeps one `dflash_mlx.session.Session`: a request whose prompt
+extends what the caches hold (a chat's next turn) only prefills what is new,
+and any other prompt reuses the common prefix the session can keep. Output is
+unchanged by this (the session tests check it). A cancelled job (its client
+went away) stops at its next token; `stop` cancels the running job, fails the
+queued ones with 503 and ends the thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors
+
+from ..block_size import default_block_size
+from ..generate import stream_generate
+from ..session import make_session
+from .request import GenerationRequest
+from .stops import StopText
+
+
+@dataclass
+class Started:
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens the session's caches already held
+
+
+@dataclass
+class Token:
+    text: str  # text released by this token ("" while a possible stop sequence is held back)
+    token: int | None  # None: held-back text released at the end, no token of its own
+    token_text: str = ""
+    logprob: float | None = None
+    top: list[tuple[int, str, float]] | None = None  # (id, text, logprob), best first
+
+
+@dataclass
+class Finished:
+    finish_reason: str
+    completion_tokens: int
+    dflash: dict = field(default_factory=dict)
+
+
+@dataclass
+class Failed:
+    status: int
+    message: str
+    field: str | None = None
+
+
+class Job:
+    """One request in the worker's queue, and the events it produces."""
+
+    def __init__(self, request: GenerationRequest):
+        self.request = request
+        self.events: queue.Queue = queue.Queue()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+class AcceptanceStats:
+    """Per-reply acceptance statistics (the response's ``dflash`` object)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.cycles: list[int] = []
+        self.drafted = 0
+
+    def add(self, response) -> None:
+        self.drafted += bool(response.from_draft)
+        if getattr(response, "cycle_tokens", None):
+            self.cycles.append(response.cycle_tokens)
+
+    def as_dict(self) -> dict:
+        size = max([self.block_size, *self.cycles])
+        histogram = [0] * size
+        for c in self.cycles:
+            histogram[c - 1] += 1
+        return {
+            "block_size": self.block_size,
+            "cycles": len(self.cycles),
+            "mean_acceptance_length": round(sum(self.cycles) / len(self.cycles), 4) if self.cycles else None,
+            "drafted_tokens": self.drafted,
+            "acceptance_histogram": histogram,  # entry i: cycles that committed i + 1 tokens
+        }
+
+
+class GenerationWorker:
+    def __init__(self, model, tokenizer, draft=None, *, block_size: int | None = None):
+        self.model, self.tokenizer, self.draft = model, tokenizer, draft
+        self.block_size = block_size or (default_block_size(model, draft) if draft is not None else 1)
+        self.session = make_session(model, draft)
+        self._jobs: queue.Queue = queue.Queue()
+        self._current: Job | None = None
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="dflash-generation", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request: GenerationRequest) -> Job:
+        job = Job(request)
+        with self._lock:
+            if self._stopping or not self.alive:
+                job.events.put(Failed(503, "the server is shutting down"))
+            else:
+                self._jobs.put(job)
+        return job
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel the running job, fail the queued ones, end the thread."""
+        with self._lock:
+            self._stopping = True
+            if self._current is not None:
+                self._current.cancel()
+            self._jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            mx.clear_streams()  # MLX needs this at the end of a thread that computed, or exit may abort
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                break
+            with self._lock:
+                if self._stopping:
+                    job.events.put(Failed(503, "the server is shutting down"))
+                    continue
+                self._current = job
+            try:
+                if not job.cancelled:
+                    self._serve(job)
+            finally:
+                with self._lock:
+                    self._current = None
+        while not self._jobs.empty():  # submitted while stopping
+            job = self._jobs.get_nowait()
+            if job is not None:
+                job.events.put(Failed(503, "the server is shutting down"))
+
+    def _serve(self, job: Job) -> None:
+        req, put = job.request, job.events.put
+        try:
+            prompt = self._tokenize(req)
+        except Exception as e:  # a template or tokenizer error: the request's fault
+            field = "messages" if req.kind == "chat" else "prompt"
+            put(Failed(400, f"cannot build the prompt: {e}", field))
+            return
+        block_size = self.block_size if req.num_draft_tokens is None else req.num_draft_tokens + 1
+        stats = AcceptanceStats(block_size)
+        stopper = StopText(req.stop)
+        started, count, finish = False, 0, "length"
+        responses = stream_generate(
+            self.model, self.draft, self.tokenizer, prompt, max_tokens=req.max_tokens,
+            block_size=block_size if self.draft is not None else None,
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+            xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
+            logits_processors=make_logits_processors(**req.processors) or None, session=self.session,
+        )
+        end = Failed(500, "generation was interrupted")  # the last event, sent once the generator is closed
+        try:
+            for r in responses:
+                if job.cancelled:
+                    end = Failed(503, "the request was cancelled (the client went away or the server is stopping)")
+                    return
+                if not started:
+                    put(Started(len(prompt), self.session.reused))
+                    started = True
+                count += 1
+                stats.add(r)
+                put(self._token_event(r, stopper.feed(r.text), req.logprobs, req.top_logprobs))
+                if stopper.stopped:
+                    finish = "stop"
+                    break
+                if r.finish_reason:
+                    finish = r.finish_reason
+                    break
+            tail = stopper.flush()
+            if tail:
+                put(Token(tail, None))
+            end = Finished(finish, count, stats.as_dict() if self.draft is not None else {})
+        except ValueError as e:
+            end = Failed(400 if not started else 500, str(e))
+        except Exception as e:  # keep serving the next requests
+            end = Failed(500, f"generation failed: {type(e).__name__}: {e}")
+        finally:
+            responses.close()  # an early stop: the session undoes its queued verify
+            put(end)
+
+    def _tokenize(self, req: GenerationRequest) -> list[int]:
+        tokenizer = self.tokenizer
+        if req.kind == "text":
+            return req.prompt if isinstance(req.prompt, list) else tokenizer.encode(req.prompt)
+        if not tokenizer.has_chat_template:
+            from mlx_lm.server import convert_chat
+
+            return tokenizer.encode(convert_chat(req.messages, req.role_mapping))
+        text = tokenizer.apply_chat_template(
+            req.messages, tokenize=False, add_generation_prompt=True, **req.chat_template_kwargs
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _token_event(self, r, text: str, logprobs: bool, top_n: int) -> Token:
+        event = Token(text, r.token)
+        if not logprobs:
+            return event
+        row = r.logprobs.astype(mx.float32)
+        event.token_text = self._token_text(r.token)
+        event.logprob = row[r.token].item()
+        if top_n:
+            ids = mx.argpartition(-row, kth=top_n - 1)[:top_n]
+            values = row[ids].tolist()
+            pairs = sorted(zip(ids.tolist(), values), key=lambda p: -p[1])
+            event.top = [(i, self._token_text(i), v) for i, v in pairs]
+        return event
+
+    def _token_text(self, token: int) -> str:
+        """The token's text; a token that is only part of a UTF-8 character gets its vocabulary
+        string instead, so distinct tokens keep distinct strings (legacy logprobs key on them)."""
+        text = self.tokenizer.decode([token])
+        return self.tokenizer.convert_ids_to_tokens(token) if "\ufffd" in text else text
