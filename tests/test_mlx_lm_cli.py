@@ -16,6 +16,7 @@ import pytest
 from mlx_lm.generate import main as mlx_lm_generate_main
 
 from constant_draft import make_constant_draft, repeated_token
+from dflash_mlx import mlx_lm as plugin
 from dflash_mlx.mlx_lm_cli import main
 
 PROMPT = "hello world"
@@ -99,6 +100,7 @@ def test_options_dflash_cannot_honour_decode_with_mlx_lm(dirs, capsys, monkeypat
     target, draft = dirs
     flags = ["--model", target, "--prompt", PROMPT, "--ignore-chat-template", "--max-tokens", "40",
              "--max-kv-size", "16", "--verbose", "False"]  # fmt: skip
+    monkeypatch.setattr(plugin, "_warned", set())  # warnings are once per process and reason
     with pytest.warns(UserWarning, match="max_kv_size is not supported with a DFlash drafter"):
         out, _ = ours(flags + ["--draft-model", draft], capsys)
     assert out == mlx_lm_main(flags, capsys, monkeypatch)
@@ -140,3 +142,9 @@ def test_refused_flags_exit_with_a_message(argv, message, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_other_arguments_go_to_the_dflash_mlx_command_line():
+    run = subprocess.run([sys.executable, "-m", "dflash_mlx", "--version"], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ))  # fmt: skip
+    assert run.returncode == 0 and run.stdout.startswith("dflash-mlx ")

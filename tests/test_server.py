@@ -27,6 +27,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from constant_draft import make_constant_draft, repeated_token
 from dflash_mlx.server import make_server
+from dflash_mlx.server.stops import StopText
 from tiny_models import load_pair
 
 PROMPT = "hello world"
@@ -167,6 +168,17 @@ def test_stop_sequences_cut_the_text(server, expected):
         text = streamed_text(reply, "text") if stream else reply["choices"][0]["text"]
         finish = (reply[-1] if stream else reply)["choices"][0]["finish_reason"]
         assert (status, text, finish) == (200, want[: want.index(stop)], "stop")
+
+
+def test_stop_text_holds_back_only_what_may_start_a_stop_sequence():
+    s = StopText(["END", "xyz"])
+    assert [s.feed(piece) for piece in ("abcE", "N", "xy", "q", "Ex")] == ["abc", "", "EN", "xyq", "E"]
+    assert s.flush() == "x" and not s.stopped
+    s = StopText(["END", "xyz"])
+    assert [s.feed(piece) for piece in ("aaxyE", "ND tail", "more")] == ["aaxy", "", ""]
+    assert s.stopped and s.flush() == ""
+    s = StopText([])
+    assert s.feed("END") == "END" and s.flush() == ""
 
 
 def test_logprobs_match_mlx_lm(server, expected):
