@@ -204,6 +204,14 @@ def test_penalties_and_logit_bias_are_mlx_lm_processors(server, expected, name):
     assert status == 200 and reply["choices"][0]["text"] == expected[name][0]
 
 
+def test_num_draft_tokens_sets_the_block(server, expected):
+    status, reply = request(server, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 40,
+                                                                "num_draft_tokens": 2})  # fmt: skip
+    stats = reply["dflash"]
+    assert status == 200 and reply["choices"][0]["text"] == expected["text0"][0]
+    assert stats["block_size"] == 3 and len(stats["acceptance_histogram"]) == 3 and stats["acceptance_histogram"][2]
+
+
 def test_seeded_sampling_is_reproducible(server):
     body = {"prompt": PROMPT, "max_tokens": 30, "temperature": 3.0, "top_p": 0.95, "top_k": 50, "min_p": 0.01}
     texts = [request(server, "POST", "/v1/completions", {**body, "seed": s})[1]["choices"][0]["text"]
@@ -242,7 +250,12 @@ def test_seeded_sampling_is_reproducible(server):
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content[0]"),
+        ("/v1/chat/completions", {"model": "gpt-4"}, "model"),
+        ("/v1/chat/completions", {"adapters": "lora"}, "adapters"),
+        ("/v1/chat/completions", {"role_mapping": {"user": "U: "}}, "role_mapping"),
+        ("/v1/chat/completions", {"num_draft_tokens": -1}, "num_draft_tokens"),
         ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": [1, 99999]}, "prompt"),
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"logprobs": 50}, "logprobs"),
     ],

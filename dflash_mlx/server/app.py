@@ -95,7 +95,7 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
     info = ServerInfo(
         vocab_size=vocab_size(model, tokenizer), has_draft=draft is not None,
-        has_chat_template=bool(tokenizer.has_chat_template), max_tokens=max_tokens,
+        has_chat_template=bool(tokenizer.has_chat_template), model_id=model_id, max_tokens=max_tokens,
         chat_template_args=dict(chat_template_args or {}),
     )
     worker = GenerationWorker(model, tokenizer, draft, block_size=block_size)

@@ -7,7 +7,8 @@ penalties are mlx-lm's logits processors (``make_logits_processors``: presence
 and frequency penalties count the last ``*_context_size`` tokens, prompt
 included). Refused: ``n``/``best_of`` other than 1, ``echo``, ``suffix``,
 ``tools``, ``adapters``, another ``draft_model``, and XTC when the server has a
-drafter (XTC has no fixed distribution to verify drafts against).
+drafter (XTC has no fixed distribution to verify drafts against). ``model``
+must be the served model's id (GET /v1/models) or mlx-lm's "default_model".
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class ServerInfo:
     vocab_size: int
     has_draft: bool
     has_chat_template: bool
+    model_id: str = "default"
     max_tokens: int = 512
     chat_template_args: dict = field(default_factory=dict)
 
@@ -140,8 +142,8 @@ def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
     else:
         req.prompt = _prompt(body.get("prompt"), info.vocab_size)
     model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise RequestError("model", f"expected a string, got {model!r}")
+    if model not in (None, "default_model", info.model_id):
+        raise RequestError("model", f"this server serves {info.model_id!r} only (see GET /v1/models), got {model!r}")
     req.model = model
     _lengths(b, req, info)
     _sampling(b, req, info)
