@@ -307,6 +307,18 @@ def test_next_chat_turn_reuses_the_cached_prefix(server, pair):
     assert reply["usage"]["prompt_tokens"] == len(chat_ids(tokenizer, messages))
 
 
+def test_a_server_without_drafter_decodes_plainly(pair, expected):
+    _, (model, tokenizer, _) = pair
+    with make_server(model, tokenizer, None, port=0).start() as srv:
+        status, reply = request(srv, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 40})
+        assert status == 200 and reply["choices"][0]["text"] == expected["text0"][0] and "dflash" not in reply
+        assert request(srv, "POST", "/v1/completions", {"prompt": PROMPT, "num_draft_tokens": 3})[0] == 400
+        status, reply = request(srv, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
+                                                                 "xtc_probability": 0.5, "seed": 1})  # fmt: skip
+        assert status == 200 and reply["usage"]["completion_tokens"] == 8  # XTC runs without a drafter
+    assert not srv.worker.alive
+
+
 def test_stop_is_clean_even_with_a_request_in_flight(pair):
     _, (model, tokenizer, draft) = pair
     srv = make_server(model, tokenizer, draft, port=0).start()
