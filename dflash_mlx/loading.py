@@ -24,7 +24,8 @@ def load(
 
     `target` is a local mlx-lm model directory, a Hugging Face repo id or a name
     from models.toml; `draft=None` takes the drafter the registry pairs with the
-    target. Extra keyword arguments go to `mlx_lm.load`.
+    target. Extra keyword arguments go to `mlx_lm.load`. The bundled `demo` pair
+    is cast to float32 on MLX's CPU backend.
     """
     from mlx_lm import load as mlx_lm_load
 
@@ -33,7 +34,9 @@ def load(
     entry = lookup(str(target))
     target_id = str(target)
     if entry is not None and not Path(target_id).expanduser().exists():
-        if target_id.lower() == entry.name.lower():
+        if entry.bundled:
+            target_id = entry.target_path()
+        elif target_id.lower() == entry.name.lower():
             target_id = entry.target
     if draft is None:
         if entry is None:
@@ -41,8 +44,10 @@ def load(
                 f"No drafter is registered for target '{target}' in models.toml: pass "
                 "draft=<path or repo id of a DFlash drafter>."
             )
-        draft = entry.draft
+        draft = entry.draft_path()
     model, tokenizer = mlx_lm_load(target_id, **mlx_lm_load_kwargs)[:2]
+    if entry is not None and entry.bundled and not mx.metal.is_available():
+        model.set_dtype(mx.float32)  # the bundled pair is stored in bfloat16; CPUs compute float32 faster
     drafter = load_draft(
         draft, model, bits=draft_bits, group_size=draft_group_size,
         dtype=target_float_dtype(model), target_name=target_id,

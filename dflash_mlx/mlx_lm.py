@@ -49,7 +49,7 @@ from .draft.load import load_draft
 from .draft.model import DFlashDraftModel
 from .generate import encode_prompt
 from .generate import stream_generate as dflash_stream_generate
-from .families import text_model
+from .loading import target_float_dtype
 from .mlx_lm_samplers import UnsupportedSampler, sampler_settings
 from .proposer import Proposer
 from .registry import lookup
@@ -106,21 +106,14 @@ def load(path_or_repo: str | Path, draft: str | Path | None = None, **mlx_lm_loa
         )
         remember_draft(model, None)
         return loaded
-    drafter = load_draft(draft, model, dtype=_norm_dtype(model), target_name=target)
+    drafter = load_draft(draft, model, dtype=target_float_dtype(model), target_name=target)
     remember_draft(model, drafter)
     return loaded
 
 
 def _registered(entry, field: str) -> str:
     """A registry entry's target or draft location (packaged directories for bundled entries)."""
-    path = getattr(entry, f"{field}_path", None)
-    return path() if callable(path) else getattr(entry, field)
-
-
-def _norm_dtype(model: nn.Module):
-    """The target's activation dtype (its final norm's): the drafter computes in it too."""
-    norm = getattr(getattr(text_model(model), "model", None), "norm", None)
-    return getattr(getattr(norm, "weight", None), "dtype", None)
+    return entry.target_path() if field == "target" else entry.draft_path()
 
 
 class DFlashPromptCache:
