@@ -238,3 +238,27 @@ def test_feature_store_caches_on_disk(model, tmp_path):
     other = [Sequence(ids=tuple(IDS[1:]), prompt_len=4), seqs[1]]  # index 0 now holds other ids
     store.batch_features([0, 1], make_batch(other, [[5], [5]], B, mask_id=tm.MASK_ID), other)
     assert (store.misses, store.hits) == (3, 3)  # stale features are never read
+
+
+def test_a_step_trains_the_drafter_only(model, tmp_path):
+    from mlx.utils import tree_flatten
+
+    from dflash_mlx.train.new_drafter import drafter_config, new_drafter
+    from dflash_mlx.train.options import TrainOptions
+    from dflash_mlx.train.trainer import StepRunner, make_optimizer
+
+    options = TrainOptions(model="t", data="d", out="o", steps=10, block_size=B, draft_layers=1, batch_size=2,
+                           anchors_per_seq=4, lr=1e-2, target_layers=[1, 2])  # fmt: skip
+    config = drafter_config(model, num_layers=1, block_size=B, mask_token_id=tm.MASK_ID, target_layer_ids=[1, 2])
+    draft = new_drafter(config)
+    target = TargetAdapter(model, (1, 2))
+    before_target = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    before_draft = {k: np.array(v) for k, v in tree_flatten(draft.parameters())}
+    seqs = [Sequence(ids=tuple(IDS), prompt_len=6), Sequence(ids=tuple(IDS[3:]), prompt_len=2)]
+    runner = StepRunner(draft, target, FeatureStore(target), make_optimizer(options), options)
+    rows = [runner(step, seqs, tm.MASK_ID, 0) for step in range(3)]
+    assert all(np.isfinite(r["loss"]) and r["tokens"] == len(IDS) * 2 - 3 for r in rows)
+    for key, value in tree_flatten(model.parameters()):
+        np.testing.assert_array_equal(np.array(value), before_target[key], err_msg=key)
+    changed = [k for k, v in tree_flatten(draft.parameters()) if not np.array_equal(np.array(v), before_draft[k])]
+    assert sorted(changed) == sorted(before_draft)  # every drafter tensor moved

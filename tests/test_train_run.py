@@ -227,3 +227,29 @@ def test_response_cache_tolerates_a_torn_last_line_only(tmp_path):
     path.write_text('{"key": "b", "prompt_ids"\n' + good + "\n")
     with pytest.raises(DataError, match=r"responses.jsonl:1: not a response cache line"):
         read_cache(path)
+
+
+def test_regeneration_is_the_targets_greedy_output_and_resumes(qwen3_target, tmp_path):
+    from mlx_lm import stream_generate
+
+    from dflash_mlx.train.regenerate import regenerate_responses
+
+    model, tokenizer, _ = tm.load_pair(str(qwen3_target))
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:6]] + [tokenizer.encode(PROMPTS[0])]  # one duplicate
+    cache = tmp_path / "responses.jsonl"
+    kw = {"max_tokens": 12, "target_name": "tiny", "batch_size": 3}
+    first = regenerate_responses(model, tokenizer, prompts, cache, **kw)
+    assert len(cache.read_text().splitlines()) == 6 and first[6] == first[0]
+    for prompt, response in zip(prompts, first):
+        plain = [r.token for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=12)]
+        assert response == plain  # greedy, and a stop token that ended it is kept
+    assert any(r[-1] == tm.EOS_ID for r in first) or all(len(r) == 12 for r in first)
+
+    cache.write_text("".join(cache.read_text().splitlines(keepends=True)[:2]))  # an interrupted run
+    again = regenerate_responses(model, tokenizer, prompts, cache, **kw)
+    assert again == first and len(cache.read_text().splitlines()) == 6
+    stamp = cache.stat().st_mtime_ns
+    assert regenerate_responses(model, tokenizer, prompts, cache, **kw) == first
+    assert cache.stat().st_mtime_ns == stamp  # nothing left to generate, nothing written
+    other = regenerate_responses(model, tokenizer, prompts[:2], cache, **dict(kw, max_tokens=5))
+    assert [len(r) <= 5 for r in other] == [True, True] and len(cache.read_text().splitlines()) == 8

@@ -9,6 +9,7 @@ code 1 (no traceback).
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from typing import Annotated
 
 import typer
@@ -48,40 +49,85 @@ def _json_object(text: str | None, flag: str) -> dict | None:
     return value
 
 
+# Defaults are TrainOptions', so the command and the Python API agree.
+DEFAULT = {f.name: f.default for f in fields(TrainOptions)}
+HELP = {
+    "model": "Target: local mlx-lm model directory or Hugging Face repo id.",
+    "data": 'JSONL prompts: {"prompt": "..."} or {"messages": [...]} per line.',
+    "out": "Output drafter directory (config.json + model.safetensors).",
+    "steps": "Optimisation steps.",
+    "block_size": "Block size b (anchor included).",
+    "draft_layers": "Drafter layers.",
+    "max_tokens": "Response tokens the target regenerates per prompt.",
+    "max_length": "Prompt + response tokens kept per sequence.",
+    "lr": "Peak learning rate (AdamW, cosine decay).",
+    "batch_size": "Sequences per step.",
+    "anchors_per_seq": "Random anchors (blocks) per sequence.",
+    "save_every": "Checkpoint every N steps.",
+    "resume": "Continue from the last checkpoint.",
+    "seed": "Seed of the initialisation, data order and anchors.",
+    "holdout": "Prompts held out for the validation pass.",
+    "warmup": "Warmup fraction of the steps.",
+    "weight_decay": "AdamW weight decay.",
+    "grad_clip": "Gradient norm clip.",
+    "loss_decay": "c in w_k = exp(-(k-1)/c); default by block size (7 @16, 5 @10, 4 @8).",
+    "target_layers": "Target layer ids to read, e.g. '1,3' (default: derived).",
+    "mask_token_id": "Mask token id when the tokenizer has no mask token.",
+    "intermediate_size": "Drafter MLP width (default: the target's).",
+    "val_max_tokens": "Tokens per held-out prompt in validation (default: --max-tokens).",
+    "gen_batch_size": "Batch size of response regeneration.",
+    "gen_temperature": "Temperature of response regeneration (0: greedy).",
+    "chat_template_kwargs": 'JSON object for the chat template, e.g. \'{"enable_thinking": false}\'.',
+    "work_dir": "Run files (responses, checkpoints, log); default OUT/work.",
+    "responses": "Responses cache JSONL; default WORK_DIR/responses.jsonl.",
+    "cache_features": "Keep target features on disk (bfloat16) for later epochs.",
+    "save_dtype": f"Dtype of the saved drafter: {', '.join(SAVE_DTYPES)}.",
+    "target_dtype": "Cast the target to this dtype (e.g. float32 on a CPU).",
+    "keep_checkpoints": "Checkpoints kept on disk.",
+    "stop_at": "Stop at this step with a checkpoint (continue later with --resume).",
+}
+
+
 def train(
-    model: Annotated[str, typer.Option("--model", help="Target: local mlx-lm model directory or Hugging Face repo id.")],
-    data: Annotated[str, typer.Option("--data", help='JSONL prompts: {"prompt": "..."} or {"messages": [...]} per line.')],
-    out: Annotated[str, typer.Option("--out", help="Output drafter directory (config.json + model.safetensors).")],
-    steps: Annotated[int, typer.Option(help="Optimisation steps.")] = 1000,
-    block_size: Annotated[int, typer.Option(help="Block size b (anchor included).")] = 16,
-    draft_layers: Annotated[int, typer.Option(help="Drafter layers.")] = 5,
-    max_tokens: Annotated[int, typer.Option(help="Response tokens the target regenerates per prompt.")] = 256,
-    max_length: Annotated[int, typer.Option(help="Prompt + response tokens kept per sequence.")] = 2048,
-    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine decay).")] = 6e-4,
-    batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 8,
-    anchors_per_seq: Annotated[int, typer.Option(help="Random anchors (blocks) per sequence.")] = 32,
-    save_every: Annotated[int, typer.Option(help="Checkpoint every N steps.")] = 200,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint.")] = False,
-    seed: Annotated[int, typer.Option(help="Seed of the initialisation, data order and anchors.")] = 0,
-    holdout: Annotated[int, typer.Option(help="Prompts held out for the validation pass.")] = 16,
-    warmup: Annotated[float, typer.Option(help="Warmup fraction of the steps.")] = 0.04,
-    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.01,
-    grad_clip: Annotated[float, typer.Option(help="Gradient norm clip.")] = 1.0,
-    loss_decay: Annotated[float | None, typer.Option(help="c in w_k = exp(-(k-1)/c); default by block size (7 @16, 5 @10, 4 @8).")] = None,
-    target_layers: Annotated[str | None, typer.Option(help="Target layer ids to read, e.g. '1,3' (default: derived).")] = None,
-    mask_token_id: Annotated[int | None, typer.Option(help="Mask token id when the tokenizer has no mask token.")] = None,
-    intermediate_size: Annotated[int | None, typer.Option(help="Drafter MLP width (default: the target's).")] = None,
-    val_max_tokens: Annotated[int | None, typer.Option(help="Tokens per held-out prompt in validation (default: --max-tokens).")] = None,
-    gen_batch_size: Annotated[int, typer.Option(help="Batch size of response regeneration.")] = 32,
-    gen_temperature: Annotated[float, typer.Option(help="Temperature of response regeneration (0: greedy).")] = 0.0,
-    chat_template_kwargs: Annotated[str | None, typer.Option(help='JSON object for the chat template, e.g. \'{"enable_thinking": false}\'.')] = None,
-    work_dir: Annotated[str | None, typer.Option(help="Run files (responses, checkpoints, log); default OUT/work.")] = None,
-    responses: Annotated[str | None, typer.Option(help="Responses cache JSONL; default WORK_DIR/responses.jsonl.")] = None,
-    cache_features: Annotated[bool, typer.Option("--cache-features", help="Keep target features on disk (bfloat16) for later epochs.")] = False,
-    save_dtype: Annotated[str, typer.Option(help=f"Dtype of the saved drafter: {', '.join(SAVE_DTYPES)}.")] = "float32",
-    target_dtype: Annotated[str | None, typer.Option(help="Cast the target to this dtype (e.g. float32 on a CPU).")] = None,
-    keep_checkpoints: Annotated[int, typer.Option(help="Checkpoints kept on disk.")] = 2,
-    stop_at: Annotated[int | None, typer.Option(help="Stop at this step with a checkpoint (continue later with --resume).")] = None,
+    model: Annotated[str, typer.Option("--model", help=HELP["model"])],
+    data: Annotated[str, typer.Option("--data", help=HELP["data"])],
+    out: Annotated[str, typer.Option("--out", help=HELP["out"])],
+    steps: Annotated[int, typer.Option(help=HELP["steps"])] = DEFAULT["steps"],
+    block_size: Annotated[int, typer.Option(help=HELP["block_size"])] = DEFAULT["block_size"],
+    draft_layers: Annotated[int, typer.Option(help=HELP["draft_layers"])] = DEFAULT["draft_layers"],
+    max_tokens: Annotated[int, typer.Option(help=HELP["max_tokens"])] = DEFAULT["max_tokens"],
+    max_length: Annotated[int, typer.Option(help=HELP["max_length"])] = DEFAULT["max_length"],
+    lr: Annotated[float, typer.Option(help=HELP["lr"])] = DEFAULT["lr"],
+    batch_size: Annotated[int, typer.Option(help=HELP["batch_size"])] = DEFAULT["batch_size"],
+    anchors_per_seq: Annotated[int, typer.Option(help=HELP["anchors_per_seq"])] = DEFAULT["anchors_per_seq"],
+    save_every: Annotated[int, typer.Option(help=HELP["save_every"])] = DEFAULT["save_every"],
+    resume: Annotated[bool, typer.Option("--resume", help=HELP["resume"])] = DEFAULT["resume"],
+    seed: Annotated[int, typer.Option(help=HELP["seed"])] = DEFAULT["seed"],
+    holdout: Annotated[int, typer.Option(help=HELP["holdout"])] = DEFAULT["holdout"],
+    warmup: Annotated[float, typer.Option(help=HELP["warmup"])] = DEFAULT["warmup"],
+    weight_decay: Annotated[float, typer.Option(help=HELP["weight_decay"])] = DEFAULT["weight_decay"],
+    grad_clip: Annotated[float, typer.Option(help=HELP["grad_clip"])] = DEFAULT["grad_clip"],
+    loss_decay: Annotated[float | None, typer.Option(help=HELP["loss_decay"])] = DEFAULT["loss_decay"],
+    target_layers: Annotated[str | None, typer.Option(help=HELP["target_layers"])] = DEFAULT["target_layers"],
+    mask_token_id: Annotated[int | None, typer.Option(help=HELP["mask_token_id"])] = DEFAULT["mask_token_id"],
+    intermediate_size: Annotated[
+        int | None, typer.Option(help=HELP["intermediate_size"])
+    ] = DEFAULT["intermediate_size"],
+    val_max_tokens: Annotated[int | None, typer.Option(help=HELP["val_max_tokens"])] = DEFAULT["val_max_tokens"],
+    gen_batch_size: Annotated[int, typer.Option(help=HELP["gen_batch_size"])] = DEFAULT["gen_batch_size"],
+    gen_temperature: Annotated[float, typer.Option(help=HELP["gen_temperature"])] = DEFAULT["gen_temperature"],
+    chat_template_kwargs: Annotated[
+        str | None, typer.Option(help=HELP["chat_template_kwargs"])
+    ] = DEFAULT["chat_template_kwargs"],
+    work_dir: Annotated[str | None, typer.Option(help=HELP["work_dir"])] = DEFAULT["work_dir"],
+    responses: Annotated[str | None, typer.Option(help=HELP["responses"])] = DEFAULT["responses"],
+    cache_features: Annotated[
+        bool, typer.Option("--cache-features", help=HELP["cache_features"])
+    ] = DEFAULT["cache_features"],
+    save_dtype: Annotated[str, typer.Option(help=HELP["save_dtype"])] = DEFAULT["save_dtype"],
+    target_dtype: Annotated[str | None, typer.Option(help=HELP["target_dtype"])] = DEFAULT["target_dtype"],
+    keep_checkpoints: Annotated[int, typer.Option(help=HELP["keep_checkpoints"])] = DEFAULT["keep_checkpoints"],
+    stop_at: Annotated[int | None, typer.Option(help=HELP["stop_at"])] = DEFAULT["stop_at"],
 ) -> None:
     """Train a DFlash drafter for a target (responses regenerated by the target itself)."""
     options = TrainOptions(

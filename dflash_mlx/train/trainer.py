@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -222,7 +223,9 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
     log_path = work / "train_log.jsonl"
     history = _read_log(log_path, start)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.write_text("".join(json.dumps(r) + "\n" for r in history))
+    tmp_log = log_path.with_name(f".{log_path.name}.tmp")
+    tmp_log.write_text("".join(json.dumps(r) + "\n" for r in history))  # drop steps past the checkpoint
+    os.replace(tmp_log, log_path)
 
     def checkpoint(step: int, seconds: float) -> None:
         epoch, batch_in_epoch = step_position(step, len(sequences), options.batch_size)
@@ -238,9 +241,10 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
         }
         save_checkpoint(ckpt_root, step, drafter, optimizer, state, keep=options.keep_checkpoints)
 
+    decay = options.loss_decay or default_decay(options.block_size)
     console.print(
         f"Training a {options.draft_layers}-layer drafter (block {options.block_size}, target layers "
-        f"{list(layer_ids)}, mask id {mask_id}, loss decay {options.loss_decay or default_decay(options.block_size):g}) "
+        f"{list(layer_ids)}, mask id {mask_id}, loss decay {decay:g}) "
         f"on {len(sequences)} sequences ({dropped} dropped), {len(held_prompts)} held out"
     )
     tic = time.perf_counter()
