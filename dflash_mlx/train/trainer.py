@@ -35,6 +35,7 @@ from rich.progress import (
 
 from ..draft.load import load_draft
 from ..families import text_model
+from ..loading import target_float_dtype
 from ..target import TargetAdapter
 from .batches import Sequence, build_sequences, step_batch, step_position
 from .checkpoint import (
@@ -297,8 +298,7 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
 
     export_drafter(out, drafter, config, options.save_dtype)
     if held_prompts:
-        dtype = getattr(getattr(text_model(model).model, "norm", None), "weight", None)
-        loaded = load_draft(out, model, dtype=getattr(dtype, "dtype", None), target_name=options.model)
+        loaded = load_draft(out, model, dtype=target_float_dtype(model), target_name=options.model)
         validation = acceptance_length(
             model, loaded, tokenizer, held_prompts, max_tokens=options.val_max_tokens or options.max_tokens,
             block_size=options.block_size, console=console,
