@@ -24,7 +24,10 @@ from ..generate import encode_prompt, stream_generate
 from ..resolve import choose_block_size
 from ..session import make_session
 from ..stats import RunStats
-from .common import BlockOpt, DraftOpt, ModelOpt, ReasoningOpt, console, fail, load_models, user_errors
+from .common import (
+    BlockOpt, DraftOpt, ModelOpt, ReasoningOpt, SeedOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
+)
+from .common import console, fail, load_models, user_errors
 from .live_panel import reply_view, stats_panel, summary_line
 
 HELP = """[bold]Commands[/]
@@ -54,14 +57,14 @@ def chat(
     model: ModelOpt = None,
     draft: DraftOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens per reply (-1: no limit).")] = 1024,
-    temperature: Annotated[float, typer.Option("--temperature", "--temp", min=0.0)] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)] = 1.0,
-    top_k: Annotated[int, typer.Option("--top-k", min=0)] = 0,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
     block_size: BlockOpt = None,
-    system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
+    system: SystemOpt = None,
     reasoning: ReasoningOpt = None,
     no_dflash: Annotated[bool, typer.Option("--no-dflash", help="Plain target decoding, for comparison.")] = False,
-    seed: Annotated[int | None, typer.Option("--seed", help="Seed for sampled replies.")] = None,
+    seed: SeedOpt = None,
 ) -> None:
     """Chat with a model; replies stream with a live acceptance histogram."""
     if max_tokens == 0 or max_tokens < -1:

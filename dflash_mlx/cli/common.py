@@ -44,6 +44,11 @@ BlockOpt = Annotated[
     typer.Option("--block-size", "-b", min=1, help="Tokens per draft/verify cycle, anchor included "
                  "[default: registry, else drafter; at most 5 for <=4-bit models]."),
 ]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", "--temp", min=0.0, help="0: greedy.")]
+TopPOpt = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)]
+TopKOpt = Annotated[int, typer.Option("--top-k", min=0)]
+SystemOpt = Annotated[str | None, typer.Option("--system", help="System prompt.")]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for sampled runs.")]
 ReasoningOpt = Annotated[
     str | None,
     typer.Option("--reasoning", help="on|off|low|medium|high|xhigh, mapped onto the chat template's "

@@ -12,7 +12,10 @@ from ..chat_template import reasoning_kwargs, render, template_source
 from ..generate import stream_generate
 from ..resolve import choose_block_size
 from ..stats import RunStats
-from .common import BlockOpt, DraftOpt, ModelOpt, ReasoningOpt, err_console, fail, load_models, user_errors
+from .common import (
+    BlockOpt, DraftOpt, ModelOpt, ReasoningOpt, SeedOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
+)
+from .common import err_console, fail, load_models, user_errors
 
 
 def generate(
@@ -20,12 +23,12 @@ def generate(
     model: ModelOpt = None,
     draft: DraftOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = 256,
-    temperature: Annotated[float, typer.Option("--temperature", "--temp", min=0.0)] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)] = 1.0,
-    top_k: Annotated[int, typer.Option("--top-k", min=0)] = 0,
-    seed: Annotated[int | None, typer.Option("--seed", help="Seed for sampled runs.")] = None,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = None,
     block_size: BlockOpt = None,
-    system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
+    system: SystemOpt = None,
     reasoning: ReasoningOpt = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text and statistics.")] = False,
