@@ -215,7 +215,7 @@ def test_models_and_doctor():
 
 @pytest.mark.skipif(shutil.which("dflash-mlx") is None, reason="console script not installed")
 def test_chat_in_a_real_terminal(pair_dirs):
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect
     target, draft = pair_dirs
     env = dict(os.environ, TERM="xterm", COLUMNS="120")
     child = pexpect.spawn(shutil.which("dflash-mlx"), ["chat", "--model", str(target), "--draft", str(draft),
