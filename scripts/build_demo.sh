@@ -8,9 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-/tmp/dflash-demo}
-TARGET_EPOCHS=${TARGET_EPOCHS:-2.25}
-DRAFT_STEPS=${DRAFT_STEPS:-1500}
-DRAFT_PROMPTS=${DRAFT_PROMPTS:-3000}
+TARGET_EPOCHS=${TARGET_EPOCHS:-2.3}
+DRAFT_STEPS=${DRAFT_STEPS:-1200}
+DRAFT_PROMPTS=${DRAFT_PROMPTS:-2000}
 if [ "$(uname -s)" = Linux ] && [ -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 ]; then
   export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 fi
@@ -33,9 +33,10 @@ PY
 
 # 3. The drafter: the target regenerates the answers, then DFlash training.
 python3 -m dflash_mlx train --model "$WORK/target" --data "$WORK/draft_prompts.jsonl" \
-  --out "$WORK/draft" --steps "$DRAFT_STEPS" --block-size 16 --draft-layers 2 --max-tokens 256 \
-  --max-length 512 --batch-size 8 --anchors-per-seq 24 --lr 1e-3 --holdout 32 --val-max-tokens 192 \
-  --target-dtype float32 --save-dtype bfloat16 --resume
+  --out "$WORK/draft" --steps "$DRAFT_STEPS" --block-size 8 --draft-layers 2 --max-tokens 256 \
+  --max-length 512 --batch-size 16 --anchors-per-seq 16 --lr 6e-4 --holdout 32 --val-max-tokens 192 \
+  --gen-batch-size 64 --target-dtype float32 --save-dtype bfloat16 --save-every 200 \
+  $([ -e "$WORK/draft/work/checkpoints" ] && echo --resume)
 
 # 4. Package both (bfloat16) with the dataset licence.
 rm -rf dflash_mlx/demo/target dflash_mlx/demo/draft

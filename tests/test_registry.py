@@ -97,7 +97,8 @@ def test_every_alias_resolves_to_its_entry():
     for entry in registry_entries():
         for alias in entry.aliases:
             assert lookup(alias) == entry
-        assert draft_for(entry.target) == entry.draft
+        if not entry.bundled:  # bundled entries are found by name only
+            assert draft_for(entry.target) == entry.draft
 
 
 def test_load_registry_from_file(tmp_path):

@@ -80,7 +80,7 @@ def bench(
         legs = run_benchmark(model_, tokenizer, drafter, conversations, sizes, settings,
                              draft_model=assistant, on_prompt=on_prompt)  # fmt: skip
         progress.update(task, completed=len(conversations))
-    dtype = str(next(iter(_float_dtypes(model_)), "quantized"))
+    dtype = str(next(iter(_float_dtypes(model_)), "quantized")).removeprefix("mlx.core.")
     doc = report(legs, describe(dtype=dtype), {
         "model": choice.label, "target": choice.target, "draft": choice.draft, "dataset": dataset,
         "num_prompts": len(conversations), "max_tokens": max_tokens, "temperature": temperature,

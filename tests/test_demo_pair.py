@@ -1,0 +1,59 @@
+"""The bundled demo pair: loadable offline, lossless on GSM8K, the CLI's default."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load as mlx_lm_load
+from mlx_lm import stream_generate as mlx_lm_stream_generate
+from typer.testing import CliRunner
+
+import dflash_mlx
+from dflash_mlx.chat_template import render
+from dflash_mlx.cli import app
+from dflash_mlx.datasets import sample
+from dflash_mlx.registry import lookup
+
+DEMO = Path(dflash_mlx.__file__).parent / "demo"
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return dflash_mlx.load("demo")
+
+
+def test_the_demo_pair_is_bundled_and_small():
+    files = [p for p in DEMO.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) <= 40e6
+    assert (DEMO / "LICENSE.gsm8k").is_file()
+    entry = lookup("demo")
+    assert entry.bundled and Path(entry.target_path(), "config.json").is_file()
+    weights = mx.load(str(DEMO / "target" / "model.safetensors"))
+    assert {v.dtype for v in weights.values()} <= {mx.bfloat16, mx.float16}
+    assert mlx_lm_load(str(DEMO / "target"))[0] is not None  # plain mlx-lm loads the target
+
+
+def test_demo_is_lossless_on_gsm8k(demo):
+    model, tokenizer, draft = demo
+    if not mx.metal.is_available():
+        assert model.model.norm.weight.dtype == mx.float32  # cast for the CPU backend
+    accepted = []
+    for (question,) in sample("gsm8k", 4):
+        prompt = render(tokenizer, [{"role": "user", "content": question}])
+        want = [r.token for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=160)]
+        got = list(dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=160))
+        assert [r.token for r in got] == want
+        cycles = [r.cycle_tokens for r in got if r.cycle_tokens]
+        accepted.append(sum(cycles) / len(cycles))
+    assert sum(accepted) / len(accepted) > 2  # a trained drafter, not a random one
+
+
+def test_commands_default_to_the_demo_pair():
+    r = CliRunner().invoke(app, ["generate", "What is 3 + 4?", "-n", "40", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "bundled demo pair" in r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["model"] == "demo" and out["tokens"] > 0
