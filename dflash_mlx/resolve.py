@@ -45,6 +45,19 @@ def supported(entry: RegistryEntry) -> bool:
     return entry.family is None or entry.family in FAMILIES
 
 
+def entry_for_directory(path: Path) -> RegistryEntry | None:
+    """The registry entry a local model directory is a copy of, judged by its name.
+
+    `~/models/Qwen3-4B-4bit` matches `mlx-community/Qwen3-4B-4bit`; a name that
+    matches no alias (or several entries) gives None.
+    """
+    name = path.absolute().name.lower()
+    matches = {
+        e.name for e in registry_entries() if not e.bundled and any(a.split("/")[-1].lower() == name for a in e.aliases)
+    }
+    return lookup(matches.pop()) if len(matches) == 1 else None
+
+
 def default_available() -> bool:
     entry = lookup(DEFAULT_MODEL)
     return entry is not None and (Path(entry.target_path()) / "config.json").exists()
@@ -69,6 +82,7 @@ def choose_model(model: str | None, draft: str | None = None, *, use_draft: bool
                 f"--model {model}: {path} has no config.json, so it is not an mlx-lm model directory."
             )
         target = str(path)
+        entry = entry_for_directory(path)
     elif entry is not None:
         if not supported(entry):
             families = ", ".join(sorted(FAMILIES))
@@ -92,7 +106,8 @@ def choose_model(model: str | None, draft: str | None = None, *, use_draft: bool
     if draft is None:
         if entry is None:
             raise ModelChoiceError(
-                f"--model {model}: no drafter is registered for this target in models.toml. Pass "
+                f"--model {model}: no drafter is registered for this target in models.toml (a local "
+                "directory is matched by its name, e.g. Qwen3-4B-4bit). Pass "
                 "--draft PATH_OR_REPO (a DFlash drafter for it), or --no-dflash for plain decoding."
             )
         draft = entry.draft_path()

@@ -134,6 +134,17 @@ def test_choose_model_takes_names_repo_ids_and_directories(qwen3_target):
         choose_model(str(qwen3_target))
 
 
+def test_a_local_copy_of_a_registered_target_finds_its_drafter(qwen3_target, tmp_path):
+    local = tmp_path / "Qwen3-4B-4bit"
+    local.symlink_to(qwen3_target, target_is_directory=True)
+    choice = choose_model(str(local))
+    assert choice.target == str(local) and choice.draft == "z-lab/Qwen3-4B-DFlash-b16"
+    assert choice.entry.name == "qwen3-4b"
+    other = tmp_path / "my-model"
+    other.symlink_to(qwen3_target, target_is_directory=True)
+    assert choose_model(str(other), "some/drafter").entry is None
+
+
 def test_chat_commands_and_history(pair_dirs):
     target, draft = pair_dirs
     script = "\n".join([
