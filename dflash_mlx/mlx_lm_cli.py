@@ -34,6 +34,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from . import mlx_lm as plugin
 from .draft.load import resolve_model_dir
+from .stats import RunStats
 
 PROG = "python -m dflash_mlx generate"
 
@@ -144,14 +145,12 @@ def _print(responses, verbose: bool) -> None:
     """mlx_lm generate's output, plus the DFlash line when cycles ran."""
     if verbose:
         print("=" * 10)
-    text, response, cycles, drafted = "", None, [], 0
+    text, response, stats = "", None, RunStats()
     for response in responses:
         if verbose:
             print(response.text, end="", flush=True)
         text += response.text
-        drafted += bool(response.from_draft)
-        if getattr(response, "cycle_tokens", None):
-            cycles.append(response.cycle_tokens)
+        stats.add(response)
     if not verbose:
         print(text)
         return
@@ -163,9 +162,9 @@ def _print(responses, verbose: bool) -> None:
     print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
     print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
     print(f"Peak memory: {response.peak_memory:.3f} GB")
-    if cycles:
-        print(f"DFlash: {len(cycles)} cycles, {sum(cycles) / len(cycles):.2f} tokens per cycle, "
-              f"{drafted} drafted tokens accepted")  # fmt: skip
+    if stats.cycles:
+        print(f"DFlash: {stats.cycles} cycles, {stats.acceptance_length:.2f} tokens per cycle, "
+              f"{stats.drafted} drafted tokens accepted")  # fmt: skip
 
 
 if __name__ == "__main__":

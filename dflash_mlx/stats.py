@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 class RunStats:
     block_size: int | None = None
     tokens: int = 0
+    drafted: int = 0  # tokens that were accepted drafts
     generations: int = 0
     prompt_tokens: int = 0
     cycles: int = 0
@@ -50,7 +51,9 @@ class RunStats:
         self._last = now
         self.tokens += 1
         self.peak_memory_gb = max(self.peak_memory_gb, response.peak_memory)
-        self._drafted_in_cycle += bool(getattr(response, "from_draft", False))
+        from_draft = bool(getattr(response, "from_draft", False))
+        self.drafted += from_draft
+        self._drafted_in_cycle += from_draft
         size = getattr(response, "cycle_tokens", None)
         if size is not None:
             self.cycles += 1
@@ -61,6 +64,7 @@ class RunStats:
 
     def merge(self, other: RunStats) -> None:
         self.tokens += other.tokens
+        self.drafted += other.drafted
         self.generations += other.generations
         self.prompt_tokens += other.prompt_tokens
         self.cycles += other.cycles

@@ -6,7 +6,7 @@ Shapes follow OpenAI's API: ``chat.completion`` / ``chat.completion.chunk``
 ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``), ``usage``
 with ``prompt_tokens_details.cached_tokens``, and errors as
 ``{"error": {"message", "type", "param", "code"}}``. Each reply also carries a
-``dflash`` object with its acceptance statistics (`worker.AcceptanceStats`).
+``dflash`` object with its acceptance statistics (`worker.dflash_object`).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from ..block_size import default_block_size
 from ..generate import stream_generate
 from ..session import make_session
+from ..stats import RunStats
 from .request import GenerationRequest
 from .stops import StopText
 
@@ -75,31 +76,16 @@ class Job:
         return self._cancelled.is_set()
 
 
-class AcceptanceStats:
-    """Per-reply acceptance statistics (the response's ``dflash`` object)."""
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-        self.cycles: list[int] = []
-        self.drafted = 0
-
-    def add(self, response) -> None:
-        self.drafted += bool(response.from_draft)
-        if getattr(response, "cycle_tokens", None):
-            self.cycles.append(response.cycle_tokens)
-
-    def as_dict(self) -> dict:
-        size = max([self.block_size, *self.cycles])
-        histogram = [0] * size
-        for c in self.cycles:
-            histogram[c - 1] += 1
-        return {
-            "block_size": self.block_size,
-            "cycles": len(self.cycles),
-            "mean_acceptance_length": round(sum(self.cycles) / len(self.cycles), 4) if self.cycles else None,
-            "drafted_tokens": self.drafted,
-            "acceptance_histogram": histogram,  # entry i: cycles that committed i + 1 tokens
-        }
+def dflash_object(stats: RunStats) -> dict:
+    """A reply's acceptance statistics (the response's ``dflash`` object)."""
+    acceptance = stats.acceptance_length
+    return {
+        "block_size": stats.block_size,
+        "cycles": stats.cycles,
+        "mean_acceptance_length": round(acceptance, 4) if acceptance is not None else None,
+        "drafted_tokens": stats.drafted,
+        "acceptance_histogram": list(stats.histogram_dict().values()),  # entry i: cycles of i + 1 tokens
+    }
 
 
 class GenerationWorker:
@@ -175,7 +161,7 @@ class GenerationWorker:
             put(Failed(400, f"cannot build the prompt: {e}", field))
             return
         block_size = self.block_size if req.num_draft_tokens is None else req.num_draft_tokens + 1
-        stats = AcceptanceStats(block_size)
+        stats = RunStats(block_size=block_size)
         stopper = StopText(req.stop)
         started, count, finish = False, 0, "length"
         responses = stream_generate(
@@ -206,7 +192,7 @@ class GenerationWorker:
             tail = stopper.flush()
             if tail:
                 put(Token(tail, None))
-            end = Finished(finish, count, stats.as_dict() if self.draft is not None else {})
+            end = Finished(finish, count, dflash_object(stats) if self.draft is not None else {})
         except ValueError as e:
             end = Failed(400 if not started else 500, str(e))
         except Exception as e:  # keep serving the next requests

@@ -21,6 +21,7 @@ from rich.progress import (
 )
 
 from ..generate import stream_generate
+from ..stats import RunStats
 
 
 def acceptance_length(
@@ -34,7 +35,7 @@ def acceptance_length(
     console: Console | None = None,
 ) -> dict:
     """{"mean_acceptance_length", "per_prompt", "histogram", "tokens", "seconds", ...}."""
-    per_prompt, histogram, tokens = [], {}, 0
+    per_prompt, totals = [], RunStats()
     tic = time.perf_counter()
     progress = Progress(
         TextColumn("validating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tau]}"),
@@ -43,14 +44,12 @@ def acceptance_length(
     with progress:
         task = progress.add_task("val", total=len(prompts), tau="")
         for ids in prompts:
-            cycles = []
+            stats = RunStats()
             for r in stream_generate(model, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=block_size):
-                tokens += 1
-                if r.cycle_tokens is not None:
-                    cycles.append(r.cycle_tokens)
-                    histogram[r.cycle_tokens] = histogram.get(r.cycle_tokens, 0) + 1
-            if cycles:
-                per_prompt.append(sum(cycles) / len(cycles))
+                stats.add(r)
+            totals.merge(stats)
+            if stats.cycles:
+                per_prompt.append(stats.acceptance_length)
             mean = sum(per_prompt) / len(per_prompt) if per_prompt else float("nan")
             progress.update(task, advance=1, tau=f"acceptance {mean:.2f}")
     return {
@@ -58,8 +57,8 @@ def acceptance_length(
         "prompts": len(prompts),
         "prompts_with_cycles": len(per_prompt),
         "per_prompt": per_prompt,
-        "histogram": {str(k): histogram[k] for k in sorted(histogram)},
-        "tokens": tokens,
+        "histogram": {str(k): totals.histogram[k] for k in sorted(totals.histogram)},
+        "tokens": totals.tokens,
         "seconds": time.perf_counter() - tic,
         "max_tokens": max_tokens,
         "block_size": block_size,
