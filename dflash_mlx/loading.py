@@ -9,7 +9,8 @@ import mlx.nn as nn
 
 from .draft.load import load_draft
 from .draft.model import DFlashDraftModel
-from .families import text_model
+from .families import FAMILIES, text_model
+from .target import UnsupportedTargetError
 
 
 def load(
@@ -33,6 +34,11 @@ def load(
 
     entry = lookup(str(target))
     target_id = str(target)
+    if entry is not None and entry.family is not None and entry.family not in FAMILIES:
+        raise UnsupportedTargetError(
+            f"{target}: the registry lists {entry.name} (family {entry.family}), which this version of "
+            f"dflash-mlx cannot run yet; supported families: {', '.join(sorted(FAMILIES))}."
+        )
     if entry is not None and not Path(target_id).expanduser().exists():
         if entry.bundled:
             target_id = entry.target_path()

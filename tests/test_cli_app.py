@@ -73,6 +73,14 @@ def test_errors_say_what_to_do(args, message):
     assert message in " ".join(r.stderr.split())
 
 
+def test_library_load_refuses_an_unsupported_registry_family_before_downloading():
+    from dflash_mlx import load
+    from dflash_mlx.target import UnsupportedTargetError
+
+    with pytest.raises(UnsupportedTargetError, match="kimi_k25.*cannot run yet"):
+        load("kimi-k2.5")
+
+
 def test_reasoning_without_a_template_key_is_refused(pair_dirs):
     target, draft = pair_dirs
     r = invoke("generate", "hi", "--model", target, "--draft", draft, "--reasoning", "high")
