@@ -30,10 +30,14 @@ def min_quantized_bits(model: nn.Module | None) -> int | None:
     return min(bits) if bits else None
 
 
-def default_block_size(target: nn.Module, draft) -> int:
-    """The drafter's configured block size, capped when either side is <= 4-bit."""
-    size = getattr(draft, "block_size", None) or draft.config.block_size
+def capped_block_size(size: int, target: nn.Module, draft) -> int:
+    """`size`, capped at QUANTIZED_BLOCK_CAP when the target or the drafter is <= 4-bit."""
     low = [b for b in (min_quantized_bits(target), min_quantized_bits(draft)) if b is not None]
     if low and min(low) <= LOW_BITS:
         size = min(size, QUANTIZED_BLOCK_CAP)
     return size
+
+
+def default_block_size(target: nn.Module, draft) -> int:
+    """The drafter's configured block size, capped when either side is <= 4-bit."""
+    return capped_block_size(getattr(draft, "block_size", None) or draft.config.block_size, target, draft)

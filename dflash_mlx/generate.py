@@ -22,7 +22,7 @@ from .acceptance import Acceptor
 from .block_size import default_block_size
 from .engine import speculative_cycles
 from .sampling import SamplingSettings
-from .session import Session, make_session
+from .session import Session, check_draft_sampling, make_session
 
 
 @dataclass
@@ -98,8 +98,7 @@ def stream_generate(
     elif max_draft_context is not None:
         raise ValueError("Pass max_draft_context to make_session, not with a session.")
     elif draft_sampling is not None:
-        if draft_sampling not in ("sample", "argmax"):
-            raise ValueError(f"draft_sampling must be 'sample' or 'argmax', got {draft_sampling!r}.")
+        check_draft_sampling(draft_sampling)
         if hasattr(session.proposer, "sample_drafts"):
             session.proposer.sample_drafts = draft_sampling == "sample"
     proposer, target = session.proposer, session.target

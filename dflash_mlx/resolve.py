@@ -20,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx import nn
 
-from .block_size import LOW_BITS, QUANTIZED_BLOCK_CAP, min_quantized_bits
+from .block_size import capped_block_size
 from .families import FAMILIES
 from .registry import RegistryEntry, lookup, registry_entries
 
@@ -150,8 +150,4 @@ def choose_block_size(flag: int | None, entry: RegistryEntry | None, model, draf
         if flag < 1:
             raise ModelChoiceError(f"--block-size: expected an integer >= 1, got {flag}.")
         return flag
-    size = entry.block_size if entry is not None else drafter.config.block_size
-    low = [b for b in (min_quantized_bits(model), min_quantized_bits(drafter)) if b is not None]
-    if low and min(low) <= LOW_BITS:
-        size = min(size, QUANTIZED_BLOCK_CAP)
-    return size
+    return capped_block_size(entry.block_size if entry is not None else drafter.config.block_size, model, drafter)

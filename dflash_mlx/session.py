@@ -129,12 +129,16 @@ class Session:
                 c.state = _copy(state)
 
 
+def check_draft_sampling(value: str) -> None:
+    if value not in ("sample", "argmax"):
+        raise ValueError(f"draft_sampling must be 'sample' or 'argmax', got {value!r}.")
+
+
 def make_session(
     model: nn.Module, draft=None, *, max_draft_context: int | None = None, draft_sampling: str = "sample"
 ) -> Session:
     """A reusable cache for `stream_generate(..., session=...)` with this model and drafter."""
-    if draft_sampling not in ("sample", "argmax"):
-        raise ValueError(f"draft_sampling must be 'sample' or 'argmax', got {draft_sampling!r}.")
+    check_draft_sampling(draft_sampling)
     if max_draft_context is not None and max_draft_context < 1:
         raise ValueError(f"max_draft_context must be >= 1, got {max_draft_context}.")
     proposer = as_proposer(draft, model, max_draft_context, sample_drafts=draft_sampling == "sample")

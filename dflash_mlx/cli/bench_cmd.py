@@ -6,9 +6,6 @@ JSON report (see `dflash_mlx.benchmark.report`) atomically.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -21,7 +18,9 @@ from ..benchmark import BenchSettings, report, run_benchmark
 from ..chat_template import reasoning_kwargs
 from ..datasets import DATASETS, sample
 from ..environment import describe
+from ..loading import target_float_dtype
 from ..resolve import choose_block_size
+from ..train.checkpoint import write_json_atomic
 from .common import DraftOpt, ModelOpt, ReasoningOpt, console, fail, load_models, user_errors
 
 
@@ -80,7 +79,7 @@ def bench(
         legs = run_benchmark(model_, tokenizer, drafter, conversations, sizes, settings,
                              draft_model=assistant, on_prompt=on_prompt)  # fmt: skip
         progress.update(task, completed=len(conversations))
-    dtype = str(next(iter(_float_dtypes(model_)), "quantized")).removeprefix("mlx.core.")
+    dtype = str(target_float_dtype(model_)).removeprefix("mlx.core.")
     doc = report(legs, describe(dtype=dtype), {
         "model": choice.label, "target": choice.target, "draft": choice.draft, "dataset": dataset,
         "num_prompts": len(conversations), "max_tokens": max_tokens, "temperature": temperature,
@@ -88,14 +87,9 @@ def bench(
     })
     _print_table(doc, legs)
     if out is not None:
-        _write_atomic(out, json.dumps(doc, indent=2) + "\n")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out, doc)
         console.print(f"[dim]Report written to {out}[/]")
-
-
-def _float_dtypes(model):
-    from mlx.utils import tree_flatten
-
-    return [v.dtype for _, v in tree_flatten(model.parameters()) if "float" in str(v.dtype)][:1]
 
 
 def _print_table(doc: dict, legs) -> None:
@@ -122,15 +116,3 @@ def _print_table(doc: dict, legs) -> None:
     if doc["temperature"] == 0 and not all(r["greedy_matches"] for r in doc["runs"]):
         console.print("[yellow]Some greedy DFlash replies differ from the baseline's (see the JSON "
                       "'prompts'): near-tie logits in low precision can flip a token.[/]")  # fmt: skip
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -32,10 +32,15 @@ class CheckpointError(ValueError):
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write `obj` as JSON: a temporary file renamed over `path` (removed if anything fails)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _save_safetensors_atomic(path: Path, arrays: dict[str, mx.array], metadata=None) -> None:
