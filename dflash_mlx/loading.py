@@ -10,6 +10,7 @@ import mlx.nn as nn
 from .draft.load import load_draft
 from .draft.model import DFlashDraftModel
 from .families import FAMILIES, text_model
+from .resolve import as_float32, on_cpu
 from .target import UnsupportedTargetError
 
 
@@ -30,9 +31,9 @@ def load(
     """
     from mlx_lm import load as mlx_lm_load
 
-    from .registry import lookup
+    from .resolve import entry_for_target
 
-    entry = lookup(str(target))
+    entry = entry_for_target(target)
     target_id = str(target)
     if entry is not None and entry.family is not None and entry.family not in FAMILIES:
         raise UnsupportedTargetError(
@@ -52,8 +53,8 @@ def load(
             )
         draft = entry.draft_path()
     model, tokenizer = mlx_lm_load(target_id, **mlx_lm_load_kwargs)[:2]
-    if entry is not None and entry.bundled and not mx.metal.is_available():
-        model.set_dtype(mx.float32)  # the bundled pair is stored in bfloat16; CPUs compute float32 faster
+    if entry is not None and entry.bundled and on_cpu():
+        as_float32(model)  # the bundled pair is stored in bfloat16; CPUs compute float32 faster
     drafter = load_draft(
         draft, model, bits=draft_bits, group_size=draft_group_size,
         dtype=target_float_dtype(model), target_name=target_id,

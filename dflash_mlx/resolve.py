@@ -58,6 +58,22 @@ def entry_for_directory(path: Path) -> RegistryEntry | None:
     return lookup(matches.pop()) if len(matches) == 1 else None
 
 
+def entry_for_target(target: str | Path) -> RegistryEntry | None:
+    """The registry entry for what a user passed as a target, or None.
+
+    A registry name or repo id matches its entry; a local directory matches the
+    bundled pair whose packaged directory it is, else an entry by its name
+    (`entry_for_directory`).
+    """
+    path = Path(target).expanduser()
+    if not path.exists():
+        return lookup(str(target))
+    for entry in registry_entries():
+        if entry.bundled and Path(entry.target_path()).resolve() == path.resolve():
+            return entry
+    return entry_for_directory(path) if path.is_dir() else None
+
+
 def default_available() -> bool:
     entry = lookup(DEFAULT_MODEL)
     return entry is not None and (Path(entry.target_path()) / "config.json").exists()
@@ -119,9 +135,15 @@ def on_cpu() -> bool:
 
 
 def as_float32(module: nn.Module | None) -> None:
-    """Cast floating-point parameters to float32 (quantized weights stay as they are)."""
+    """Cast floating-point parameters to float32 (quantized weights stay as they are).
+
+    The cast is evaluated at once: a lazy cast would belong to this thread's
+    stream, and MLX streams are per thread, so a model loaded here and used from
+    another thread (a server's worker, a GUI) would fail.
+    """
     if module is not None:
         module.set_dtype(mx.float32)
+        mx.eval(module.parameters())
 
 
 def load_choice(choice: ModelChoice, *, draft_bits: int | None = None):
