@@ -155,5 +155,5 @@ def speculative_cycles(
             logprobs = _log_softmax(logits[:kept])
             yield Cycle(tokens=tokens, logprobs=logprobs, drafted=min(accepted, kept), block_size=b)
     finally:
-        if pending is not None:  # the consumer stopped early: undo the queued verify
-            session.undo_last_forward()
+        if pending is not None:  # the consumer stopped early: undo the queued verify but for its anchor
+            session.undo_last_forward(anchor_id, pending[3] if feeds_context else None)

@@ -5,12 +5,12 @@
 `GenerationResponse`s (ours add ``cycle_tokens``), greedy output token for token
 equal to mlx-lm's.
 
-- `load(path_or_repo, draft=None, **kwargs)` returns exactly what
-  ``mlx_lm.load(path_or_repo, **kwargs)`` returns (registry names from
-  models.toml are also accepted) and remembers the model's DFlash drafter
-  (``draft=``, else the registered one) outside the model: not a child module,
-  no attribute set on any mlx-lm object. `remember_draft` does the same for a
-  model loaded otherwise.
+- `load(path_or_hf_repo, ..., draft=None)` takes ``mlx_lm.load``'s parameters
+  (same names, order and defaults) and returns exactly what it returns
+  (registry names from models.toml are also accepted); it remembers the
+  model's DFlash drafter (``draft=``, else the registered one) outside the
+  model: not a child module, no attribute set on any mlx-lm object.
+  `remember_draft` does the same for a model loaded otherwise.
 - `stream_generate` / `generate` run DFlash with the explicit ``draft_model``
   when it is a DFlash drafter, else with the remembered drafter;
   ``num_draft_tokens=n`` means blocks of n + 1 (default: the drafter's own
@@ -24,11 +24,14 @@ equal to mlx-lm's.
   from MLX's global generator, so ``mx.random.seed(n)`` before a call makes it
   reproducible, as in mlx-lm (the samples differ from mlx-lm's; the
   distribution is the same).
-- `make_prompt_cache(model)`: with a drafter, a `DFlashPromptCache` (target and
-  drafter state, a `dflash_mlx.session.Session`) with mlx-lm's semantics: each
-  call passes only the new tokens, the cache holds every earlier prompt and
-  generated token. Without one, mlx-lm's own cache. An mlx-lm cache passed
-  while DFlash runs is refused with an error, and so is ours for mlx-lm.
+- Prompt caches: mlx-lm's own (``mlx_lm.models.cache.make_prompt_cache(model)``,
+  ``load_prompt_cache``) run DFlash and are left holding exactly what mlx-lm
+  would leave in them (`dflash_mlx.mlx_lm_cache`), so mlx-lm's
+  save / load / trim functions keep working. `make_prompt_cache(model)` here
+  gives, with a drafter, a `DFlashPromptCache` (a `dflash_mlx.session.Session`
+  with the same semantics, which also reuses the common prefix of a prompt that
+  does not extend it); without one, mlx-lm's own list. A `DFlashPromptCache`
+  is refused by mlx-lm's decoding with an error.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import dataclasses
 import warnings
 import weakref
 from pathlib import Path
+from typing import Any, Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -52,7 +56,8 @@ from .generate import stream_generate as dflash_stream_generate
 from .loading import target_float_dtype
 from .mlx_lm_samplers import UnsupportedSampler, sampler_settings
 from .proposer import Proposer
-from .registry import lookup
+from .mlx_lm_cache import list_cache_problem, list_session, remember
+from .resolve import entry_for_target
 from .session import Session, make_session
 
 __all__ = [
@@ -83,24 +88,39 @@ def remembered_draft(model: nn.Module):
     return _drafters.get(id(model))
 
 
-def load(path_or_repo: str | Path, draft: str | Path | None = None, **mlx_lm_load_kwargs):
-    """``mlx_lm.load(path_or_repo, **mlx_lm_load_kwargs)``, remembering the model's DFlash drafter.
+def load(
+    path_or_hf_repo: str,
+    tokenizer_config: Optional[Dict[str, Any]] = None,
+    model_config: Optional[Dict[str, Any]] = None,
+    adapter_path: Optional[str] = None,
+    lazy: bool = False,
+    return_config: bool = False,
+    revision: Optional[str] = None,
+    trust_remote_code: bool = False,
+    *,
+    draft: str | Path | None = None,
+):
+    """``mlx_lm.load`` with the same parameters, remembering the model's DFlash drafter.
 
     `draft` is a drafter directory or repo id; None takes the one models.toml
-    registers for `path_or_repo` (a registry name is also accepted as target).
+    registers for `path_or_hf_repo` (a registry name, a repo id, the bundled
+    pair's directory or a local copy named like a registered repo).
     Without either, generation is plain mlx-lm decoding (a warning says so).
     """
-    target = str(path_or_repo)
-    entry = lookup(target)
+    target = str(path_or_hf_repo)
+    entry = entry_for_target(target)
     if entry is not None and not Path(target).expanduser().exists() and target.lower() == entry.name.lower():
         target = _registered(entry, "target")
-    loaded = mlx_lm.load(target, **mlx_lm_load_kwargs)
+    loaded = mlx_lm.load(
+        target, tokenizer_config=tokenizer_config, model_config=model_config, adapter_path=adapter_path,
+        lazy=lazy, return_config=return_config, revision=revision, trust_remote_code=trust_remote_code,
+    )
     model = loaded[0]
     if draft is None and entry is not None:
         draft = _registered(entry, "draft")
     if draft is None:
         warnings.warn(
-            f"No DFlash drafter is registered for '{path_or_repo}' (models.toml) and none was passed "
+            f"No DFlash drafter is registered for '{path_or_hf_repo}' (models.toml) and none was passed "
             "(draft=...): generation falls back to plain mlx-lm decoding.",
             stacklevel=2,
         )
@@ -164,7 +184,7 @@ def _warn_once(reason: str) -> None:
         warnings.warn(f"dflash_mlx.mlx_lm: {reason}: falling back to mlx-lm's own decoding.", stacklevel=3)
 
 
-def _fallback_reason(kwargs: dict, stream) -> str | None:
+def _fallback_reason(model, kwargs: dict, stream) -> str | None:
     """Why these options need mlx-lm's decoding, or None if DFlash honours them all."""
     try:
         sampler_settings(kwargs.get("sampler"))
@@ -173,6 +193,11 @@ def _fallback_reason(kwargs: dict, stream) -> str | None:
     for name in ("kv_bits", "max_kv_size", "input_embeddings"):
         if kwargs.get(name) is not None:
             return f"{name} is not supported with a DFlash drafter"
+    cache = kwargs.get("prompt_cache")
+    if cache is not None and not isinstance(cache, DFlashPromptCache):
+        problem = list_cache_problem(model, cache)
+        if problem:
+            return problem
     if stream is not generation_stream:
         return "DFlash runs on mlx-lm's generation stream, not on another stream="
     return None
@@ -196,7 +221,7 @@ def stream_generate(
         )
     draft = draft_model if draft_model is not None else remembered_draft(model)
     cache = kwargs.get("prompt_cache")
-    reason = _fallback_reason(kwargs, stream) if _is_dflash(draft) else None
+    reason = _fallback_reason(model, kwargs, stream) if _is_dflash(draft) else None
     if not _is_dflash(draft) or reason:
         if isinstance(cache, DFlashPromptCache):
             raise ValueError(
@@ -232,11 +257,9 @@ def _dflash(model, tokenizer, prompt, max_tokens, draft, *, sampler=None, logits
                 "(make_prompt_cache(model, draft_model=...))."
             )
         session, earlier = prompt_cache.session, list(prompt_cache.tokens)
-    elif prompt_cache is not None:
-        raise ValueError(
-            "prompt_cache: an mlx-lm prompt cache (a list of per-layer caches) cannot hold the DFlash "
-            "drafter's state; make it with dflash_mlx.mlx_lm.make_prompt_cache(model)."
-        )
+    elif prompt_cache is not None:  # mlx-lm's list (checked by _fallback_reason)
+        session = list_session(model, draft, prompt_cache)
+        earlier = list(session.tokens)
     if logits_processors and earlier:
         # mlx-lm's processors see the tokens of this call only, not the cached ones.
         logits_processors = [_skipping(p, len(earlier)) for p in logits_processors]
@@ -247,7 +270,7 @@ def _dflash(model, tokenizer, prompt, max_tokens, draft, *, sampler=None, logits
         logits_processors=logits_processors, prefill_step_size=prefill_step_size,
         prompt_progress_callback=prompt_progress_callback, session=session,
     )
-    return _relabelled(responses, len(ids), prompt_cache if session is not None else None, earlier + ids)
+    return _relabelled(responses, len(ids), prompt_cache, session, earlier + ids)
 
 
 def _skipping(processor, n: int):
@@ -257,16 +280,33 @@ def _skipping(processor, n: int):
     return processor_without_cached_tokens
 
 
-def _relabelled(responses, prompt_tokens: int, cache: DFlashPromptCache | None, held: list[int]):
-    """Report this call's prompt length (as mlx-lm does with a cache) and keep the cache's tokens."""
+def _relabelled(responses, prompt_tokens: int, cache, session: Session | None, held: list[int]):
+    """Report this call's prompt length (as mlx-lm does with a cache) and keep the cache's tokens.
+
+    `held` grows to everything an mlx-lm cache would hold after the call: the
+    earlier tokens, the prompt and every token yielded so far. An mlx-lm cache
+    list is then made to hold exactly that (the engine leaves the last token
+    unfed), as mlx-lm's own decoding would leave it.
+    """
+    earlier = len(held) - prompt_tokens
+    yielded = False
     try:
         for r in responses:
             if cache is not None:
-                cache.tokens = held  # every prompt token and every token yielded so far
+                if isinstance(cache, DFlashPromptCache):
+                    cache.tokens = held  # every prompt token and every token yielded so far
                 held.append(r.token)
+            yielded = True
             yield dataclasses.replace(r, prompt_tokens=prompt_tokens)
     finally:
         responses.close()  # an early stop: the session undoes a queued verify now
+        if isinstance(cache, list):
+            # Nothing yielded (an error before the first token): leave the list as it was, if it can be.
+            wanted = held if yielded else held[:earlier]
+            if session.tokens != wanted and (yielded or len(session.tokens) >= earlier):
+                with mx.stream(generation_stream):
+                    session.hold(wanted)
+            remember(cache, session)
 
 
 def generate(model: nn.Module, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:

@@ -13,9 +13,13 @@ hold and returns its length, so only the rest is prefilled:
 - otherwise the caches start afresh.
 
 The engine keeps the caches honest: they hold the prompt and every committed
-token except the last (the next anchor, not yet fed), and generation stopped
-at a stop token keeps nothing at or after it. The drafter's context follows the
-same positions (`Proposer.start(..., reused=n)`).
+token except the last (the next anchor, not yet fed; a generation closed early
+keeps its last anchor too), and generation stopped at a stop token keeps
+nothing at or after it. The drafter's context follows the same positions
+(`Proposer.start(..., reused=n)`). `hold(tokens)` makes the caches hold exactly
+some tokens (the mlx-lm plugin leaves mlx-lm's own cache lists that way).
+A session may work on a caller's cache list (`cache=`), which it updates in
+place and never replaces.
 """
 
 from __future__ import annotations
@@ -57,30 +61,57 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Session:
-    """Caches of one conversation with one target (and optionally one drafter)."""
+    """Caches of one conversation with one target (and optionally one drafter).
 
-    def __init__(self, target: TargetAdapter, proposer: Proposer | None, draft=None):
+    `cache` (optional) is a caller's list of per-layer caches, e.g. mlx-lm's
+    prompt cache: it is updated in place and never replaced.
+    """
+
+    def __init__(self, target: TargetAdapter, proposer: Proposer | None, draft=None, cache: list | None = None):
         self.target = target
         self.model = target.model
         self.proposer = proposer
         self.draft = draft  # what the proposer was made from (a drafter, a Proposer or None)
-        self.cache: list | None = None
+        self.cache: list | None = cache
+        self._given = cache is not None
         self.tokens: list[int] = []  # what the caches hold, in order
         self._checkpoint: _Checkpoint | None = None
         self.reused = 0  # prompt tokens the last `begin` kept
 
     def reset(self) -> None:
         """Forget everything (the next generation prefills its whole prompt)."""
+        if self._given:
+            raise RuntimeError("A session over a caller's cache list cannot drop it.")
         self.cache, self.tokens, self._checkpoint = None, [], None
 
     def begin(self, prompt: list[int]) -> int:
         """Make the caches hold a prefix of `prompt` (never all of it); return its length."""
+        keep = self._keep_prefix(prompt[:-1])
+        self._start_proposer(prompt, keep)
+        self.reused = keep
+        return keep
+
+    def hold(self, tokens: list[int]) -> None:
+        """Make the caches (and the drafter's context) hold exactly `tokens`, feeding what they lack."""
+        keep = self._keep_prefix(tokens)
+        self._start_proposer(tokens, keep)
+        rest = tokens[keep:]
+        if rest:
+            _, features = self.target.forward(mx.array(rest, mx.int32)[None], self.cache)
+            feeds = self.proposer is not None and bool(self.proposer.layer_ids)
+            if feeds:
+                self.proposer.add_context(features)
+            mx.eval([c.state for c in self.cache if c is not None], self.proposer.state() if feeds else [])
+        self.tokens = list(tokens)
+
+    def _keep_prefix(self, wanted: list[int]) -> int:
+        """Cut the caches back to the longest prefix of `wanted` they can keep (fresh caches if none)."""
         keep = 0
         if self.cache is not None:
-            common = common_prefix(self.tokens, prompt[:-1])
+            common = common_prefix(self.tokens, wanted)
             if common == len(self.tokens):
                 keep = common
-            elif common and all(_trimmable(c) for c in self.cache):
+            elif (common or self._given) and all(_trimmable(c) for c in self.cache):
                 for c in self.cache:
                     if c is not None:
                         c.trim(len(self.tokens) - common)
@@ -88,16 +119,20 @@ class Session:
             elif self._checkpoint and 0 < self._checkpoint.position <= common:
                 self._restore(self._checkpoint)
                 keep = self._checkpoint.position
-        if keep == 0:
+        if keep == 0 and self.tokens and self._given:
+            raise RuntimeError("A caller's cache list cannot be emptied: its caches cannot be trimmed.")
+        if keep == 0 and not self._given:
             self.cache = self.target.make_cache()
-        self.tokens = list(prompt[:keep])
-        if self.proposer is not None:
-            if keep:
-                self.proposer.start(self.target, mx.array(prompt, mx.int32), reused=keep)
-            else:
-                self.proposer.start(self.target, mx.array(prompt, mx.int32))
-        self.reused = keep
+        self.tokens = list(wanted[:keep])
         return keep
+
+    def _start_proposer(self, prompt: list[int], keep: int) -> None:
+        if self.proposer is None:
+            return
+        if keep:
+            self.proposer.start(self.target, mx.array(prompt, mx.int32), reused=keep)
+        else:
+            self.proposer.start(self.target, mx.array(prompt, mx.int32))
 
     def prefilled(self, prompt: list[int]) -> None:
         """The whole prompt is in the caches: remember it, checkpoint untrimmable state."""
@@ -112,12 +147,17 @@ class Session:
         """`tokens` were committed to the caches after the prompt."""
         self.tokens.extend(tokens)
 
-    def undo_last_forward(self) -> None:
-        """Drop every row of the last (recorded) forward, or start afresh if impossible."""
-        try:
-            self.target.rollback(self.cache, keep=0)
-        except Exception:  # a single-row update of a full ring cannot be undone
-            self.reset()
+    def undo_last_forward(self, anchor: int, features: mx.array | None) -> None:
+        """Keep only the first row of the last (recorded) forward: `anchor`, a committed token.
+
+        `features` are that forward's captured rows, so the drafter's context
+        keeps following the caches. (Dropping every row instead would fail for
+        a single-row update of a full ring cache, which cannot be undone.)
+        """
+        self.target.rollback(self.cache, keep=1)
+        if features is not None and self.proposer is not None and self.proposer.layer_ids:
+            self.proposer.add_context(features[:, :1])
+        self.tokens.append(anchor)
 
     def _restore(self, checkpoint: _Checkpoint) -> None:
         for c, state in zip(self.cache, checkpoint.states):

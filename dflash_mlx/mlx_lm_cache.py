@@ -1,0 +1,104 @@
+"""mlx-lm's own prompt caches (lists of per-layer caches) running DFlash.
+
+A list made by ``mlx_lm.models.cache.make_prompt_cache(model)`` (or
+``load_prompt_cache``) passed as ``prompt_cache=`` to
+`dflash_mlx.mlx_lm.stream_generate` is filled in place with exactly what
+mlx-lm would leave in it: everything it held before, the call's prompt and
+every token the call yielded (EOS included), so ``save_prompt_cache``,
+``load_prompt_cache``, ``trim_prompt_cache`` and mlx-lm's own decoding keep
+working on it.
+
+The DFlash drafter's context for a list lives here, beside it: keyed by the
+list's identity and dropped when the list's first cache object is collected
+(lists cannot be weakly referenced). A list this module has not seen (loaded
+from disk, filled by mlx-lm) is continued with an empty drafter context for
+what it already holds: acceptance may dip, the output never changes. The
+tokens of such a list are unknown and never needed (each call only appends),
+so placeholders stand for them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import mlx.nn as nn
+
+from .proposer import Proposer, as_proposer
+from .rollback import UnsupportedCacheError, check_caches
+from .session import Session
+from .target import TargetAdapter, UnsupportedTargetError
+
+UNKNOWN_TOKEN = 0  # stands for a token a list held before DFlash saw it
+
+
+@dataclass
+class _Binding:
+    first: weakref.ref  # the list's first cache object: the list is still the one we saw
+    draft: object  # what the proposer was made from
+    proposer: Proposer | None
+    tokens: list[int]  # what the list held after the last DFlash call on it
+
+
+_bindings: dict[int, _Binding] = {}  # id(list) -> binding
+
+
+def held_length(cache: list) -> int | None:
+    """How many tokens an mlx-lm cache list holds (its attention caches' offset), or None."""
+    for c in cache:
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int):
+            return offset
+    return None
+
+
+def list_cache_problem(model: nn.Module, cache) -> str | None:
+    """Why DFlash cannot run on this mlx-lm cache list (mlx-lm's decoding must), or None."""
+    if not cache:
+        return "prompt_cache is an empty list"
+    try:
+        target = TargetAdapter(model)
+        check_caches(cache, target.family_name, target.linear_layers)
+    except (UnsupportedCacheError, UnsupportedTargetError) as e:
+        return f"prompt_cache: {e}"
+    if len(cache) != len(target.make_cache()):
+        return f"prompt_cache holds {len(cache)} layer caches, this model makes {len(target.make_cache())}"
+    if held_length(cache) is None:
+        return "prompt_cache has no attention cache that says how many tokens it holds"
+    return None
+
+
+def _binding(cache: list, draft) -> _Binding | None:
+    bound = _bindings.get(id(cache))
+    if bound is None or bound.first() is not cache[0] or bound.draft is not draft:
+        return None
+    return bound
+
+
+def list_session(model: nn.Module, draft, cache: list) -> Session:
+    """A session over the caller's `cache` list (never replaced), with its drafter context."""
+    held = held_length(cache)
+    bound = _binding(cache, draft)
+    if bound is None:
+        proposer = as_proposer(draft, model)
+        bound = _Binding(weakref.ref(cache[0]), draft, proposer, [])
+        key = id(cache)
+        _bindings[key] = bound
+        weakref.finalize(cache[0], _forget, key, bound)
+    tokens = bound.tokens[:held] if len(bound.tokens) >= held else [UNKNOWN_TOKEN] * held
+    proposer = bound.proposer
+    session = Session(TargetAdapter(model, proposer.layer_ids if proposer else ()), proposer, draft, cache=cache)
+    session.tokens = tokens
+    return session
+
+
+def remember(cache: list, session: Session) -> None:
+    """Record what the list holds after a DFlash call (its drafter context is the session's)."""
+    bound = _bindings.get(id(cache))
+    if bound is not None and bound.first() is cache[0]:
+        bound.tokens = list(session.tokens)
+
+
+def _forget(key: int, bound: _Binding) -> None:
+    if _bindings.get(key) is bound:
+        del _bindings[key]
