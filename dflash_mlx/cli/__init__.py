@@ -1,7 +1,7 @@
 """The ``dflash-mlx`` command line (Typer + rich).
 
-Commands: ``chat``, ``generate``, ``bench``, ``models``, ``doctor``, and
-``train`` / ``serve`` from their own packages. Each lives in its own module;
+Commands: ``chat``, ``generate``, ``bench``, ``models``, ``doctor``,
+``serve``, and ``train`` from its own package. Each lives in its own module;
 this one builds the app. ``main()`` is the console-script entry point: on
 Linux it first re-executes with the system OpenBLAS preloaded (see
 ``dflash_mlx.openblas``); embedders and tests use ``app`` directly.
@@ -18,7 +18,7 @@ from .bench_cmd import bench
 from .chat import chat
 from .generate_cmd import generate
 from .info import doctor, models
-from ..server.command import serve
+from .serve_cmd import serve
 from ..train.command import train
 
 app = typer.Typer(

@@ -34,7 +34,7 @@ USER_ERRORS = (
 ModelOpt = Annotated[
     str | None,
     typer.Option("--model", "-m", help="Registry name, Hugging Face repo id or local mlx-lm directory "
-                 "[default: the bundled demo pair]."),
+                 "(default: the bundled demo pair)."),
 ]
 DraftOpt = Annotated[
     str | None, typer.Option("--draft", help="DFlash drafter (directory or repo id); overrides the registry.")
@@ -42,7 +42,7 @@ DraftOpt = Annotated[
 BlockOpt = Annotated[
     int | None,
     typer.Option("--block-size", "-b", min=1, help="Tokens per draft/verify cycle, anchor included "
-                 "[default: registry, else drafter; at most 5 for <=4-bit models]."),
+                 "(default: registry, else drafter; at most 5 for <=4-bit models)."),
 ]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", "--temp", min=0.0, help="0: greedy.")]
 TopPOpt = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)]
@@ -70,7 +70,7 @@ def user_errors():
         fail(str(e).strip("'\""))
 
 
-def load_models(model: str | None, draft: str | None, use_draft: bool = True):
+def load_models(model: str | None, draft: str | None, use_draft: bool = True, draft_bits: int | None = None):
     """(choice, model, tokenizer, drafter) with a status line while loading."""
     with user_errors():
         choice: ModelChoice = choose_model(model, draft, use_draft=use_draft)
@@ -80,7 +80,7 @@ def load_models(model: str | None, draft: str | None, use_draft: bool = True):
                 "--model away (`dflash-mlx models`).[/]"
             )
         with err_console.status(f"Loading {choice.label}…", spinner="dots") if sys.stderr.isatty() else _null():
-            model_, tokenizer, drafter = load_choice(choice)
+            model_, tokenizer, drafter = load_choice(choice, draft_bits=draft_bits)
     return choice, model_, tokenizer, drafter
 
 

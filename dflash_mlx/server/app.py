@@ -78,6 +78,23 @@ def vocab_size(model, tokenizer) -> int:
         return len(tokenizer.vocab)
 
 
+def context_length(model) -> int | None:
+    """The target's context in tokens, or None if its config gives none.
+
+    Its config's max_position_embeddings, or what a RoPE scaling extends it to
+    (factor x original_max_position_embeddings, as YaRN configs give).
+    """
+    args = getattr(text_model(model), "args", None)
+    lengths = [getattr(args, "max_position_embeddings", None)]
+    scaling = getattr(args, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        factor, original = scaling.get("factor"), scaling.get("original_max_position_embeddings")
+        if isinstance(factor, (int, float)) and isinstance(original, int):
+            lengths.append(int(factor * original))
+    lengths = [n for n in lengths if isinstance(n, int) and n > 0]
+    return max(lengths) if lengths else None
+
+
 def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: int = 8080,
                 model_id: str = "default", draft_id: str | None = None, max_tokens: int = 512,
                 block_size: int | None = None, chat_template_args: dict | None = None,
@@ -98,7 +115,7 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
         has_chat_template=bool(tokenizer.has_chat_template), model_id=model_id, max_tokens=max_tokens,
         chat_template_args=dict(chat_template_args or {}),
     )
-    worker = GenerationWorker(model, tokenizer, draft, block_size=block_size)
+    worker = GenerationWorker(model, tokenizer, draft, block_size=block_size, context_length=context_length(model))
     server = DFlashServer((host, port), worker, info, model_id=model_id, draft_id=draft_id,
                           log_requests=log_requests)  # fmt: skip
     worker.start()

@@ -89,8 +89,13 @@ def dflash_object(stats: RunStats) -> dict:
 
 
 class GenerationWorker:
-    def __init__(self, model, tokenizer, draft=None, *, block_size: int | None = None):
+    """`context_length` (tokens, None: unbounded): a longer prompt is refused with 400, and
+    generation stops there (finish_reason "length")."""
+
+    def __init__(self, model, tokenizer, draft=None, *, block_size: int | None = None,
+                 context_length: int | None = None):  # fmt: skip
         self.model, self.tokenizer, self.draft = model, tokenizer, draft
+        self.context_length = context_length
         self.block_size = block_size or (default_block_size(model, draft) if draft is not None else 1)
         self.session = make_session(model, draft)
         self._jobs: queue.Queue = queue.Queue()
@@ -160,12 +165,22 @@ class GenerationWorker:
             field = "messages" if req.kind == "chat" else "prompt"
             put(Failed(400, f"cannot build the prompt: {e}", field))
             return
+        max_tokens = req.max_tokens
+        if self.context_length is not None:
+            room = self.context_length - len(prompt)
+            if room < 1:
+                field = "messages" if req.kind == "chat" else "prompt"
+                put(Failed(400, f"{field}: the prompt is {len(prompt)} tokens, the model's context is "
+                                f"{self.context_length} tokens: leave room for at least one generated token",
+                           field))  # fmt: skip
+                return
+            max_tokens = min(max_tokens, room)
         block_size = self.block_size if req.num_draft_tokens is None else req.num_draft_tokens + 1
         stats = RunStats(block_size=block_size)
         stopper = StopText(req.stop)
         started, count, finish = False, 0, "length"
         responses = stream_generate(
-            self.model, self.draft, self.tokenizer, prompt, max_tokens=req.max_tokens,
+            self.model, self.draft, self.tokenizer, prompt, max_tokens=max_tokens,
             block_size=block_size if self.draft is not None else None,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
             xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,

@@ -1,8 +1,9 @@
-"""``dflash-mlx serve``: the Typer-annotated command (registered by the CLI app).
+"""``dflash-mlx serve``: the Typer command in front of `dflash_mlx.server`.
 
-Loads the pair (``dflash_mlx.load``: registry name, repo id or directory;
-the registered drafter unless ``--draft``), binds, prints the URL and serves
-until Ctrl-C or SIGTERM, then stops cleanly (`app.DFlashServer.stop`).
+Loads the pair as the other commands do (`cli.common.load_models`: the bundled
+demo pair without ``--model``; float32 on a CPU; the registered drafter unless
+``--draft``), binds, prints the URL and serves
+until Ctrl-C or SIGTERM, then stops cleanly (`server.app.DFlashServer.stop`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from .app import make_server
+from ..resolve import choose_block_size
+from ..server.app import make_server
+from .common import DraftOpt, ModelOpt, load_models, user_errors
 
 
 def _interrupt(signum, frame):
@@ -21,16 +24,15 @@ def _interrupt(signum, frame):
 
 
 def serve(
-    model: Annotated[str, typer.Option("--model", "-m", help="Target: a models.toml name, repo id or directory.")],
-    draft: Annotated[Optional[str], typer.Option(
-        "--draft", help="DFlash drafter (directory or repo id); default: the one models.toml registers.")] = None,
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).", min=0, max=65535)] = 8080,
     max_tokens: Annotated[int, typer.Option(
         "--max-tokens", min=1, help="Default max_tokens of requests that give none.")] = 512,
     block_size: Annotated[Optional[int], typer.Option(
         "--block-size", min=1, help="Default block size (anchor included); requests' num_draft_tokens override "
-                                    "it. Default: the drafter's, capped at 5 for <= 4-bit models.")] = None,
+                                    "it (default: registry, else drafter; at most 5 for <=4-bit models).")] = None,
     chat_template_args: Annotated[Optional[str], typer.Option(
         "--chat-template-args", help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'.'
     )] = None,
@@ -46,17 +48,17 @@ def serve(
             raise typer.BadParameter(f"not valid JSON: {e}", param_hint="--chat-template-args") from None
         if not isinstance(template_args, dict):
             raise typer.BadParameter("expected a JSON object", param_hint="--chat-template-args")
-    from .. import load
-
-    target, tokenizer, drafter = load(model, draft, draft_bits=draft_bits)
+    choice, target, tokenizer, drafter = load_models(model, draft, draft_bits=draft_bits)
+    with user_errors():
+        block_size = choose_block_size(block_size, choice.entry, target, drafter)
     server = make_server(
-        target, tokenizer, drafter, host=host, port=port, model_id=model,
+        target, tokenizer, drafter, host=host, port=port, model_id=choice.label,
         draft_id=getattr(drafter, "source", draft), max_tokens=max_tokens, block_size=block_size,
         chat_template_args=template_args, log_requests=log_requests,
     )
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        typer.echo(f"dflash-mlx serving {model} (drafter {server.draft_id}) at {server.url}/v1 (Ctrl-C stops)",
+        typer.echo(f"dflash-mlx serving {choice.label} (drafter {server.draft_id}) at {server.url}/v1 (Ctrl-C stops)",
                    err=True)  # fmt: skip
         server.serve_forever()
     except KeyboardInterrupt:
