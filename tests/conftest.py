@@ -4,13 +4,21 @@
 memoizing factories over ``tests/tiny_models.make_target`` / ``make_draft``:
 the same arguments return the same directory, so many tests share one build.
 Treat the returned directories as read-only.
+
+The run itself: pytest re-executes once with the system OpenBLAS preloaded,
+as the CLI does (`dflash_mlx.openblas`; ``DFLASH_MLX_NO_REEXEC=1`` opts out),
+and the session fails if any test left a child process, a thread or a
+listening socket behind (`_nothing_left_behind`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -78,3 +86,80 @@ def qwen3_draft(tiny_draft, qwen3_target) -> Path:
     derivation rule gives [1, 1], and distinct layers catch more bugs.
     """
     return tiny_draft(qwen3_target, target_layer_ids=[1, 2])
+
+
+def pytest_configure(config):
+    """Re-run this pytest with OpenBLAS preloaded (MLX's bundled BLAS is ~30x slower here).
+
+    Here pytest's output capture is suspended (the original descriptors are
+    back in place), so the new process writes to the terminal as usual."""
+    if any("pytest" in os.path.basename(a) for a in sys.orig_argv[1:3]):
+        from dflash_mlx.openblas import maybe_reexec
+
+        maybe_reexec()
+
+
+def pytest_report_header(config):
+    preload = os.environ.get("LD_PRELOAD", "")
+    return f"BLAS: {'system OpenBLAS preloaded' if 'openblas' in preload else 'MLX bundled (slow on Linux)'}"
+
+
+def _children() -> list[str]:
+    """Processes whose parent is this one (zombies included), as 'pid command'."""
+    me, found = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[1]) == me:
+                command = (entry / "cmdline").read_bytes().replace(bytes(1), b" ").decode(errors="replace")
+                found.append(f"{entry.name} {command[:120]}")
+        except (OSError, ValueError):
+            continue  # it ended meanwhile
+    return found
+
+
+def _listening_sockets() -> set[str]:
+    """Inodes of this process's sockets in the LISTEN state."""
+    mine = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            mine.add(link[8:-1])
+    listening = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if cols[3] == "0A" and cols[9] in mine:
+                listening.add(cols[9])
+    return listening
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_behind():
+    """After the last test: no child process, no new thread, no listening socket of ours."""
+    if not Path("/proc/self/fd").is_dir():
+        yield
+        return
+    threads, sockets = set(threading.enumerate()), _listening_sockets()
+    yield
+    deadline = time.monotonic() + 10  # daemon threads and children a test stopped may still be ending
+    while True:
+        children = _children()
+        extra = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
+        ports = _listening_sockets() - sockets
+        if not (children or extra or ports) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    problems = [f"child process {c}" for c in children] + [f"thread {t.name}" for t in extra]
+    problems += [f"listening socket inode {p}" for p in sorted(ports)]
+    assert not problems, "the test run left behind: " + "; ".join(problems)

@@ -341,7 +341,7 @@ def test_stop_is_clean_even_with_a_request_in_flight(pair):
 
 APP = """
 import typer
-from dflash_mlx.server.command import serve
+from dflash_mlx.cli.serve_cmd import serve
 app = typer.Typer()
 app.command()(serve)
 app()
@@ -354,16 +354,23 @@ def test_serve_command_serves_and_stops_on_sigint(pair):
                              "--port", "0", "--chat-template-args", '{"enable_thinking": false}'],
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ))  # fmt: skip
     try:
-        line = proc.stderr.readline()
-        assert " at http://127.0.0.1:" in line, line + proc.stderr.read()
-        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        seen = []
+        for line in proc.stderr:  # readiness: the "serving ... at URL" line (EOF if the process died)
+            seen.append(line)
+            if " at http://127.0.0.1:" in line:
+                break
+        assert seen and " at http://127.0.0.1:" in seen[-1], "".join(seen)
+        port = int(seen[-1].split("http://127.0.0.1:")[1].split("/")[0])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 8}))
         reply = json.loads(conn.getresponse().read())
+        conn.close()
         assert reply["usage"]["completion_tokens"] == 8 and reply["dflash"]["cycles"] > 0
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        assert proc.wait(120) == 0
         assert "stopped" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.wait()
+        proc.stderr.close()

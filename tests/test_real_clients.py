@@ -1,0 +1,304 @@
+"""The product as users run it, on the bundled demo pair (stored in bfloat16).
+
+- the real ``dflash-mlx serve`` console script in a subprocess, with no
+  ``--model`` (the bundled default), driven by the official ``openai`` client
+  and by curl: replies equal plain mlx-lm greedy decoding of the same model
+  as the server computes it (float32 on a CPU), bad input answered with a 4xx
+  naming the field while the server keeps serving;
+- a pair loaded on the main thread and generating on another, through the
+  library, the mlx-lm plugin and an in-process server, in a fresh process.
+
+Subprocesses are waited on by readiness (the server's "serving ... at URL"
+line), never by fixed sleeps, and stopped as a user stops them (SIGINT).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from dflash_mlx.registry import lookup
+from dflash_mlx.resolve import on_cpu
+
+openai = pytest.importorskip("openai")
+
+DEMO_TARGET = lookup("demo").target_path()
+QUESTION = "Tom has 3 boxes with 12 apples each. How many apples?"
+MESSAGES = [{"role": "user", "content": QUESTION}]
+READY_TIMEOUT = 240  # a loaded 2-core machine may take long to import MLX and load
+
+
+class ServeProcess:
+    """`dflash-mlx serve ...` in a subprocess; stderr is read by a thread (lines in `lines`)."""
+
+    def __init__(self, *args: str):
+        exe = shutil.which("dflash-mlx")
+        assert exe, "the dflash-mlx console script is not installed (pip install -e '.[test]')"
+        self.proc = subprocess.Popen([exe, "serve", "--port", "0", *args], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        self.lines: list[str] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._reader = threading.Thread(target=self._read, name="serve-stderr", daemon=True)
+        self._reader.start()
+        self.url = self._wait_ready()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def _wait_ready(self) -> str:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            if "serving" in line and " at http://" in line:
+                return line.split(" at ")[1].split()[0].removesuffix("/v1")
+        self.stop()
+        pytest.fail("dflash-mlx serve did not become ready:\n" + "".join(self.lines))
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self) -> int:
+        """SIGINT, as Ctrl-C; returns the exit status (killed after 60 s)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            status = self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            status = self.proc.wait()
+        self._reader.join(10)
+        self.proc.stderr.close()
+        return status
+
+
+@pytest.fixture(scope="module")
+def served():
+    server = ServeProcess()
+    yield server
+    assert server.stop() == 0, server.stderr
+    assert "stopped" in server.stderr
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """The bundled target as plain mlx-lm loads it, cast as the server computes it."""
+    model, tokenizer = mlx_lm.load(DEMO_TARGET)
+    if on_cpu():
+        model.set_dtype(mx.float32)
+    return model, tokenizer
+
+
+def mlx_lm_greedy(plain, ids, max_tokens):
+    model, tokenizer = plain
+    responses = list(mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens))
+    return "".join(r.text for r in responses), responses
+
+
+def test_serve_defaults_to_the_bundled_pair_and_says_so(served, client):
+    assert "bundled demo pair" in served.stderr
+    assert [m.id for m in client.models.list().data] == ["demo"]
+
+
+def test_chat_whole_and_streamed_equal_mlx_lm_greedy(client, plain):
+    _, tokenizer = plain
+    want, responses = mlx_lm_greedy(plain, tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True), 48)
+    reply = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=48, temperature=0)
+    assert reply.choices[0].message.content == want
+    assert reply.choices[0].finish_reason == responses[-1].finish_reason
+    assert reply.usage.completion_tokens == len(responses)
+    assert reply.model_extra["dflash"]["cycles"] >= 1
+    chunks = list(client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=48, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == want
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(responses)
+    assert chunks[-1].usage.prompt_tokens == reply.usage.prompt_tokens
+    assert sum(1 for c in chunks if c.usage is not None) == 1
+
+
+def test_text_completion_whole_and_streamed_equal_mlx_lm_greedy(client, plain):
+    _, tokenizer = plain
+    prompt = "Natalia sold clips to 48 of her friends in April."
+    want, _ = mlx_lm_greedy(plain, tokenizer.encode(prompt), 40)
+    reply = client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0)
+    assert reply.choices[0].text == want
+    chunks = list(client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.total_tokens == reply.usage.total_tokens
+
+
+def _curl(url: str, data: str) -> tuple[int, dict]:
+    run = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", "-H", "Content-Type: application/json",
+                          "--data-binary", data, url], capture_output=True, text=True, timeout=120)  # fmt: skip
+    body, status = run.stdout.rsplit("\n", 1)
+    return int(status), json.loads(body)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_malformed_json_through_curl_is_a_400_and_the_server_keeps_serving(served, client):
+    status, body = _curl(served.url + "/v1/chat/completions", '{"messages": [')
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = _curl(served.url + "/v1/chat/completions",
+                         json.dumps({"messages": MESSAGES, "max_tokens": 4}))  # fmt: skip
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"model": "gpt-4o"}, "model"),
+    ({"max_tokens": -5}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": "apples " * 3000}]}, "messages"),
+])  # fmt: skip
+def test_bad_requests_are_4xx_naming_the_field(client, kwargs, field):
+    request = {"model": "demo", "messages": MESSAGES, "max_tokens": 8, **kwargs}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**request)
+    error = caught.value.body
+    assert caught.value.status_code == 400 and error["param"] == field and field in error["message"], error
+    ok = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=3)  # still serving
+    assert ok.usage.completion_tokens == 3
+
+
+def test_a_prompt_beyond_the_context_names_it(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="demo", prompt="apples " * 3000, max_tokens=8)
+    assert caught.value.body["param"] == "prompt" and "context is 2048 tokens" in caught.value.body["message"]
+
+
+THREADS = """
+import json, sys, threading, http.client
+import dflash_mlx
+from dflash_mlx import mlx_lm as plugin
+from dflash_mlx.server import make_server
+
+question = "Tom has 3 boxes with 12 apples each. How many apples?"
+out = {}
+
+def in_thread(name, fn):
+    def run():
+        try:
+            out[name] = fn()
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+
+# the library: dflash_mlx.load on the main thread (it casts the bundled pair to float32 on a CPU)
+model, tokenizer, draft = dflash_mlx.load("demo")
+gen = lambda: dflash_mlx.generate(model, draft, tokenizer, question, max_tokens=30)
+in_thread("library", gen)
+out["library_main"] = gen()
+
+# the server: the worker thread generates, this thread asks over HTTP
+server = make_server(model, tokenizer, draft, port=0, model_id="demo").start()
+conn = http.client.HTTPConnection(*server.server_address[:2], timeout=120)
+conn.request("POST", "/v1/completions", body=json.dumps({"prompt": question, "max_tokens": 30}))
+reply = conn.getresponse()
+out["server"] = [reply.status, json.loads(reply.read())]
+conn.close()
+server.stop()
+
+# the plugin: mlx-lm's loader, the registered drafter remembered
+pmodel, ptokenizer = plugin.load(sys.argv[1])
+pgen = lambda: [plugin.generate(pmodel, ptokenizer, question, max_tokens=30),
+                sum(r.from_draft for r in plugin.stream_generate(pmodel, ptokenizer, question, max_tokens=30))]
+in_thread("plugin", pgen)
+out["plugin_main"] = pgen()
+print(json.dumps(out))
+"""
+
+
+def test_load_on_the_main_thread_generate_on_another():
+    run = subprocess.run([sys.executable, "-c", THREADS, DEMO_TARGET], capture_output=True, text=True,
+                         timeout=600, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert run.returncode == 0, run.stderr  # an exit abort (MLX streams of ended threads) fails here too
+    out = json.loads(run.stdout)
+    assert out["library"] == out["library_main"] and out["library"].strip()
+    status, reply = out["server"]
+    assert status == 200, reply
+    assert reply["choices"][0]["text"] == out["library_main"]
+    assert out["plugin"] == out["plugin_main"] and out["plugin"][1] > 0
+
+
+SCRIPT = textwrap.dedent('''
+    """An ordinary mlx-lm script, shaped like mlx-lm's examples (generate.py, chat.py)."""
+    import json
+    import sys
+
+    from mlx_lm import load, stream_generate, generate
+    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+    checkpoint, cache_file = sys.argv[1], sys.argv[2]
+    model, tokenizer = load(path_or_hf_repo=checkpoint)
+
+    messages = [{"role": "user", "content": "Tom has 3 boxes with 12 apples each. How many apples?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    text = generate(model, tokenizer, prompt=prompt, verbose=True, max_tokens=60)
+
+    # A multi-turn chat with a prompt cache, saved and loaded between turns.
+    prompt_cache = make_prompt_cache(model)
+    turns, drafted = [], 0
+    for question in ["Lily has 5 apples and buys 7 more. How many now?", "And if she gives 4 away?"]:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        reply = ""
+        for response in stream_generate(model, tokenizer, prompt, max_tokens=50, prompt_cache=prompt_cache):
+            reply += response.text
+            drafted += response.from_draft
+        turns.append([reply, prompt_cache[0].offset])
+    save_prompt_cache(cache_file, prompt_cache)
+    prompt_cache = load_prompt_cache(cache_file)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Now double it."}], add_generation_prompt=True)
+    turns.append([generate(model, tokenizer, prompt=prompt, max_tokens=40, prompt_cache=prompt_cache),
+                  prompt_cache[0].offset])
+    print(json.dumps({"text": text, "turns": turns, "drafted": drafted}), file=sys.stderr)
+''')
+
+
+def test_an_mlx_lm_example_script_runs_dflash_by_its_import_line(tmp_path):
+    """Unchanged mlx-lm and the switched script: same texts, same cache lengths, same verbose output."""
+    results = []
+    for line in ("from mlx_lm import load, stream_generate, generate",
+                 "from dflash_mlx.mlx_lm import load, stream_generate, generate"):  # fmt: skip
+        script = SCRIPT.replace("from mlx_lm import load, stream_generate, generate", line)
+        assert (script != SCRIPT) == line.startswith("from dflash_mlx")
+        cache_file = tmp_path / f"cache{len(results)}.safetensors"
+        run = subprocess.run([sys.executable, "-c", script, DEMO_TARGET, str(cache_file)], capture_output=True,
+                             text=True, timeout=600, stdin=subprocess.DEVNULL)  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        assert "falling back" not in run.stderr
+        verbose = "\n".join(re.sub(r"\d+\.\d+", "X", ln) for ln in run.stdout.splitlines())
+        results.append((json.loads(run.stderr.strip().splitlines()[-1]), verbose))
+    (mlx, mlx_verbose), (dflash, dflash_verbose) = results
+    assert dflash["text"] == mlx["text"] and dflash["turns"] == mlx["turns"]
+    assert dflash_verbose == mlx_verbose and "Generation: " in mlx_verbose
+    assert mlx["drafted"] == 0 and dflash["drafted"] > 0
+
