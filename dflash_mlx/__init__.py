@@ -1,14 +1,37 @@
 """dflash-mlx: lossless block-diffusion speculative decoding (DFlash) for MLX.
 
 Public API: ``load``, ``load_draft``, ``stream_generate``, ``generate``,
-``make_session`` (caches kept across calls).
+``make_session`` (caches kept across calls), ``DFlashResponse``. They are
+imported on first use, so ``import dflash_mlx`` (and every console-script
+start, which may re-execute itself once) stays cheap; see ARCHITECTURE.md for
+the layout behind them.
 """
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-from .draft.load import load_draft
-from .generate import DFlashResponse, generate, stream_generate
-from .loading import load
-from .session import make_session
+_PUBLIC = {
+    "DFlashResponse": "dflash_mlx.generation",
+    "generate": "dflash_mlx.generation",
+    "stream_generate": "dflash_mlx.generation",
+    "load": "dflash_mlx.models.loading",
+    "load_draft": "dflash_mlx.draft.load",
+    "make_session": "dflash_mlx.session",
+}
 
 __all__ = ["DFlashResponse", "generate", "load", "load_draft", "make_session", "stream_generate", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'dflash_mlx' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,7 +1,7 @@
 """``python -m dflash_mlx``: ``generate`` takes mlx_lm generate's flags; anything else is the CLI.
 
 ``python -m dflash_mlx generate --model M --prompt P ...`` runs
-`dflash_mlx.mlx_lm_cli` (``python -m dflash_mlx.generate ...`` does the same);
+`dflash_mlx.mlx_lm.cli` (``python -m dflash_mlx.generate ...`` does the same);
 other arguments go to the ``dflash-mlx`` command line. On Linux both first
 re-execute with the system OpenBLAS preloaded, as the console script does.
 """
@@ -13,11 +13,11 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    from dflash_mlx import openblas
+    from dflash_mlx.cli import openblas
 
     openblas.maybe_reexec()
     if argv[:1] == ["generate"]:
-        from dflash_mlx.mlx_lm_cli import main as generate_main
+        from dflash_mlx.mlx_lm.cli import main as generate_main
 
         generate_main(argv[1:])
         return

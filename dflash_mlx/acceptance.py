@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from .sampling import SamplingSettings, distribution, rejection_accept
+from .sampling import SamplingSettings, distribution, log_softmax, rejection_accept
 
 
 class Acceptor:
@@ -24,10 +24,14 @@ class Acceptor:
         logits_processors: list | None = None,
         seed: int | None = None,
         xtc: tuple[float, float, list[int]] | None = None,
+        sample_drafts: bool = True,
     ):
         """`xtc` = (probability, threshold, special tokens): plain decoding only, through
-        mlx-lm's own sampler (XTC has no fixed distribution to verify drafts against)."""
+        mlx-lm's own sampler (XTC has no fixed distribution to verify drafts against).
+        `sample_drafts=False`: under sampling, proposers still propose their argmax
+        (one-hot q) instead of samples of q (this call's choice, see `draft_settings`)."""
         self.settings = settings
+        self.sample_drafts = sample_drafts
         self.processors = list(logits_processors or [])
         self.history = prompt.astype(mx.int32) if self.processors else None
         if seed is None and not settings.greedy:
@@ -45,8 +49,8 @@ class Acceptor:
 
     @property
     def draft_settings(self) -> SamplingSettings | None:
-        """How proposers should sample their drafts (None: greedy)."""
-        return None if self.settings.greedy else self.settings
+        """How proposers should sample their drafts (None: greedy, one-hot q)."""
+        return None if self.settings.greedy or not self.sample_drafts else self.settings
 
     def next_key(self) -> mx.array | None:
         if self._key is None:
@@ -103,8 +107,7 @@ class Acceptor:
         return mx.concatenate([accepted.astype(mx.int32), tokens.astype(mx.int32)])
 
     def _sample_xtc(self, rows: mx.array) -> mx.array:
-        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
-        return self._xtc_sampler(logprobs).astype(mx.int32)
+        return self._xtc_sampler(log_softmax(rows)).astype(mx.int32)
 
     def commit(self, tokens: list[int]) -> None:
         if self.history is not None:

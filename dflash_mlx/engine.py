@@ -18,10 +18,11 @@ from typing import Callable, Collection, Iterator
 import mlx.core as mx
 
 from .acceptance import Acceptor
-from .proposer import Proposer
-from .sampling import SamplingSettings
+from .proposers.base import Proposer
+from .sampling import SamplingSettings, log_softmax
 from .session import Session
-from .target import TargetAdapter
+from .targets.adapter import TargetAdapter
+from .targets.rollback import VerifyRecord, rollback
 
 
 @dataclass
@@ -32,14 +33,25 @@ class Cycle:
     logprobs: mx.array  # [len(tokens), V]
     drafted: int  # how many leading tokens were proposals the target accepted
     block_size: int  # block verified (0 for the prefill's first token)
+    stopped: bool = False  # the last token is a stop token: generation ends here
 
     @property
     def from_prefill(self) -> bool:
         return self.block_size == 0
 
 
-def _log_softmax(logits: mx.array) -> mx.array:
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+@dataclass
+class _Pending:
+    """A queued draft + verify: its block size, verdict, processed rows, features and record."""
+
+    block_size: int
+    verdict: mx.array
+    rows: mx.array
+    features: mx.array | None
+    record: VerifyRecord
+
+    def unpack(self):
+        return self.block_size, self.verdict, self.rows, self.features, self.record
 
 
 def speculative_cycles(
@@ -97,13 +109,14 @@ def speculative_cycles(
     logits, features = target.forward(prompt[None, done:], cache)
     add_context(features)
     row = acceptor.process(logits[0, -1:])
-    logprobs = _log_softmax(row)
+    logprobs = log_softmax(row)
     anchor = acceptor.first_token(row)
     mx.eval(anchor, logprobs)
     progress(total, total)
     session.prefilled(prompt_ids)
     acceptor.commit(anchor.tolist())
-    yield Cycle(tokens=anchor.tolist(), logprobs=logprobs, drafted=0, block_size=0)
+    anchor_id = anchor.tolist()[0]
+    yield Cycle(tokens=[anchor_id], logprobs=logprobs, drafted=0, block_size=0, stopped=anchor_id in stop_tokens)
 
     committed, position = 1, total
 
@@ -120,19 +133,18 @@ def speculative_cycles(
         else:
             b = 1
             verify_ids = anchor.reshape(1)
-        logits, features = target.forward(verify_ids[None], cache, record=True)
+        logits, features, record = target.verify(verify_ids[None], cache)
         rows = acceptor.process(logits[0], drafts)
         verdict = acceptor.verdict(rows, drafts, draft_probs)
         mx.async_eval(verdict)
-        return b, verdict, rows, features
+        return _Pending(b, verdict, rows, features, record)
 
-    anchor_id = anchor.tolist()[0]
     pending = None
     if committed != max_tokens and anchor_id not in stop_tokens:
         pending = launch(anchor, position, committed)
     try:
         while pending is not None:
-            b, verdict, logits, features = pending
+            b, verdict, logits, features, record = pending.unpack()
             pending = None
             values = verdict.tolist()
             accepted = values[0]
@@ -141,7 +153,7 @@ def speculative_cycles(
             if stop is not None:
                 tokens = tokens[: stop + 1]
             kept = len(tokens)  # rows kept: the anchor and the accepted drafts before the last token
-            target.rollback(cache, keep=kept)
+            rollback(cache, record, keep=kept)
             session.fed([anchor_id] + tokens[:-1])
             if features is not None:
                 add_context(features[:, :kept])
@@ -152,8 +164,9 @@ def speculative_cycles(
             if stop is None and (committed < max_tokens or max_tokens < 0):
                 pending = launch(mx.array([anchor_id], mx.int32), position, committed)
             # Log-probabilities stay lazy: only a caller that reads them pays for them.
-            logprobs = _log_softmax(logits[:kept])
-            yield Cycle(tokens=tokens, logprobs=logprobs, drafted=min(accepted, kept), block_size=b)
+            logprobs = log_softmax(logits[:kept])
+            yield Cycle(tokens=tokens, logprobs=logprobs, drafted=min(accepted, kept), block_size=b,
+                        stopped=stop is not None)  # fmt: skip
     finally:
         if pending is not None:  # the consumer stopped early: undo the queued verify but for its anchor
-            session.undo_last_forward(anchor_id, pending[3] if feeds_context else None)
+            session.keep_anchor_only(pending.record, anchor_id, pending.features if feeds_context else None)

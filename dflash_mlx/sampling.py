@@ -50,6 +50,11 @@ class SamplingSettings:
         return self.temperature == 0
 
 
+def log_softmax(logits: mx.array) -> mx.array:
+    """Log-probabilities over the last axis (as mlx-lm computes them)."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 def filtered_logprobs(logprobs: mx.array, settings: SamplingSettings) -> mx.array:
     """mlx-lm's filter chain, in its order; dropped tokens get -inf."""
     if 0 < settings.top_p < 1.0:
@@ -68,7 +73,7 @@ def distribution(logits: mx.array, settings: SamplingSettings) -> mx.array:
     if settings.greedy:
         raise ValueError("distribution() needs temperature > 0; greedy decoding takes the argmax.")
     logits = logits.astype(mx.float32)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logprobs = log_softmax(logits)
     return mx.softmax(filtered_logprobs(logprobs, settings) / settings.temperature, axis=-1)
 
 

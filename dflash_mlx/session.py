@@ -28,10 +28,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
-
-from .proposer import Proposer, as_proposer
-from .target import TargetAdapter
+from .proposers import Proposer, as_proposer
+from .targets.adapter import TargetAdapter
+from .targets.rollback import VerifyRecord, rollback, trimmable
 
 
 @dataclass
@@ -45,10 +44,6 @@ def _copy(state):
     if isinstance(state, (list, tuple)):
         return type(state)(_copy(x) for x in state)
     return mx.array(state) if isinstance(state, mx.array) else state
-
-
-def _trimmable(c) -> bool:
-    return c is None or type(c) is KVCache
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -67,7 +62,10 @@ class Session:
     prompt cache: it is updated in place and never replaced.
     """
 
-    def __init__(self, target: TargetAdapter, proposer: Proposer | None, draft=None, cache: list | None = None):
+    def __init__(self, target: TargetAdapter, proposer: Proposer | None, draft=None, cache: list | None = None,
+                 draft_sampling: str = "sample"):  # fmt: skip
+        check_draft_sampling(draft_sampling)
+        self.draft_sampling = draft_sampling  # the default of calls that do not choose
         self.target = target
         self.model = target.model
         self.proposer = proposer
@@ -111,7 +109,7 @@ class Session:
             common = common_prefix(self.tokens, wanted)
             if common == len(self.tokens):
                 keep = common
-            elif (common or self._given) and all(_trimmable(c) for c in self.cache):
+            elif (common or self._given) and all(trimmable(c) for c in self.cache):
                 for c in self.cache:
                     if c is not None:
                         c.trim(len(self.tokens) - common)
@@ -137,24 +135,24 @@ class Session:
     def prefilled(self, prompt: list[int]) -> None:
         """The whole prompt is in the caches: remember it, checkpoint untrimmable state."""
         self.tokens = list(prompt)
-        if all(_trimmable(c) for c in self.cache):
+        if all(trimmable(c) for c in self.cache):
             self._checkpoint = None
             return
-        states = [None if _trimmable(c) else _copy(c.state) for c in self.cache]
+        states = [None if trimmable(c) else _copy(c.state) for c in self.cache]
         self._checkpoint = _Checkpoint(len(prompt), states)
 
     def fed(self, tokens: list[int]) -> None:
         """`tokens` were committed to the caches after the prompt."""
         self.tokens.extend(tokens)
 
-    def undo_last_forward(self, anchor: int, features: mx.array | None) -> None:
-        """Keep only the first row of the last (recorded) forward: `anchor`, a committed token.
+    def keep_anchor_only(self, record: VerifyRecord, anchor: int, features: mx.array | None) -> None:
+        """Keep only the first row of a queued verify (`record`): `anchor`, a committed token.
 
-        `features` are that forward's captured rows, so the drafter's context
+        `features` are that verify's captured rows, so the drafter's context
         keeps following the caches. (Dropping every row instead would fail for
         a single-row update of a full ring cache, which cannot be undone.)
         """
-        self.target.rollback(self.cache, keep=1)
+        rollback(self.cache, record, keep=1)
         if features is not None and self.proposer is not None and self.proposer.layer_ids:
             self.proposer.add_context(features[:, :1])
         self.tokens.append(anchor)
@@ -177,9 +175,12 @@ def check_draft_sampling(value: str) -> None:
 def make_session(
     model: nn.Module, draft=None, *, max_draft_context: int | None = None, draft_sampling: str = "sample"
 ) -> Session:
-    """A reusable cache for `stream_generate(..., session=...)` with this model and drafter."""
-    check_draft_sampling(draft_sampling)
+    """A reusable cache for `stream_generate(..., session=...)` with this model and drafter.
+
+    `draft_sampling` is the default of calls on the session that do not choose.
+    """
     if max_draft_context is not None and max_draft_context < 1:
         raise ValueError(f"max_draft_context must be >= 1, got {max_draft_context}.")
-    proposer = as_proposer(draft, model, max_draft_context, sample_drafts=draft_sampling == "sample")
-    return Session(TargetAdapter(model, proposer.layer_ids if proposer else ()), proposer, draft)
+    proposer = as_proposer(draft, model, max_draft_context)
+    return Session(TargetAdapter(model, proposer.layer_ids if proposer else ()), proposer, draft,
+                   draft_sampling=draft_sampling)  # fmt: skip

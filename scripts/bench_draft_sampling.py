@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from dflash_mlx import load, stream_generate
-from dflash_mlx.chat_template import render
+from dflash_mlx.cli.chat_template import render
 from dflash_mlx.datasets import sample
 
 

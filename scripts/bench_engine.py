@@ -26,8 +26,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen3
 
 from dflash_mlx.engine import speculative_cycles
-from dflash_mlx.oracle import OracleProposer
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.proposers.oracle import OracleProposer
+from dflash_mlx.targets.adapter import TargetAdapter
+from dflash_mlx.targets.rollback import rollback
 
 
 def build_target(hidden: int, layers: int, vocab: int, seed: int) -> qwen3.Model:
@@ -82,10 +83,10 @@ def time_forward(model, prompt, rows: int, context: int, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         tic = time.perf_counter()
-        logits, _ = target.forward(step, cache, record=True)
+        logits, _, record = target.verify(step, cache)
         mx.eval(logits)
         times.append(time.perf_counter() - tic)
-        target.rollback(cache, keep=0)
+        rollback(cache, record, keep=0)
     times.sort()
     return times[len(times) // 2]
 

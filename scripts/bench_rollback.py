@@ -17,7 +17,8 @@ import time
 import mlx.core as mx
 from mlx_lm.models import qwen3_5
 
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.targets.adapter import TargetAdapter
+from dflash_mlx.targets.rollback import rollback
 
 SIZES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
@@ -45,24 +46,24 @@ def build(size: str) -> qwen3_5.Model:
 
 def measure(model, block: int, keep: int, prompt_len: int, repeats: int) -> dict:
     target = TargetAdapter(model)
-    vocab = target.vocab_size
+    vocab = target.text.args.vocab_size
     cache = target.make_cache()
     prompt = mx.random.randint(0, vocab, (1, prompt_len), key=mx.random.key(1))
     mx.eval(target.forward(prompt, cache)[0], [c.state for c in cache])
     block_ids = mx.random.randint(0, vocab, (1, block), key=mx.random.key(2))
-    verify, rollback = [], []
+    verify, rollbacks = [], []
     for _ in range(repeats):
         tic = time.perf_counter()
-        logits, _ = target.forward(block_ids, cache, record=True)
+        logits, _, record = target.verify(block_ids, cache)
         mx.eval(logits, [c.state for c in cache])
         verify.append(time.perf_counter() - tic)
         tic = time.perf_counter()
-        target.rollback(cache, keep)
+        rollback(cache, record, keep)
         mx.eval([c.state for c in cache])
-        rollback.append(time.perf_counter() - tic)  # the context grows by `keep` per repeat
+        rollbacks.append(time.perf_counter() - tic)  # the context grows by `keep` per repeat
     verify.sort()
-    rollback.sort()
-    v, r = verify[len(verify) // 2], rollback[len(rollback) // 2]
+    rollbacks.sort()
+    v, r = verify[len(verify) // 2], rollbacks[len(rollbacks) // 2]
     return {"verify_ms": round(v * 1e3, 3), "rollback_ms": round(r * 1e3, 3), "ratio": round(r / v, 4)}
 
 

@@ -3,7 +3,7 @@
 
 Rewrites the text between ``<!-- models:start -->`` and ``<!-- models:end -->``
 (atomic write: temp file + os.replace). ``--check`` writes nothing and exits 1
-when README.md is out of date. Loads dflash_mlx/registry.py by file path, so
+when README.md is out of date. Loads dflash_mlx/models/registry.py by file path, so
 neither MLX nor the package needs to be importable.
 """
 
@@ -22,7 +22,7 @@ END = "<!-- models:end -->"
 
 
 def _registry_module():
-    path = ROOT / "dflash_mlx" / "registry.py"
+    path = ROOT / "dflash_mlx" / "models" / "registry.py"
     spec = importlib.util.spec_from_file_location("_dflash_mlx_registry", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look the module up

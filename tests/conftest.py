@@ -1,12 +1,17 @@
 """Shared pytest fixtures: tiny on-disk models, built once per session.
 
 ``tiny_target(family, **kw)`` and ``tiny_draft(target_dir, **kw)`` are
-memoizing factories over ``tests/tiny_models.make_target`` / ``make_draft``:
+memoizing factories over ``helpers.make_target`` / ``make_draft`` (tests/helpers/):
 the same arguments return the same directory, so many tests share one build.
-Treat the returned directories as read-only.
+``tiny_pair(family, **target_kw)`` is the loaded (model, tokenizer, drafter) of a
+target and its random drafter (target_layer_ids [1, 2]); ``tiny_pair_dirs`` their
+directories; ``constant_pair_dirs(prompt)`` the qwen3 target with the drafter that
+always proposes the token its greedy continuation of ``prompt`` repeats.
+Treat the returned directories and loaded objects as read-only (``without_eos``
+gives a tokenizer copy).
 
 The run itself: pytest re-executes once with the system OpenBLAS preloaded,
-as the CLI does (`dflash_mlx.openblas`; ``DFLASH_MLX_NO_REEXEC=1`` opts out),
+as the CLI does (`dflash_mlx.cli.openblas`; ``DFLASH_MLX_NO_REEXEC=1`` opts out),
 and the session fails if any test left a child process, a thread or a
 listening socket behind (`_nothing_left_behind`).
 """
@@ -25,7 +30,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import tiny_models  # noqa: E402
+import helpers  # noqa: E402
 
 
 def _key(*args, **kwargs) -> str:
@@ -52,13 +57,13 @@ class _Builder:
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
     """Factory: ``tiny_target("qwen3", dtype="bfloat16", ...) -> Path``."""
-    return _Builder(tmp_path_factory.mktemp("targets"), tiny_models.make_target, "target")
+    return _Builder(tmp_path_factory.mktemp("targets"), helpers.make_target, "target")
 
 
 @pytest.fixture(scope="session")
 def tiny_draft(tmp_path_factory):
     """Factory: ``tiny_draft(target_dir, num_layers=2, ...) -> Path``."""
-    return _Builder(tmp_path_factory.mktemp("drafts"), tiny_models.make_draft, "draft")
+    return _Builder(tmp_path_factory.mktemp("drafts"), helpers.make_draft, "draft")
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +71,7 @@ def tiny_tokenizer(tmp_path_factory):
     """Factory: ``tiny_tokenizer(add_bos=False) -> Path`` (tokenizer files only)."""
 
     def build(out_dir, add_bos=False):
-        tiny_models.make_tokenizer(out_dir, add_bos=add_bos)
+        helpers.make_tokenizer(out_dir, add_bos=add_bos)
         return out_dir
 
     return _Builder(tmp_path_factory.mktemp("tokenizers"), build, "tok")
@@ -79,13 +84,54 @@ def qwen3_target(tiny_target) -> Path:
 
 
 @pytest.fixture(scope="session")
-def qwen3_draft(tiny_draft, qwen3_target) -> Path:
-    """A 2-layer nested-schema draft bound to ``qwen3_target``.
+def tiny_pair_dirs(tiny_target, tiny_draft):
+    """Factory: ``tiny_pair_dirs(family="qwen3", *, draft_kw=None, **target_kw) -> (target_dir, draft_dir)``.
 
-    Its target_layer_ids are [1, 2]: for a 4-layer target the spec's
-    derivation rule gives [1, 1], and distinct layers catch more bugs.
+    The draft is 2-layer nested-schema with target_layer_ids [1, 2] (plus
+    ``draft_kw``): for a 4-layer target the spec's derivation rule gives
+    [1, 1], and distinct layers catch more bugs.
     """
-    return tiny_draft(qwen3_target, target_layer_ids=[1, 2])
+
+    def get(family="qwen3", *, draft_kw=None, **target_kw):
+        target_dir = tiny_target(family, **target_kw)
+        return target_dir, tiny_draft(target_dir, target_layer_ids=[1, 2], **(draft_kw or {}))
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_pair_dirs):
+    """Factory: ``tiny_pair(family="qwen3", *, draft_kw=None, **target_kw) -> (model, tokenizer, drafter)``.
+
+    Loaded once per directory pair (``helpers.load_pair``) and shared by every
+    test: never mutate them (``with without_eos(tokenizer) as tok`` is a copy).
+    """
+
+    def get(family="qwen3", *, draft_kw=None, **target_kw):
+        return helpers.load_pair(*tiny_pair_dirs(family, draft_kw=draft_kw, **target_kw))
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def qwen3_draft(tiny_pair_dirs) -> Path:
+    """The 2-layer draft bound to ``qwen3_target`` (``tiny_pair_dirs("qwen3")``)."""
+    return tiny_pair_dirs("qwen3")[1]
+
+
+@pytest.fixture(scope="session")
+def constant_pair_dirs(qwen3_target, tmp_path_factory):
+    """Factory: ``constant_pair_dirs(prompt) -> (qwen3_target, constant drafter dir)``.
+
+    The drafter always proposes the token the target's greedy continuation of
+    ``prompt`` repeats most (``helpers.constant_draft``), so drafts get accepted.
+    """
+
+    def build(out_dir, prompt):
+        token = helpers.repeated_token(qwen3_target, prompt)
+        return qwen3_target, helpers.make_constant_draft(out_dir, qwen3_target, token)
+
+    return _Builder(tmp_path_factory.mktemp("const"), build, "draft")
 
 
 def pytest_configure(config):
@@ -94,7 +140,7 @@ def pytest_configure(config):
     Here pytest's output capture is suspended (the original descriptors are
     back in place), so the new process writes to the terminal as usual."""
     if any("pytest" in os.path.basename(a) for a in sys.orig_argv[1:3]):
-        from dflash_mlx.openblas import maybe_reexec
+        from dflash_mlx.cli.openblas import maybe_reexec
 
         maybe_reexec()
 

@@ -133,7 +133,7 @@ def test_reexec_child_has_openblas_preloaded():
     if library is None:
         pytest.skip("system OpenBLAS not installed (libopenblas0-pthread)")
     code = (
-        "import os; from dflash_mlx import openblas; openblas.maybe_reexec(); "
+        "import os; from dflash_mlx.cli import openblas; openblas.maybe_reexec(); "
         "maps = open('/proc/self/maps').read(); "
         "print(os.environ.get('LD_PRELOAD', '')); print('libopenblas' in maps)"
     )

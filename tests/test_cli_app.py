@@ -16,11 +16,11 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_mlx import generate as dflash_generate
-from dflash_mlx.chat_template import ReasoningError, reasoning_kwargs
+from dflash_mlx.cli.chat_template import ReasoningError, reasoning_kwargs
 from dflash_mlx.cli import app
-from dflash_mlx.registry import RegistryEntry, lookup
-from dflash_mlx.resolve import ModelChoiceError, choose_block_size, choose_model
-from tiny_models import load_pair
+from dflash_mlx.models.registry import RegistryEntry, lookup
+from dflash_mlx.models.resolve import ModelChoiceError, choose_block_size, choose_model
+from helpers import load_pair
 
 runner = CliRunner()
 
@@ -30,8 +30,9 @@ def invoke(*args, input=None):
 
 
 @pytest.fixture(scope="module")
-def pair_dirs(qwen3_target, qwen3_draft):
-    return qwen3_target, qwen3_draft
+def pair_dirs(tiny_pair_dirs):
+    """The qwen3 target and its random drafter: the commands take directories."""
+    return tiny_pair_dirs("qwen3")
 
 
 def test_generate_json_has_the_text_and_the_statistics(pair_dirs):
@@ -75,7 +76,7 @@ def test_errors_say_what_to_do(args, message):
 
 def test_library_load_refuses_an_unsupported_registry_family_before_downloading():
     from dflash_mlx import load
-    from dflash_mlx.target import UnsupportedTargetError
+    from dflash_mlx.targets.adapter import UnsupportedTargetError
 
     with pytest.raises(UnsupportedTargetError, match="kimi_k25.*cannot run yet"):
         load("kimi-k2.5")
@@ -117,15 +118,13 @@ def test_reasoning_levels_map_onto_the_template_key():
         reasoning_kwargs(thinking, "loud")
 
 
-def test_block_size_precedence(tiny_target, tiny_draft):
-    target = tiny_target("qwen3", quantize_bits=4)
-    model, _, drafter = load_pair(target, tiny_draft(target, block_size=16, target_layer_ids=[1, 2]))
+def test_block_size_precedence(tiny_pair):
+    model, _, drafter = tiny_pair("qwen3", quantize_bits=4, draft_kw=dict(block_size=16))
     entry = RegistryEntry("x", "a/b", "c/d", block_size=8, kind="dflash")
     assert choose_block_size(12, entry, model, drafter) == 12  # the flag wins, even above the cap
     assert choose_block_size(None, entry, model, drafter) == 5  # registry 8, capped for 4-bit
     assert choose_block_size(None, None, model, drafter) == 5  # drafter 16, capped
-    plain, _, plain_drafter = load_pair(*(lambda t: (t, tiny_draft(t, block_size=16, target_layer_ids=[1, 2])))(
-        tiny_target("qwen3")))  # fmt: skip
+    plain, _, plain_drafter = tiny_pair("qwen3", draft_kw=dict(block_size=16))
     assert choose_block_size(None, entry, plain, plain_drafter) == 8
     assert choose_block_size(None, None, plain, plain_drafter) == 16
     assert choose_block_size(None, entry, plain, None) is None
@@ -269,7 +268,7 @@ def test_doctor_selftest_compares_outputs(pair_dirs, monkeypatch):
     args = ["doctor", "--selftest", "--model", target, "--draft", draft, "--num-prompts", 2, "--max-tokens", 10]
     r = invoke(*args)
     assert r.exit_code == 0 and "outputs identical" in r.stdout and "speedup" in r.stdout
-    import dflash_mlx.benchmark as benchmark
+    import dflash_mlx.cli.benchmark as benchmark
 
     real = benchmark.stream_generate
 

@@ -15,11 +15,9 @@ import pytest
 from dflash_mlx import load_draft
 from dflash_mlx.draft.dflash2 import DFlash2DraftModel
 from dflash_mlx.draft.load import DraftWeightsError
-from dflash_mlx.target import TargetAdapter
-from test_hybrid_sliding import check_lossless
-from test_lossless import prompt_ids
+from dflash_mlx.targets.adapter import TargetAdapter
 from test_reference_parity import REFERENCE_PREAMBLE, REPO_ID, fake_hub_cache, hub_env, make_inputs
-from tiny_models import load_pair, make_draft2
+from helpers import check_lossless, load_pair, make_draft2, prompt_ids
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-import tiny_models
+from helpers import MASK_ID, draft2_weight_shapes, draft_weight_shapes, make_draft2
 
 TOL = 1e-5
 
@@ -341,7 +341,7 @@ def test_selector_sampling_frequencies_follow_q():
 
 @pytest.fixture(scope="module")
 def draft2_dir(tmp_path_factory, qwen3_target):
-    return tiny_models.make_draft2(
+    return make_draft2(
         tmp_path_factory.mktemp("draft2") / "d", qwen3_target, target_layer_ids=[1, 2]
     )
 
@@ -357,7 +357,7 @@ def test_fixture_config_fields(draft2_dir):
     assert cfg["rope_theta"] == 500000.0
     d = cfg["dflash_config"]
     assert d == {
-        "mask_token_id": tiny_models.MASK_ID, "target_layer_ids": [1, 2], "block_size": 16,
+        "mask_token_id": MASK_ID, "target_layer_ids": [1, 2], "block_size": 16,
         "output_multiplier": 0.19611613513818404, "final_logit_softcapping": 20.0,
         "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4,
     }  # fmt: skip
@@ -369,7 +369,7 @@ def test_fixture_keys_and_shapes(draft2_dir):
     h, v, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     d = cfg["dflash_config"]
     k, group, r = d["conv_kernel_size"], d["conv_group_size"], d["selector_rank"]
-    expected = dict(tiny_models.draft_weight_shapes(cfg))
+    expected = dict(draft_weight_shapes(cfg))
     for i in range(n):
         for conv in ("attention_conv", "mlp_conv"):
             expected[f"layers.{i}.{conv}.base_kernel"] = (2, k, h)
@@ -378,7 +378,7 @@ def test_fixture_keys_and_shapes(draft2_dir):
     expected["candidate_selector.predecessor_codebook"] = (v, r)
     expected["candidate_selector.successor_codebook"] = (v, r)
     assert {key: tuple(a.shape) for key, a in w.items()} == expected
-    assert expected == {**tiny_models.draft_weight_shapes(cfg), **tiny_models.draft2_weight_shapes(cfg)}
+    assert expected == {**draft_weight_shapes(cfg), **draft2_weight_shapes(cfg)}
     assert not any(key.endswith("codebook.weight") for key in w)
     assert all(a.dtype == mx.float32 for a in w.values())
     # Concrete numbers for the default fixture (hidden 64, group 16, K 2, R 8).
@@ -407,7 +407,7 @@ def test_fixture_v2_init_scales(draft2_dir):
 
 
 def test_fixture_overrides_and_bfloat16(tmp_path, qwen3_target):
-    out = tiny_models.make_draft2(
+    out = make_draft2(
         tmp_path / "d", qwen3_target, dtype="bfloat16", selector_rank=4, selector_top_k=2,
         conv_kernel_size=3, conv_group_size=8, architectures=["DFlashDraftModel"],
     )  # fmt: skip

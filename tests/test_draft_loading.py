@@ -16,17 +16,18 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 import dflash_mlx
-import tiny_models as tm
-from dflash_mlx.block_size import default_block_size
+from helpers import MASK_ID, TINY_VOCAB
+from dflash_mlx.models.block_size import default_block_size
+from dflash_mlx.models.loading import on_cpu, target_float_dtype
 from dflash_mlx.draft.config import DraftConfigError, derive_target_layer_ids, parse_draft_config
 from dflash_mlx.draft.load import DraftWeightsError, load_draft
 from dflash_mlx.draft.model import DFlashDraftModel
 from dflash_mlx.draft.pairing import PairMismatchError
-from dflash_mlx.families import FAMILIES
-from dflash_mlx.target import TargetAdapter, UnsupportedTargetError
+from dflash_mlx.targets.families import FAMILIES
+from dflash_mlx.targets.adapter import TargetAdapter, UnsupportedTargetError
 
 PROMPT = mx.array([[40, 41, 57, 99, 120, 7, 300, 301, 12, 250]])  # S = 10 context rows
-BLOCK = mx.array([17] + [tm.MASK_ID] * 3)  # b = 4
+BLOCK = mx.array([17] + [MASK_ID] * 3)  # b = 4
 SLIDING = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4)
 
 
@@ -88,7 +89,7 @@ def test_flat_and_nested_schemas_load_identically(tiny_draft, qwen3_target, qwen
     for (k, x), (_, y) in zip(pa, pb):
         assert x.shape == y.shape and mx.array_equal(x, y), k
     la, lb = _logits(a, model), _logits(b, model)
-    assert la.shape == (3, tm.TINY_VOCAB) and np.isfinite(la).all()
+    assert la.shape == (3, TINY_VOCAB) and np.isfinite(la).all()
     np.testing.assert_array_equal(la, lb)
 
 
@@ -329,10 +330,13 @@ def test_load_pairs_local_dirs_and_casts_draft(tiny_target, tiny_draft, qwen3_ta
     model, tok, draft = dflash_mlx.load(bf16, draft_dir)
     assert isinstance(draft, DFlashDraftModel) and draft.config.target_layer_ids == (1, 2)
     assert tok.encode("the cat") and hasattr(model, "layers")
-    assert {v.dtype for _, v in tree_flatten(draft.parameters())} == {mx.bfloat16}
+    computed = mx.float32 if on_cpu() else mx.bfloat16  # the one CPU dtype rule (models.loading)
+    assert {v.dtype for _, v in tree_flatten(model.parameters())} == {computed}
+    assert {v.dtype for _, v in tree_flatten(draft.parameters())} == {computed}
     nested = tiny_target("gemma4", dtype="bfloat16")  # its Model has no `.model`: found via language_model
     cast = dflash_mlx.load(nested, tiny_draft(nested, target_layer_ids=[1, 2]))[2]
-    assert {v.dtype for _, v in tree_flatten(cast.parameters())} == {mx.bfloat16}
+    assert {v.dtype for _, v in tree_flatten(cast.parameters())} == {computed}
+    assert target_float_dtype(mlx_lm.load(str(nested))[0]) == mx.bfloat16  # found through language_model
     f32 = dflash_mlx.load(qwen3_target, qwen3_draft)[2]
     assert {v.dtype for _, v in tree_flatten(f32.parameters())} == {mx.float32}
     with pytest.raises(ValueError, match="draft=") as e:

@@ -14,17 +14,18 @@ from mlx_lm.generate import GenerationResponse
 
 import dflash_mlx
 from dflash_mlx import DFlashResponse, generate, load_draft, stream_generate
-from dflash_mlx.generate import encode_prompt
-from tiny_models import ALL_FAMILIES
+from dflash_mlx.generation import encode_prompt
+from helpers import ALL_FAMILIES
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 
 
 @pytest.fixture(scope="module")
-def bos_pair(tiny_target, tiny_draft):
-    target_dir = tiny_target("llama", add_bos=True)
+def bos_pair(tiny_pair_dirs):
+    """A fresh (uncached) load of the BOS llama and its random drafter."""
+    target_dir, draft_dir = tiny_pair_dirs("llama", add_bos=True)
     model, tokenizer = mlx_lm_load(str(target_dir))
-    return model, tokenizer, load_draft(tiny_draft(target_dir, target_layer_ids=[1, 2]), model)
+    return model, tokenizer, load_draft(draft_dir, model)
 
 
 def test_public_names_and_signature():
@@ -127,10 +128,10 @@ def _mlx_lm_attributes() -> dict:
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
-def test_no_mlx_lm_class_or_module_is_patched(tiny_target, tiny_draft, family):
-    target_dir = tiny_target(family)
+def test_no_mlx_lm_class_or_module_is_patched(tiny_pair_dirs, family):
+    target_dir, draft_dir = tiny_pair_dirs(family)
     model, tokenizer = mlx_lm_load(str(target_dir))
-    draft = load_draft(tiny_draft(target_dir, target_layer_ids=[1, 2]), model)
+    draft = load_draft(draft_dir, model)
     before = _mlx_lm_attributes()
     stream = stream_generate(model, draft, tokenizer, TEXT, max_tokens=30, block_size=4)
     next(stream)

@@ -15,12 +15,10 @@ from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache
 
 from dflash_mlx import stream_generate
-from dflash_mlx.block_size import default_block_size
-from dflash_mlx.oracle import OracleProposer
-from dflash_mlx.rollback import UnsupportedCacheError, check_caches
-from dflash_mlx.target import TargetAdapter
-from test_lossless import assert_cycle_accounting, assert_same_stream, prompt_ids, without_eos
-from tiny_models import TINY_VOCAB, load_pair
+from dflash_mlx.models.block_size import default_block_size
+from dflash_mlx.targets.rollback import UnsupportedCacheError, check_caches, rollback
+from dflash_mlx.targets.adapter import TargetAdapter
+from helpers import assert_same_stream, check_lossless, prompt_ids, run_both, without_eos
 
 HYBRID = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 SLIDING = ["llama_sliding", "gemma3_text", "gpt_oss", "gemma4"]
@@ -29,43 +27,9 @@ FLOAT32_ONLY = {"qwen3_5_moe", "qwen3_next", "gpt_oss"}  # MoE gather kernels on
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_target, tiny_draft):
-    def get(family, **target_kw):
-        target_dir = tiny_target(family, **target_kw)
-        return load_pair(target_dir, tiny_draft(target_dir, target_layer_ids=[1, 2]))
-
-    return get
-
-
-def check_lossless(model, tokenizer, draft, prompt, max_tokens, block_size, logprob_atol=None, **kw):
-    """The random drafter and the oracle both reproduce mlx-lm's greedy stream."""
-    with without_eos(tokenizer):
-        for proposer in (draft, "oracle"):
-            got, want = run_both(model, tokenizer, proposer, prompt, max_tokens, block_size, **kw)
-            assert_same_stream(got, want, logprob_atol=logprob_atol)
-            cycles = assert_cycle_accounting(got, block_size)
-            if proposer == "oracle":  # its pattern offers acceptance lengths 0, 1, 2, ...
-                assert set(oracle_cycle_sizes(block_size, max_tokens)) <= set(cycles)
-
-
-def oracle_cycle_sizes(block_size: int, max_tokens: int) -> list[int]:
-    """Cycle sizes (accepted + 1) of the oracle's first pattern round that fit in max_tokens."""
-    sizes, committed = [], 1
-    for accepted in range(block_size):
-        if committed + accepted + 1 > max_tokens:
-            break
-        sizes.append(accepted + 1)
-        committed += accepted + 1
-    return sizes
-
-
-def run_both(model, tokenizer, proposer, prompt, max_tokens, block_size, **kw):
-    want = list(mlx_lm_stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens, **kw))
-    if proposer == "oracle":
-        proposer = OracleProposer([r.token for r in want] + [0] * 16, list(range(block_size)), TINY_VOCAB)
-    got = list(stream_generate(model, proposer, tokenizer, prompt, max_tokens=max_tokens,
-                               block_size=block_size, **kw))  # fmt: skip
-    return got, want
+def pair(tiny_pair):
+    """pair(family, **target_kw) -> (model, tokenizer, random drafter)."""
+    return tiny_pair
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 16])
@@ -96,10 +60,10 @@ def test_prompt_lengths_with_chunked_prefill(pair, family, prompt_len):
 def test_bfloat16(pair, family):
     model, tokenizer, draft = pair(family, dtype="bfloat16")
     prompt = prompt_ids(40, seed=7)
-    with without_eos(tokenizer):
+    with without_eos(tokenizer) as tok:
         for block_size in (5, 16):
             for proposer in (draft, "oracle"):
-                got, want = run_both(model, tokenizer, proposer, prompt, 100, block_size)
+                got, want = run_both(model, tok, proposer, prompt, 100, block_size)
                 assert_same_stream(got, want, logprob_atol=None)
 
 
@@ -133,11 +97,11 @@ def test_mlx_lm_speculative_decoding_diverges_on_full_ring_caches_but_we_do_not(
     model, tokenizer, draft = pair("llama_sliding")
     other, _ = mlx_lm_load(str(tiny_target("llama", seed=7)))  # a draft model it will reject
     prompt = prompt_ids(40, seed=9)
-    with without_eos(tokenizer):
-        plain = [r.token for r in mlx_lm_stream_generate(model, tokenizer, mx.array(prompt), max_tokens=120)]
+    with without_eos(tokenizer) as tok:
+        plain = [r.token for r in mlx_lm_stream_generate(model, tok, mx.array(prompt), max_tokens=120)]
         theirs = [r.token for r in mlx_lm_stream_generate(
-            model, tokenizer, mx.array(prompt), max_tokens=120, draft_model=other, num_draft_tokens=3)]
-        ours = [r.token for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=120, block_size=4)]
+            model, tok, mx.array(prompt), max_tokens=120, draft_model=other, num_draft_tokens=3)]
+        ours = [r.token for r in stream_generate(model, draft, tok, prompt, max_tokens=120, block_size=4)]
     assert ours == plain
     if theirs == plain:
         pytest.skip("this mlx-lm's speculative decoding no longer diverges on full ring caches")
@@ -154,8 +118,8 @@ def test_gated_delta_rollback_equals_feeding_only_the_kept_rows(pair, family):
         target.forward(ids[:, :20], fed)
         target.forward(ids[:, :20], verified)
         target.forward(ids[:, 20 : 20 + keep], fed) if keep else None
-        target.forward(ids[:, 20:28], verified, record=True)
-        target.rollback(verified, keep)
+        _, _, record = target.verify(ids[:, 20:28], verified)
+        rollback(verified, record, keep)
         linear = 0
         for a, b in zip(fed, verified):
             if isinstance(a, ArraysCache):
@@ -182,8 +146,8 @@ def test_ring_rollback_when_full_and_when_overflowing(pair, family):
             target.forward(ids[:, :start], c)
         if keep:
             target.forward(ids[:, start : start + keep], fed)
-        target.forward(ids[:, start : start + rows], verified, record=True)
-        target.rollback(verified, keep)
+        _, _, record = target.verify(ids[:, start : start + rows], verified)
+        rollback(verified, record, keep)
         assert any(isinstance(c, RotatingKVCache) for c in verified)
         for a, b in zip(fed, verified):
             assert a.offset == b.offset

@@ -8,78 +8,35 @@ block, cycling through every acceptance length 0..b-1.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import mlx.core as mx
-import numpy as np
 import pytest
-from mlx_lm import stream_generate as mlx_lm_stream_generate
 
 from dflash_mlx import stream_generate
-from dflash_mlx.block_size import default_block_size
+from dflash_mlx.models.block_size import default_block_size
 from dflash_mlx.engine import speculative_cycles
-from dflash_mlx.oracle import OracleProposer
-from dflash_mlx.proposer import DFlashProposer
-from dflash_mlx.target import TargetAdapter
-from tiny_models import EOS_ID, TINY_VOCAB, load_pair
+from dflash_mlx.proposers.oracle import OracleProposer
+from dflash_mlx.proposers import DFlashProposer
+from dflash_mlx.targets.adapter import TargetAdapter
+from helpers import (
+    EOS_ID,
+    TINY_VOCAB,
+    assert_cycle_accounting,
+    assert_same_stream,
+    ours,
+    prompt_ids,
+    reference,
+    with_eos,
+    without_eos,
+)
 
 DENSE = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral"]
 BF16_OK = ["llama", "qwen2", "qwen3", "mistral"]  # MLX's CPU MoE gather is float32-only
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_target, tiny_draft):
+def pair(tiny_pair):
     """pair(family, **target_kw) -> (model, tokenizer, random drafter)."""
-
-    def get(family, draft_kw=None, **target_kw):
-        target_dir = tiny_target(family, **target_kw)
-        draft_dir = tiny_draft(target_dir, target_layer_ids=[1, 2], **(draft_kw or {}))
-        return load_pair(target_dir, draft_dir)
-
-    return get
-
-
-def prompt_ids(length: int, seed: int = 0) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return [int(t) for t in rng.integers(8, TINY_VOCAB, size=length)]
-
-
-def reference(model, tokenizer, prompt, max_tokens, **kw):
-    return list(mlx_lm_stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens, **kw))
-
-
-def ours(model, draft, tokenizer, prompt, max_tokens, **kw):
-    return list(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, **kw))
-
-
-def assert_same_stream(got, want, logprob_atol=1e-4):
-    assert [r.token for r in got] == [r.token for r in want]
-    assert [r.text for r in got] == [r.text for r in want]
-    assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
-    assert [r.generation_tokens for r in got] == [r.generation_tokens for r in want]
-    assert all(r.prompt_tokens == want[0].prompt_tokens for r in got)
-    if logprob_atol is not None:
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(np.array(g.logprobs), np.array(w.logprobs), atol=logprob_atol)
-
-
-def assert_cycle_accounting(got, block_size):
-    cycles = [r.cycle_tokens for r in got if r.cycle_tokens is not None]
-    assert got[0].cycle_tokens is None  # the first token comes from prefill
-    assert sum(cycles) == got[-1].generation_tokens - 1
-    assert all(1 <= c <= block_size for c in cycles)
-    return cycles
-
-
-@contextmanager
-def without_eos(tokenizer):
-    """Long runs that must not stop early (coverage of every acceptance length)."""
-    saved = set(tokenizer.eos_token_ids)
-    tokenizer.eos_token_ids = set()
-    try:
-        yield
-    finally:
-        tokenizer.eos_token_ids = saved
+    return tiny_pair
 
 
 def oracle_for(want, block_size):
@@ -103,9 +60,9 @@ def test_random_drafter_equals_mlx_lm(pair, family, block_size):
 def test_oracle_covers_every_acceptance_length(pair, family, block_size):
     model, tokenizer, _ = pair(family)
     prompt = prompt_ids(7, seed=1)
-    with without_eos(tokenizer):
-        want = reference(model, tokenizer, prompt, 200)
-        got = ours(model, oracle_for(want, block_size), tokenizer, prompt, 200, block_size=block_size)
+    with without_eos(tokenizer) as tok:
+        want = reference(model, tok, prompt, 200)
+        got = ours(model, oracle_for(want, block_size), tok, prompt, 200, block_size=block_size)
     assert_same_stream(got, want)
     cycles = assert_cycle_accounting(got, block_size)
     assert set(range(1, block_size + 1)) <= set(cycles)  # accepted 0..b-1 drafts
@@ -130,10 +87,10 @@ def test_prompt_lengths_and_chunked_prefill(pair, family, prompt_len, prefill_st
 def test_max_tokens_honoured_exactly(pair, max_tokens, block_size):
     model, tokenizer, draft = pair("qwen3")
     prompt = prompt_ids(7, seed=1)
-    with without_eos(tokenizer):
-        want = reference(model, tokenizer, prompt, max_tokens)
+    with without_eos(tokenizer) as tok:
+        want = reference(model, tok, prompt, max_tokens)
         for proposer in (draft, oracle_for(want, block_size)):
-            got = ours(model, proposer, tokenizer, prompt, max_tokens, block_size=block_size)
+            got = ours(model, proposer, tok, prompt, max_tokens, block_size=block_size)
             assert_same_stream(got, want)
             assert len(got) == max_tokens and got[-1].finish_reason == "length"
             assert_cycle_accounting(got, block_size)
@@ -175,19 +132,16 @@ def test_tied_embeddings_target(pair):
 def test_eos_inside_a_block_ends_the_output(pair):
     model, tokenizer, _ = pair("qwen3")
     prompt = prompt_ids(7, seed=1)
-    with without_eos(tokenizer):
-        plain = reference(model, tokenizer, prompt, 60)
+    with without_eos(tokenizer) as tok:
+        plain = reference(model, tok, prompt, 60)
     # Declare the 23rd generated token an EOS: with blocks of 16 fully accepted it
     # falls in the middle of the second cycle (tokens 18..33).
     eos_token = plain[22].token
     first = [r.token for r in plain].index(eos_token)
-    tokenizer.eos_token_ids = {EOS_ID, eos_token}
-    try:
-        want = reference(model, tokenizer, prompt, 60)
+    with with_eos(tokenizer, {EOS_ID, eos_token}) as tok:
+        want = reference(model, tok, prompt, 60)
         oracle = OracleProposer([r.token for r in plain], [15], TINY_VOCAB, 16)
-        got = ours(model, oracle, tokenizer, prompt, 60, block_size=16)
-    finally:
-        tokenizer.eos_token_ids = {EOS_ID}
+        got = ours(model, oracle, tok, prompt, 60, block_size=16)
     assert_same_stream(got, want)
     assert len(got) == first + 1 and got[-1].token == eos_token
     assert got[-1].finish_reason == "stop" and got[-1].text == want[-1].text

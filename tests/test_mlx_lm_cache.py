@@ -20,10 +20,13 @@ from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from dflash_mlx import mlx_lm as plugin
-from dflash_mlx.mlx_lm_cache import held_length
-from dflash_mlx.proposer import Proposal
-from test_lossless import prompt_ids
-from tiny_models import TINY_VOCAB, load_pair
+from dflash_mlx.proposers import Proposal
+from helpers import TINY_VOCAB, prompt_ids
+
+
+def held_length(cache) -> int:
+    """Tokens an mlx-lm cache list holds (its first attention cache's offset)."""
+    return next(c.offset for c in cache if isinstance(getattr(c, "offset", None), int))
 
 
 class PositionOracle:
@@ -92,12 +95,9 @@ def assert_same_state(ours, theirs):
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_target, tiny_draft):
-    def get(family):
-        target_dir = tiny_target(family)
-        return load_pair(target_dir, tiny_draft(target_dir, target_layer_ids=[1, 2]))
-
-    return get
+def pair(tiny_pair):
+    """pair(family) -> (model, tokenizer, random drafter)."""
+    return tiny_pair
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "llama_sliding"])

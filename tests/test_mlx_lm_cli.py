@@ -2,7 +2,7 @@
 
 Outputs are compared with `mlx_lm generate` run on the same flags (in this
 process, through its own `main`), with the timing numbers masked. The pair is
-the tiny qwen3 target with the constant drafter of tests/constant_draft.py.
+the tiny qwen3 target with the constant drafter of tests/helpers/constant_draft.py.
 """
 
 from __future__ import annotations
@@ -15,17 +15,15 @@ import sys
 import pytest
 from mlx_lm.generate import main as mlx_lm_generate_main
 
-from constant_draft import make_constant_draft, repeated_token
-from dflash_mlx import mlx_lm as plugin
-from dflash_mlx.mlx_lm_cli import main
+from dflash_mlx.mlx_lm import api as plugin_api
+from dflash_mlx.mlx_lm.cli import main
 
 PROMPT = "hello world"
 
 
 @pytest.fixture(scope="module")
-def dirs(qwen3_target, tmp_path_factory):
-    token = repeated_token(qwen3_target, PROMPT)
-    return qwen3_target, make_constant_draft(tmp_path_factory.mktemp("const") / "draft", qwen3_target, token)
+def dirs(constant_pair_dirs):
+    return constant_pair_dirs(PROMPT)
 
 
 def masked(text: str) -> str:
@@ -100,7 +98,7 @@ def test_options_dflash_cannot_honour_decode_with_mlx_lm(dirs, capsys, monkeypat
     target, draft = dirs
     flags = ["--model", target, "--prompt", PROMPT, "--ignore-chat-template", "--max-tokens", "40",
              "--max-kv-size", "16", "--verbose", "False"]  # fmt: skip
-    monkeypatch.setattr(plugin, "_warned", set())  # warnings are once per process and reason
+    monkeypatch.setattr(plugin_api, "_warned", set())  # warnings are once per process and reason
     with pytest.warns(UserWarning, match="max_kv_size is not supported with a DFlash drafter"):
         out, _ = ours(flags + ["--draft-model", draft], capsys)
     assert out == mlx_lm_main(flags, capsys, monkeypatch)

@@ -1,7 +1,7 @@
 """dflash_mlx.mlx_lm: mlx-lm's API on DFlash (load, stream_generate, generate, prompt caches).
 
 The pair is the tiny qwen3 target and a drafter that always proposes the token
-the target repeats after PROMPT (tests/constant_draft.py), so drafts really get
+the target repeats after PROMPT (tests/helpers/constant_draft.py), so drafts really get
 accepted. Every greedy run is compared with mlx-lm's own decoding.
 """
 
@@ -24,22 +24,21 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
 
-from constant_draft import make_constant_draft, repeated_token
 from dflash_mlx import DFlashResponse, load_draft
 from dflash_mlx import mlx_lm as plugin
+from dflash_mlx.mlx_lm import api as plugin_api
 from dflash_mlx.draft.model import DFlashDraftModel
-from dflash_mlx.mlx_lm_samplers import UnsupportedSampler, sampler_settings
-from dflash_mlx.proposer import DFlashProposer
+from dflash_mlx.mlx_lm.samplers import UnsupportedSampler, sampler_settings
+from dflash_mlx.proposers import DFlashProposer
 from dflash_mlx.sampling import SamplingSettings, distribution
 
 PROMPT = "hello world"
 
 
 @pytest.fixture(scope="module")
-def dirs(qwen3_target, tmp_path_factory):
+def dirs(constant_pair_dirs):
     """(target dir, constant drafter dir)."""
-    token = repeated_token(qwen3_target, PROMPT)
-    return qwen3_target, make_constant_draft(tmp_path_factory.mktemp("const") / "draft", qwen3_target, token)
+    return constant_pair_dirs(PROMPT)
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +71,10 @@ def test_remembered_drafter_leaves_with_its_model(dirs):
     target, draft = dirs
     model, _ = plugin.load(target, draft=draft)
     key = id(model)
-    assert plugin._drafters.get(key) is not None
+    assert plugin_api._drafters.get(key) is not None
     del model
     gc.collect()
-    assert key not in plugin._drafters
+    assert key not in plugin_api._drafters
 
 
 def test_load_without_drafter_warns_and_decodes_with_mlx_lm(dirs):
@@ -211,7 +210,7 @@ def test_unsupported_samplers_name_the_reason(sampler, reason):
 
 def test_custom_sampler_falls_back_to_mlx_lm_with_one_warning(loaded):
     model, tokenizer = loaded
-    plugin._warned.clear()
+    plugin_api._warned.clear()
 
     def second_best(logprobs):
         return mx.argsort(logprobs, axis=-1)[..., -2]
@@ -233,7 +232,7 @@ def test_custom_sampler_falls_back_to_mlx_lm_with_one_warning(loaded):
                                     dict(kv_bits=8, quantized_kv_start=10_000), dict(max_kv_size=16)])  # fmt: skip
 def test_options_dflash_cannot_honour_run_mlx_lm(loaded, kwargs):
     model, tokenizer = loaded
-    plugin._warned.clear()
+    plugin_api._warned.clear()
     with pytest.warns(UserWarning, match="falling back to mlx-lm"):
         mx.random.seed(5)
         got = tokens(plugin.stream_generate(model, tokenizer, PROMPT, max_tokens=24, **kwargs))

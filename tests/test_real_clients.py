@@ -29,8 +29,8 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from dflash_mlx.registry import lookup
-from dflash_mlx.resolve import on_cpu
+from dflash_mlx.models.registry import lookup
+from dflash_mlx.models.loading import on_cpu
 
 openai = pytest.importorskip("openai")
 
@@ -124,6 +124,16 @@ def mlx_lm_greedy(plain, ids, max_tokens):
 def test_serve_defaults_to_the_bundled_pair_and_says_so(served, client):
     assert "bundled demo pair" in served.stderr
     assert [m.id for m in client.models.list().data] == ["demo"]
+
+
+def test_serve_and_chat_load_the_same_pair_alike(client):
+    """One loader: the default pair, the same compute dtype and the same default block size."""
+    card = client.models.list().data[0].model_extra
+    assert card["dtype"] == ("float32" if on_cpu() else "bfloat16") and card["block_size"] == 8
+    run = subprocess.run([shutil.which("dflash-mlx"), "chat", "-n", "4"], input="/quit\n", capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert f"demo (DFlash, block {card['block_size']}, {card['dtype']})" in " ".join(run.stdout.split())
 
 
 def test_chat_whole_and_streamed_equal_mlx_lm_greedy(client, plain):

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from dflash_mlx import load_draft
-from dflash_mlx.target import TargetAdapter
-from tiny_models import MASK_ID
+from dflash_mlx.targets.adapter import TargetAdapter
+from helpers import MASK_ID
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("dflash") is None,

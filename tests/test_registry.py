@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mlx.registry import (
+from dflash_mlx.models.registry import (
     KINDS,
     RegistryEntry,
     RegistryError,
-    draft_for,
     load_registry,
     lookup,
     parse_registry,
@@ -84,13 +83,13 @@ def test_known_pair_fields():
 def test_lookup_by_name_target_and_mlx_target(key):
     entry = lookup(key)
     assert entry is not None and entry.name == "qwen3-4b"
-    assert draft_for(key) == "z-lab/Qwen3-4B-DFlash-b16"
+    assert entry.draft == "z-lab/Qwen3-4B-DFlash-b16"
 
 
 def test_lookup_unknown_returns_none():
     assert lookup("no-such-model") is None
     assert lookup("Qwen/Qwen3-4B-Base") is None
-    assert draft_for("acme/unknown") is None
+    assert lookup("acme/unknown") is None
 
 
 def test_every_alias_resolves_to_its_entry():
@@ -98,7 +97,7 @@ def test_every_alias_resolves_to_its_entry():
         for alias in entry.aliases:
             assert lookup(alias) == entry
         if not entry.bundled:  # bundled entries are found by name only
-            assert draft_for(entry.target) == entry.draft
+            assert lookup(entry.target).draft == entry.draft
 
 
 def test_load_registry_from_file(tmp_path):

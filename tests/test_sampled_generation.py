@@ -16,17 +16,15 @@ from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
 from dflash_mlx import stream_generate
-from dflash_mlx.oracle import OracleProposer
+from dflash_mlx.proposers.oracle import OracleProposer
 from dflash_mlx.sampling import SamplingSettings, distribution
-from test_lossless import assert_same_stream, prompt_ids, without_eos
-from test_sampling import chi_square_p
-from tiny_models import TINY_VOCAB, load_pair
+from helpers import TINY_VOCAB, assert_same_stream, chi_square_p, prompt_ids, without_eos
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_target, tiny_draft):
-    target_dir = tiny_target("qwen3")
-    return load_pair(target_dir, tiny_draft(target_dir, target_layer_ids=[1, 2]))
+def pair(tiny_pair):
+    """The qwen3 (model, tokenizer, random drafter)."""
+    return tiny_pair("qwen3")
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 16])
@@ -34,12 +32,12 @@ def test_greedy_with_repetition_penalty_and_bias_equals_mlx_lm(pair, block_size)
     model, tokenizer, draft = pair
     prompt = prompt_ids(12, seed=3)
     processors = make_logits_processors(logit_bias={7: 3.0}, repetition_penalty=1.3, repetition_context_size=8)
-    with without_eos(tokenizer):
-        want = list(mlx_lm_stream_generate(model, tokenizer, mx.array(prompt), max_tokens=120,
+    with without_eos(tokenizer) as tok:
+        want = list(mlx_lm_stream_generate(model, tok, mx.array(prompt), max_tokens=120,
                                            logits_processors=processors))  # fmt: skip
         oracle = OracleProposer([r.token for r in want] + [0] * 16, list(range(block_size)), TINY_VOCAB)
         for proposer in (draft, oracle):
-            got = list(stream_generate(model, proposer, tokenizer, prompt, max_tokens=120,
+            got = list(stream_generate(model, proposer, tok, prompt, max_tokens=120,
                                        block_size=block_size, logits_processors=processors))  # fmt: skip
             assert_same_stream(got, want)
     plain = [r.token for r in mlx_lm_stream_generate(model, tokenizer, mx.array(prompt), max_tokens=120)]
@@ -82,10 +80,10 @@ def test_first_two_sampled_tokens_follow_the_target(pair, settings):
     p2 = (p1[support, None] * p2_given).sum(axis=0)
     runs = 1500
     firsts, seconds = [], []
-    with without_eos(tokenizer):
+    with without_eos(tokenizer) as tok:
         for seed in range(runs):
             # max_tokens=3: the second token comes from a cycle that verified one draft.
-            out = [r for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=3,
+            out = [r for r in stream_generate(model, draft, tok, prompt, max_tokens=3,
                                               block_size=3, seed=seed, **settings)]  # fmt: skip
             assert out[2].cycle_tokens is not None and (out[1].cycle_tokens is None or out[1].cycle_tokens == 1)
             out = [r.token for r in out]

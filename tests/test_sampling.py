@@ -6,8 +6,6 @@ deliberately broken rule shows each test has the power to fail.
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -20,6 +18,7 @@ from dflash_mlx.sampling import (
     filtered_logprobs,
     rejection_accept,
 )
+from helpers import chi_square_p
 
 V = 24
 SETTINGS = {
@@ -29,20 +28,6 @@ SETTINGS = {
     "min_p": dict(min_p=0.1),
     "all": dict(top_p=0.9, min_p=0.05, top_k=8),
 }
-
-
-def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Upper-tail p-value of Pearson's statistic (Wilson-Hilferty approximation)."""
-    n = counts.sum()
-    support = probs > 0
-    assert counts[~support].sum() == 0, "samples outside the distribution's support"
-    expected = probs[support] * n
-    stat = float(((counts[support] - expected) ** 2 / expected).sum())
-    k = int(support.sum()) - 1
-    if k == 0:
-        return 1.0
-    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def logits_row(seed: int) -> mx.array:

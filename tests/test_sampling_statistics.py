@@ -19,9 +19,8 @@ from mlx_lm import load as mlx_lm_load
 
 from dflash_mlx import load_draft
 from dflash_mlx.sampling import SamplingSettings, dense_from_candidates, distribution, rejection_accept
-from dflash_mlx.target import TargetAdapter
-from test_sampling import chi_square_p
-from tiny_models import make_draft2
+from dflash_mlx.targets.adapter import TargetAdapter
+from helpers import chi_square_p, make_draft2
 
 RUNS = 20_000
 PROMPT = [17, 301, 45, 222, 9, 140]
@@ -35,8 +34,9 @@ MIN_EXPECTED = 5  # chi-square bins expected fewer times are pooled into one
 EPS = MIN_EXPECTED / RUNS  # so only prefixes at least this likely need enumerating
 
 
-def _flat_target(tiny_target):
-    model, _ = mlx_lm_load(str(tiny_target("qwen3")))
+def _flat_target(target_dir):
+    """A fresh (uncached: it is edited) load of the target in `target_dir`."""
+    model, _ = mlx_lm_load(str(target_dir))
     # A flatter head than the greedy fixtures' (which are tuned for clear margins),
     # so that several tokens are likely at each step and drafts get accepted often.
     model.lm_head.weight = model.lm_head.weight * 0.3
@@ -44,15 +44,16 @@ def _flat_target(tiny_target):
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_target, tiny_draft):
-    model = _flat_target(tiny_target)
-    return model, load_draft(tiny_draft(tiny_target("qwen3"), target_layer_ids=[1, 2]), model)
+def pair(tiny_pair_dirs):
+    target_dir, draft_dir = tiny_pair_dirs("qwen3")
+    model = _flat_target(target_dir)
+    return model, load_draft(draft_dir, model)
 
 
 @pytest.fixture(scope="module")
-def pair2(tiny_target, tmp_path_factory):
-    model = _flat_target(tiny_target)
-    path = make_draft2(tmp_path_factory.mktemp("d2"), tiny_target("qwen3"), target_layer_ids=[1, 2])
+def pair2(qwen3_target, tmp_path_factory):
+    model = _flat_target(qwen3_target)
+    path = make_draft2(tmp_path_factory.mktemp("d2"), qwen3_target, target_layer_ids=[1, 2])
     return model, load_draft(path, model)
 
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible server, through a real HTTP client on a local port.
 
 The pair is the tiny qwen3 target with the constant drafter of
-tests/constant_draft.py (drafts get accepted). Expected texts are mlx-lm's own
+tests/helpers/constant_draft.py (drafts get accepted). Expected texts are mlx-lm's own
 greedy decoding, computed before the server starts (MLX must not run in two
 threads at once). The Typer command runs in a subprocess and is stopped with
 SIGINT.
@@ -25,10 +25,9 @@ import pytest
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
-from constant_draft import make_constant_draft, repeated_token
 from dflash_mlx.server import make_server
 from dflash_mlx.server.stops import StopText
-from tiny_models import load_pair
+from helpers import load_pair
 
 PROMPT = "hello world"
 CHATS = [
@@ -47,10 +46,10 @@ PROCESSORS = {  # request fields -> make_logits_processors arguments
 
 
 @pytest.fixture(scope="module")
-def pair(qwen3_target, tmp_path_factory):
-    draft_dir = make_constant_draft(tmp_path_factory.mktemp("const") / "draft", qwen3_target,
-                                    repeated_token(qwen3_target, PROMPT))  # fmt: skip
-    return (qwen3_target, draft_dir), load_pair(qwen3_target, draft_dir)
+def pair(constant_pair_dirs):
+    """((target dir, constant drafter dir), (model, tokenizer, drafter))."""
+    dirs = constant_pair_dirs(PROMPT)
+    return dirs, load_pair(*dirs)
 
 
 def chat_ids(tokenizer, messages):

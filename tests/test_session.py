@@ -6,28 +6,23 @@ reply with mlx-lm's plain greedy decoding of the same full prompt from scratch.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import make_session, stream_generate
-from dflash_mlx.oracle import OracleProposer
-from test_lossless import prompt_ids, reference, without_eos
-from tiny_models import TINY_VOCAB, load_pair
+from dflash_mlx.proposers import DFlashProposer
+from dflash_mlx.proposers.oracle import OracleProposer
+from helpers import TINY_VOCAB, prompt_ids, reference, with_eos, without_eos
 
 FAMILIES = ["qwen3", "llama_sliding", "qwen3_5", "gemma4"]
 TRIMMABLE = {"qwen3"}  # only plain KV caches: the others go back to the checkpoint
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_target, tiny_draft):
-    def get(family):
-        target_dir = tiny_target(family)
-        return load_pair(target_dir, tiny_draft(target_dir, target_layer_ids=[1, 2]))
-
-    return get
+def pair(tiny_pair):
+    """pair(family) -> (model, tokenizer, random drafter)."""
+    return tiny_pair
 
 
 def tokens_of(responses):
@@ -53,24 +48,24 @@ def run(model, draft, tokenizer, session, prompt, max_tokens, block_size=4):
 def test_conversation_reuses_the_prefix_and_stays_lossless(pair, family):
     model, tokenizer, draft = pair(family)
     session = make_session(model, draft)
-    with without_eos(tokenizer):
+    with without_eos(tokenizer) as tok:
         p1 = prompt_ids(30, seed=1)
-        r1 = same(run(model, draft, tokenizer, session, p1, 25), p1, 25, model, tokenizer)
+        r1 = same(run(model, draft, tok, session, p1, 25), p1, 25, model, tok)
         assert session.reused == 0
 
         # The next turn extends prompt and reply: only the new tokens are prefilled.
         p2 = p1 + r1 + prompt_ids(9, seed=2)
-        r2 = same(run(model, draft, tokenizer, session, p2, 30, block_size=6), p2, 30, model, tokenizer)
+        r2 = same(run(model, draft, tok, session, p2, 30, block_size=6), p2, 30, model, tok)
         assert session.reused == len(p1) + len(r1) - 1  # the reply's last token was never fed
 
         # A re-rendered history that diverges inside the last reply.
         p3 = p2 + r2[:5] + [(r2[5] + 1) % TINY_VOCAB or 9] + prompt_ids(6, seed=3)
-        same(run(model, draft, tokenizer, session, p3, 20), p3, 20, model, tokenizer)
+        same(run(model, draft, tok, session, p3, 20), p3, 20, model, tok)
         assert session.reused == (len(p2) + 5 if family in TRIMMABLE else len(p2))
 
         # An unrelated prompt starts afresh.
         p4 = prompt_ids(12, seed=4)
-        same(run(model, draft, tokenizer, session, p4, 15), p4, 15, model, tokenizer)
+        same(run(model, draft, tok, session, p4, 15), p4, 15, model, tok)
         assert session.reused == 0
 
 
@@ -78,49 +73,39 @@ def test_conversation_reuses_the_prefix_and_stays_lossless(pair, family):
 def test_an_interrupted_reply_leaves_the_session_usable(pair, family):
     model, tokenizer, draft = pair(family)
     session = make_session(model, draft)
-    with without_eos(tokenizer):
+    with without_eos(tokenizer) as tok:
         p1 = prompt_ids(20, seed=6)
-        want = tokens_of(reference(model, tokenizer, p1, 40))
-        stream = stream_generate(model, draft, tokenizer, p1, max_tokens=40, block_size=5, session=session)
+        want = tokens_of(reference(model, tok, p1, 40))
+        stream = stream_generate(model, draft, tok, p1, max_tokens=40, block_size=5, session=session)
         partial = [next(stream).token for _ in range(7)]
         stream.close()  # Ctrl-C: a verify is queued and must be undone
         assert partial == want[:7]
         assert session.tokens == (p1 + partial)[: len(session.tokens)]
         p2 = p1 + partial + prompt_ids(5, seed=7)
-        same(run(model, draft, tokenizer, session, p2, 20), p2, 20, model, tokenizer)
+        same(run(model, draft, tok, session, p2, 20), p2, 20, model, tok)
         assert session.reused > len(p1)
-
-
-@contextmanager
-def eos_is(tokenizer, token):
-    saved = set(tokenizer.eos_token_ids)
-    tokenizer.eos_token_ids = {token}
-    try:
-        yield
-    finally:
-        tokenizer.eos_token_ids = saved
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_a_stop_token_inside_a_block_keeps_nothing_after_it(pair, family):
     model, tokenizer, _ = pair(family)
     p1 = prompt_ids(15, seed=8)
-    with without_eos(tokenizer):
-        stream = tokens_of(reference(model, tokenizer, p1, 30))
+    with without_eos(tokenizer) as tok:
+        stream = tokens_of(reference(model, tok, p1, 30))
     stop = next(i for i in range(3, 30) if stream[i] not in stream[:i])  # first occurrence
     oracle = OracleProposer(stream + [0] * 16, [15], TINY_VOCAB, 16)  # accept every draft
     session = make_session(model, oracle)
-    with eos_is(tokenizer, stream[stop]):
-        got = run(model, oracle, tokenizer, session, p1, 30, block_size=16)
+    with with_eos(tokenizer, {stream[stop]}) as tok:
+        got = run(model, oracle, tok, session, p1, 30, block_size=16)
     assert tokens_of(got) == stream[: stop + 1]
     assert got[-1].finish_reason == "stop"
     assert session.tokens == p1 + stream[:stop]  # the stop token itself is never fed
     held = [c.offset for c in session.cache if isinstance(c, KVCache)]
     assert held and set(held) == {len(session.tokens)}
     # The next turn goes on from there, exactly.
-    with without_eos(tokenizer):
+    with without_eos(tokenizer) as tok:
         p2 = p1 + stream[: stop + 1] + prompt_ids(4, seed=9)
-        same(run(model, oracle, tokenizer, session, p2, 12), p2, 12, model, tokenizer)
+        same(run(model, oracle, tok, session, p2, 12), p2, 12, model, tok)
     assert session.reused == len(p1) + stop
 
 
@@ -137,9 +122,33 @@ def test_session_must_match_the_model_and_drafter(pair):
 def test_plain_decoding_session(pair):
     model, tokenizer, _ = pair("qwen3_5")
     session = make_session(model)
-    with without_eos(tokenizer):
+    with without_eos(tokenizer) as tok:
         p1 = prompt_ids(10, seed=10)
-        r1 = tokens_of(run(model, None, tokenizer, session, p1, 12))
+        r1 = tokens_of(run(model, None, tok, session, p1, 12))
         p2 = p1 + r1 + [11, 12]
-        same(run(model, None, tokenizer, session, p2, 12), p2, 12, model, tokenizer)
+        same(run(model, None, tok, session, p2, 12), p2, 12, model, tok)
     assert session.reused == len(p1) + len(r1) - 1
+
+
+def test_the_draft_sampling_choice_belongs_to_its_call(pair):
+    """`draft_sampling="argmax"` on one call does not leak into the next call on the same session."""
+    model, tokenizer, draft = pair("qwen3")
+    seen = []
+
+    class Spy(DFlashProposer):
+        def propose(self, anchor, position, count, *, sampling=None, key=None):
+            seen.append(sampling)
+            return super().propose(anchor, position, count, sampling=sampling, key=key)
+
+    spy = Spy(draft)
+    session = make_session(model, spy)
+    for choice, sampled in (("argmax", False), (None, True), ("sample", True), ("argmax", False), (None, True)):
+        seen.clear()
+        list(stream_generate(model, spy, tokenizer, "the cat", max_tokens=12, temperature=0.8, seed=1,
+                             draft_sampling=choice, session=session))  # fmt: skip
+        assert seen and all((s is not None) == sampled for s in seen), choice
+    assert session.draft_sampling == "sample"
+    argmax_session = make_session(model, spy, draft_sampling="argmax")  # a session's own default
+    seen.clear()
+    list(stream_generate(model, spy, tokenizer, "the cat", max_tokens=12, temperature=0.8, session=argmax_session))
+    assert seen and all(s is None for s in seen)

@@ -1,4 +1,4 @@
-"""Checks of the tiny on-disk model builders in tests/tiny_models.py."""
+"""Checks of the tiny on-disk model builders in tests/helpers/ (and of its ``without_eos`` copy)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,25 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step, stream_generate
 
-import tiny_models as tm
+from helpers import (
+    BOS_ID,
+    BOS_TOKEN,
+    EOS_ID,
+    EOS_TOKEN,
+    FAMILIES,
+    IM_END_ID,
+    IM_END_TOKEN,
+    IM_START_ID,
+    IM_START_TOKEN,
+    MASK_ID,
+    PAD_ID,
+    TINY_VOCAB,
+    derive_target_layer_ids,
+    greedy_with_margins,
+    make_target,
+    reference,
+    without_eos,
+)
 
 PROMPT = "The cat sat on the warm window"
 TEXT = "Hello, World! 123 the quick brown fox; x = [1, 2]\n\tdone ~`|{}"
@@ -34,36 +52,36 @@ def test_tokenizer_specials_roundtrip_and_template(tiny_tokenizer, add_bos):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer(add_bos=add_bos))
-    assert len(tok) == tm.TINY_VOCAB
-    assert tok.eos_token == tm.EOS_TOKEN and tok.eos_token_id == tm.EOS_ID
-    assert tok.pad_token_id == tm.PAD_ID
-    assert tok.mask_token_id == tm.MASK_ID
-    assert tok.convert_tokens_to_ids([tm.IM_START_TOKEN, tm.IM_END_TOKEN]) == [
-        tm.IM_START_ID,
-        tm.IM_END_ID,
+    assert len(tok) == TINY_VOCAB
+    assert tok.eos_token == EOS_TOKEN and tok.eos_token_id == EOS_ID
+    assert tok.pad_token_id == PAD_ID
+    assert tok.mask_token_id == MASK_ID
+    assert tok.convert_tokens_to_ids([IM_START_TOKEN, IM_END_TOKEN]) == [
+        IM_START_ID,
+        IM_END_ID,
     ]
     ids = tok.encode(TEXT)
     if add_bos:
-        assert tok.bos_token == tm.BOS_TOKEN
-        assert ids[0] == tm.BOS_ID and ids.count(tm.BOS_ID) == 1
+        assert tok.bos_token == BOS_TOKEN
+        assert ids[0] == BOS_ID and ids.count(BOS_ID) == 1
     else:
-        assert tok.bos_token is None and tm.BOS_ID not in ids
+        assert tok.bos_token is None and BOS_ID not in ids
     assert tok.decode(ids, skip_special_tokens=True) == TEXT
     assert tok.decode(tok.encode(TEXT, add_special_tokens=False)) == TEXT
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
     expected = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert chat == (tm.BOS_TOKEN if add_bos else "") + expected
+    assert chat == (BOS_TOKEN if add_bos else "") + expected
 
 
 def test_tokenizer_is_deterministic_across_processes(tiny_tokenizer, tmp_path):
     code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import tiny_models;"
-        "from pathlib import Path; tiny_models.make_tokenizer(Path(sys.argv[2]))"
+        "import sys; sys.path.insert(0, sys.argv[1]); from helpers.tokenizer import make_tokenizer;"
+        "from pathlib import Path; make_tokenizer(Path(sys.argv[2]))"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    tests_dir = str(Path(tm.__file__).parent)
+    tests_dir = str(Path(__file__).resolve().parent)
     subprocess.run([sys.executable, "-c", code, tests_dir, str(tmp_path)], env=env, check=True)
     here = tiny_tokenizer(add_bos=False)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -72,30 +90,30 @@ def test_tokenizer_is_deterministic_across_processes(tiny_tokenizer, tmp_path):
 
 def test_bos_rule_of_stream_generate(tiny_target):
     model, tok = mlx_lm.load(str(tiny_target("llama", add_bos=True)))
-    assert tok.bos_token == tm.BOS_TOKEN
+    assert tok.bos_token == BOS_TOKEN
     body = tok.encode(PROMPT, add_special_tokens=False)
     # A string prompt without BOS gets one; one starting with BOS gets no second.
-    for prompt in (PROMPT, tm.BOS_TOKEN + PROMPT):
+    for prompt in (PROMPT, BOS_TOKEN + PROMPT):
         first = next(iter(stream_generate(model, tok, prompt, max_tokens=1)))
         assert first.prompt_tokens == len(body) + 1
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
-    assert chat.startswith(tm.BOS_TOKEN)
+    assert chat.startswith(BOS_TOKEN)
 
 
 # --------------------------------------------------------------------- target
 
 
-@pytest.mark.parametrize("family", tm.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_family_loads_and_generates(tiny_target, family):
     path = tiny_target(family)
     model, tok = mlx_lm.load(str(path))
     config = json.loads((path / "config.json").read_text())
     assert config["model_type"] == family  # mistral stays "mistral" on disk
-    assert config["vocab_size"] == tm.TINY_VOCAB
-    assert model.model.embed_tokens.weight.shape == (tm.TINY_VOCAB, 64)
+    assert config["vocab_size"] == TINY_VOCAB
+    assert model.model.embed_tokens.weight.shape == (TINY_VOCAB, 64)
     assert model.model.embed_tokens.weight.dtype == mx.float32
     assert len(model.model.layers) == 4
-    assert tok.eos_token_id == tm.EOS_ID
+    assert tok.eos_token_id == EOS_ID
     prompt = mx.array(tok.encode(PROMPT, add_special_tokens=False))
     tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=20)]
     assert len(tokens) == 20 and len(set(tokens)) > 5
@@ -103,7 +121,7 @@ def test_family_loads_and_generates(tiny_target, family):
 
 def test_target_is_deterministic_and_seeded(tiny_target, tmp_path):
     a = tiny_target("qwen3")
-    b = tm.make_target(tmp_path / "again", "qwen3")
+    b = make_target(tmp_path / "again", "qwen3")
     c = tiny_target("qwen3", seed=5)
     assert _sha(a / "model.safetensors") == _sha(b / "model.safetensors")
     assert _sha(a / "model.safetensors") != _sha(c / "model.safetensors")
@@ -115,7 +133,7 @@ def test_greedy_margins_and_variety(tiny_target, family, tied):
     """The property the speculative == greedy tests rely on (float32)."""
     model, tok = mlx_lm.load(str(tiny_target(family, tie_word_embeddings=tied)))
     prompt = tok.encode(PROMPT, add_special_tokens=False)[:7]
-    tokens, gaps = tm.greedy_with_margins(model, prompt, 200)
+    tokens, gaps = greedy_with_margins(model, prompt, 200)
     assert np.percentile(gaps, 5) > 0.03
     assert gaps.min() > 1e-4
     assert len(set(tokens)) > 40 and len(set(tokens[-50:])) > 5
@@ -202,7 +220,7 @@ def test_draft_keys_shapes_and_config(qwen3_target, qwen3_draft):
     assert cfg["num_hidden_layers"] == 2 and cfg["attention_bias"] is False
     assert cfg["rope_theta"] == 10000 and "rope_parameters" not in cfg
     assert cfg["dflash_config"] == {
-        "mask_token_id": tm.MASK_ID,
+        "mask_token_id": MASK_ID,
         "target_layer_ids": [1, 2],
         "block_size": 16,
     }
@@ -260,18 +278,33 @@ def test_draft_options_extras_and_overrides(tiny_draft, qwen3_target, qwen3_draf
     weights = mx.load(str(path / "model.safetensors"))
     plain = mx.load(str(qwen3_draft / "model.safetensors"))
     assert set(weights) == set(plain) | {"embed_tokens.weight", "lm_head.weight"}
-    assert weights["lm_head.weight"].shape == (tm.TINY_VOCAB, 64)
+    assert weights["lm_head.weight"].shape == (TINY_VOCAB, 64)
     for key, value in plain.items():  # extras leave the real weights unchanged
         assert weights[key].dtype == mx.bfloat16
         assert mx.array_equal(weights[key], value.astype(mx.bfloat16)), key
 
 
 def test_derive_target_layer_ids():
-    assert tm.derive_target_layer_ids(5, 36) == [1, 9, 17, 25, 33]  # Qwen3-4B draft
-    assert tm.derive_target_layer_ids(5, 64) == [1, 16, 31, 46, 61]  # Qwen3.5 drafts
-    assert tm.derive_target_layer_ids(1, 36) == [18]
-    assert tm.derive_target_layer_ids(2, 6) == [1, 3]
+    assert derive_target_layer_ids(5, 36) == [1, 9, 17, 25, 33]  # Qwen3-4B draft
+    assert derive_target_layer_ids(5, 64) == [1, 16, 31, 46, 61]  # Qwen3.5 drafts
+    assert derive_target_layer_ids(1, 36) == [18]
+    assert derive_target_layer_ids(2, 6) == [1, 3]
     for n in range(1, 6):
         for big_n in range(1, 10):
-            ids = tm.derive_target_layer_ids(n, big_n)
+            ids = derive_target_layer_ids(n, big_n)
             assert len(ids) == n and all(0 <= i < big_n for i in ids)
+
+
+# ------------------------------------------------------------- shared fixtures
+
+
+def test_without_eos_is_a_copy_and_the_shared_tokenizer_keeps_its_eos(tiny_pair):
+    model, tokenizer, _ = tiny_pair("qwen3")
+    prompt = tokenizer.encode(PROMPT)
+    with without_eos(tokenizer) as tok:
+        assert tok is not tokenizer and tok.eos_token_ids == set()
+        assert tokenizer.eos_token_ids == {EOS_ID}
+        long = reference(model, tok, prompt, 80)  # never stops early; its detokenizer still works
+    assert len(long) == 80 and long[-1].finish_reason == "length"
+    assert "".join(r.text for r in long) == tokenizer.decode([r.token for r in long])
+    assert tiny_pair("qwen3")[1] is tokenizer and tokenizer.eos_token_ids == {EOS_ID}

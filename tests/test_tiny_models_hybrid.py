@@ -13,7 +13,17 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-import tiny_models as tm
+from helpers import (
+    DEFAULT_SLIDING_WINDOW,
+    EOS_ID,
+    EXTRA_FAMILIES,
+    HYBRID_FAMILIES,
+    NESTED_FAMILIES,
+    SLIDING_FAMILIES,
+    TINY_VOCAB,
+    greedy_with_margins,
+    make_target,
+)
 
 PROMPT = "The cat sat on the warm window"
 
@@ -43,30 +53,30 @@ def _sha(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("family", tm.EXTRA_FAMILIES)
+@pytest.mark.parametrize("family", EXTRA_FAMILIES)
 def test_family_loads_and_generates(tiny_target, family):
     path = tiny_target(family)
     model, tok = mlx_lm.load(str(path))
     config = json.loads((path / "config.json").read_text())
     outer, nested = MODEL_TYPES[family]
     assert config["model_type"] == outer
-    assert ("text_config" in config) == (nested is not None) == (family in tm.NESTED_FAMILIES)
+    assert ("text_config" in config) == (nested is not None) == (family in NESTED_FAMILIES)
     text = config.get("text_config", config)
     if nested:
         assert text["model_type"] == nested
-    assert config["vocab_size"] == text["vocab_size"] == tm.TINY_VOCAB
+    assert config["vocab_size"] == text["vocab_size"] == TINY_VOCAB
     assert config["torch_dtype"] == "float32"
     inner = _inner(model)
-    assert inner.embed_tokens.weight.shape == (tm.TINY_VOCAB, 64)
+    assert inner.embed_tokens.weight.shape == (TINY_VOCAB, 64)
     assert inner.embed_tokens.weight.dtype == mx.float32
     assert len(model.layers) == 4
-    assert tok.eos_token_id == tm.EOS_ID
+    assert tok.eos_token_id == EOS_ID
     prompt = mx.array(tok.encode(PROMPT, add_special_tokens=False))
     tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=20)]
     assert len(tokens) == 20 and len(set(tokens)) > 5
 
 
-@pytest.mark.parametrize("family", tm.HYBRID_FAMILIES)
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_hybrid_layers_and_caches(tiny_target, family):
     model, _ = mlx_lm.load(str(tiny_target(family)))
     assert [layer.is_linear for layer in model.layers] == [True, False] * 2
@@ -75,12 +85,12 @@ def test_hybrid_layers_and_caches(tiny_target, family):
     _generate(model, 3)
 
 
-@pytest.mark.parametrize("family", tm.SLIDING_FAMILIES)
+@pytest.mark.parametrize("family", SLIDING_FAMILIES)
 def test_sliding_layers_and_caches(tiny_target, family):
     model, _ = mlx_lm.load(str(tiny_target(family)))
     cache = make_prompt_cache(model)
     assert [type(c) for c in cache] == [RotatingKVCache, KVCache] * 2
-    assert all(c.max_size == tm.DEFAULT_SLIDING_WINDOW for c in cache[::2])
+    assert all(c.max_size == DEFAULT_SLIDING_WINDOW for c in cache[::2])
     wide, _ = mlx_lm.load(str(tiny_target(family, sliding_window=16)))
     assert [c.max_size for c in make_prompt_cache(wide)[::2]] == [16, 16]
 
@@ -95,25 +105,25 @@ def test_llama_sliding_is_llama_with_overrides(tiny_target):
     assert [layer.use_sliding for layer in model.model.layers] == [True, False] * 2
 
 
-@pytest.mark.parametrize("family", tm.EXTRA_FAMILIES)
+@pytest.mark.parametrize("family", EXTRA_FAMILIES)
 def test_greedy_margins_and_variety(tiny_target, family):
     """The property the speculative == greedy tests rely on (float32)."""
     model, tok = mlx_lm.load(str(tiny_target(family)))
     prompt = tok.encode(PROMPT, add_special_tokens=False)[:7]
-    tokens, gaps = tm.greedy_with_margins(model, prompt, 200)  # >> the sliding window of 8
+    tokens, gaps = greedy_with_margins(model, prompt, 200)  # >> the sliding window of 8
     assert np.percentile(gaps, 5) > 0.05
     assert gaps.min() > 1e-3
     assert len(set(tokens)) > 100 and len(set(tokens[-50:])) > 30
 
 
-@pytest.mark.parametrize("family", [f for f in tm.EXTRA_FAMILIES if f != "gpt_oss"])
+@pytest.mark.parametrize("family", [f for f in EXTRA_FAMILIES if f != "gpt_oss"])
 def test_tied_greedy_margins_and_variety(tiny_target, family):
     model, tok = mlx_lm.load(str(tiny_target(family, tie_word_embeddings=True)))
     assert not hasattr(model, "lm_head") and not hasattr(
         getattr(model, "language_model", model), "lm_head"
     )
     prompt = tok.encode(PROMPT, add_special_tokens=False)[:7]
-    tokens, gaps = tm.greedy_with_margins(model, prompt, 200)
+    tokens, gaps = greedy_with_margins(model, prompt, 200)
     assert np.percentile(gaps, 5) > 0.05
     assert gaps.min() > 1e-3
     assert len(set(tokens)) > 100 and len(set(tokens[-50:])) > 30
@@ -121,15 +131,15 @@ def test_tied_greedy_margins_and_variety(tiny_target, family):
 
 def test_gpt_oss_cannot_be_tied(tmp_path):
     with pytest.raises(ValueError, match="untied"):
-        tm.make_target(tmp_path, "gpt_oss", tie_word_embeddings=True)
+        make_target(tmp_path, "gpt_oss", tie_word_embeddings=True)
 
 
 def test_hybrid_rejects_sliding_window(tmp_path):
     with pytest.raises(ValueError, match="sliding"):
-        tm.make_target(tmp_path, "qwen3_5", sliding_window=8)
+        make_target(tmp_path, "qwen3_5", sliding_window=8)
 
 
-@pytest.mark.parametrize("family", tm.EXTRA_FAMILIES)
+@pytest.mark.parametrize("family", EXTRA_FAMILIES)
 def test_block_forward_matches_one_at_a_time(tiny_target, family):
     """A 16-token verify-style forward after 40 tokens (sliding windows have
     wrapped) gives the logits of feeding the tokens one at a time: bit-identical
@@ -137,7 +147,7 @@ def test_block_forward_matches_one_at_a_time(tiny_target, family):
     orders keys differently), and always the same argmax."""
     model, _ = mlx_lm.load(str(tiny_target(family)))
     rng = np.random.default_rng(0)
-    prefix, block = rng.integers(5, tm.TINY_VOCAB, 40), rng.integers(5, tm.TINY_VOCAB, 16)
+    prefix, block = rng.integers(5, TINY_VOCAB, 40), rng.integers(5, TINY_VOCAB, 16)
     one = make_prompt_cache(model)
     model(mx.array(prefix)[None], cache=one)
     rows = mx.stack([model(mx.array([[int(t)]]), cache=one)[0, -1] for t in block])
@@ -199,16 +209,16 @@ def test_unquantized_bfloat16_moe_loads(tiny_target, family):
 
 def test_hybrid_is_deterministic_and_seeded(tiny_target, tmp_path):
     a = tiny_target("qwen3_5")
-    b = tm.make_target(tmp_path / "again", "qwen3_5")
+    b = make_target(tmp_path / "again", "qwen3_5")
     c = tiny_target("qwen3_5", seed=5)
     assert _sha(a / "model.safetensors") == _sha(b / "model.safetensors")
     assert _sha(a / "model.safetensors") != _sha(c / "model.safetensors")
 
 
-@pytest.mark.parametrize("family", tm.NESTED_FAMILIES)
+@pytest.mark.parametrize("family", NESTED_FAMILIES)
 def test_draft_reads_nested_target_config(tiny_target, tiny_draft, family):
     target = tiny_target(family)
     cfg = json.loads((tiny_draft(target) / "config.json").read_text())
     assert cfg["num_target_layers"] == 4 and cfg["hidden_size"] == 64
-    assert cfg["vocab_size"] == tm.TINY_VOCAB and cfg["head_dim"] == 16
+    assert cfg["vocab_size"] == TINY_VOCAB and cfg["head_dim"] == 16
     assert cfg["dflash_config"]["target_layer_ids"] == [1, 1]

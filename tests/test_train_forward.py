@@ -10,10 +10,10 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-import tiny_models as tm
+from helpers import MASK_ID, TINY_VOCAB
 
 from dflash_mlx import load_draft
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.targets.adapter import TargetAdapter
 from dflash_mlx.train.batches import Sequence, build_sequences, make_batch, step_batch
 from dflash_mlx.train.features import FeatureStore
 from dflash_mlx.train.loss import (
@@ -40,7 +40,7 @@ def _features(model, layer_ids, ids=IDS):
 
 
 def _block(anchor_token: int) -> list[int]:
-    return [anchor_token] + [tm.MASK_ID] * (B - 1)
+    return [anchor_token] + [MASK_ID] * (B - 1)
 
 
 def _inference_logits(draft, adapter, feats, anchor: int, ids=IDS) -> np.ndarray:
@@ -77,7 +77,7 @@ def test_training_forward_equals_inference_drafter(tiny_draft, qwen3_target, mod
     adapter, feats = _features(model, [1, 2])
     anchors = [3, 9, 14]
     packed = _training_logits(draft, adapter, feats, anchors)
-    assert packed.shape == (3, B - 1, tm.TINY_VOCAB)
+    assert packed.shape == (3, B - 1, TINY_VOCAB)
     for i, a in enumerate(anchors):
         expected = _inference_logits(draft, adapter, feats, a)
         assert np.abs(expected).max() > 1.0  # non-trivial logits
@@ -220,7 +220,7 @@ def test_step_batches_are_deterministic_and_cover_the_data():
 def test_feature_store_caches_on_disk(model, tmp_path):
     adapter = TargetAdapter(model, (1, 2))
     seqs = [Sequence(ids=tuple(IDS), prompt_len=4), Sequence(ids=tuple(IDS[:9]), prompt_len=4)]
-    batch = make_batch(seqs, [[5, 9], [5]], B, mask_id=tm.MASK_ID)
+    batch = make_batch(seqs, [[5, 9], [5]], B, mask_id=MASK_ID)
     online = np.array(FeatureStore(adapter).batch_features([0, 1], batch, seqs))
     _, whole = _features(model, [1, 2])
     np.testing.assert_allclose(online[0], np.array(whole[0]), atol=1e-5)  # right padding changes nothing
@@ -236,7 +236,7 @@ def test_feature_store_caches_on_disk(model, tmp_path):
     np.testing.assert_allclose(first[0], online[0], rtol=2e-2, atol=2e-2 * np.abs(online).max())  # bfloat16
     assert not first[1, 9:].any()  # padding rows stay zero
     other = [Sequence(ids=tuple(IDS[1:]), prompt_len=4), seqs[1]]  # index 0 now holds other ids
-    store.batch_features([0, 1], make_batch(other, [[5], [5]], B, mask_id=tm.MASK_ID), other)
+    store.batch_features([0, 1], make_batch(other, [[5], [5]], B, mask_id=MASK_ID), other)
     assert (store.misses, store.hits) == (3, 3)  # stale features are never read
 
 
@@ -249,14 +249,14 @@ def test_a_step_trains_the_drafter_only(model, tmp_path):
 
     options = TrainOptions(model="t", data="d", out="o", steps=10, block_size=B, draft_layers=1, batch_size=2,
                            anchors_per_seq=4, lr=1e-2, target_layers=[1, 2])  # fmt: skip
-    config = drafter_config(model, num_layers=1, block_size=B, mask_token_id=tm.MASK_ID, target_layer_ids=[1, 2])
+    config = drafter_config(model, num_layers=1, block_size=B, mask_token_id=MASK_ID, target_layer_ids=[1, 2])
     draft = new_drafter(config)
     target = TargetAdapter(model, (1, 2))
     before_target = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     before_draft = {k: np.array(v) for k, v in tree_flatten(draft.parameters())}
     seqs = [Sequence(ids=tuple(IDS), prompt_len=6), Sequence(ids=tuple(IDS[3:]), prompt_len=2)]
     runner = StepRunner(draft, target, FeatureStore(target), make_optimizer(options), options)
-    rows = [runner(step, seqs, tm.MASK_ID, 0) for step in range(3)]
+    rows = [runner(step, seqs, MASK_ID, 0) for step in range(3)]
     assert all(np.isfinite(r["loss"]) and r["tokens"] == len(IDS) * 2 - 3 for r in rows)
     for key, value in tree_flatten(model.parameters()):
         np.testing.assert_array_equal(np.array(value), before_target[key], err_msg=key)

@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-import tiny_models as tm
+from helpers import EOS_ID, MASK_ID, load_pair
 import typer
 from mlx.utils import tree_flatten
 from typer.testing import CliRunner
@@ -113,10 +113,10 @@ def test_output_is_a_real_checkpoint_that_decodes_losslessly(runs, qwen3_target)
     out = runs["root"] / "full"
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
-    assert config["dflash_config"] == {"mask_token_id": tm.MASK_ID, "target_layer_ids": [1, 2], "block_size": 4}
+    assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 2], "block_size": 4}
     saved = _weights(out / "model.safetensors")
     assert not any(k.startswith(("embed_tokens", "lm_head")) for k in saved)  # shared, never saved
-    model, tokenizer, _ = tm.load_pair(str(qwen3_target))
+    model, tokenizer, _ = load_pair(str(qwen3_target))
     draft = load_draft(out, model)
     for key, value in tree_flatten(draft.parameters()):
         np.testing.assert_array_equal(np.array(value), saved[key])
@@ -234,7 +234,7 @@ def test_regeneration_is_the_targets_greedy_output_and_resumes(qwen3_target, tmp
 
     from dflash_mlx.train.regenerate import regenerate_responses
 
-    model, tokenizer, _ = tm.load_pair(str(qwen3_target))
+    model, tokenizer, _ = load_pair(str(qwen3_target))
     prompts = [tokenizer.encode(p) for p in PROMPTS[:6]] + [tokenizer.encode(PROMPTS[0])]  # one duplicate
     cache = tmp_path / "responses.jsonl"
     kw = {"max_tokens": 12, "target_name": "tiny", "batch_size": 3}
@@ -243,7 +243,7 @@ def test_regeneration_is_the_targets_greedy_output_and_resumes(qwen3_target, tmp
     for prompt, response in zip(prompts, first):
         plain = [r.token for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=12)]
         assert response == plain  # greedy, and a stop token that ended it is kept
-    assert any(r[-1] == tm.EOS_ID for r in first) or all(len(r) == 12 for r in first)
+    assert any(r[-1] == EOS_ID for r in first) or all(len(r) == 12 for r in first)
 
     cache.write_text("".join(cache.read_text().splitlines(keepends=True)[:2]))  # an interrupted run
     again = regenerate_responses(model, tokenizer, prompts, cache, **kw)

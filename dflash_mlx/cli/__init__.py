@@ -1,60 +1,29 @@
-"""The ``dflash-mlx`` command line (Typer + rich).
+"""The ``dflash-mlx`` command line (Typer + rich): commands, and what only they use.
 
-Commands: ``chat``, ``generate``, ``bench``, ``models``, ``doctor``,
-``serve``, and ``train`` from its own package. Each lives in its own module;
-this one builds the app. ``main()`` is the console-script entry point: on
-Linux it first re-executes with the system OpenBLAS preloaded (see
-``dflash_mlx.openblas``); embedders and tests use ``app`` directly.
+``main()`` is the console-script entry point: on Linux it first re-executes
+with the system OpenBLAS preloaded (`openblas`), and only then imports the
+app (`commands`: one module per command), so the package is imported once per
+start. Embedders and tests use ``from dflash_mlx.cli import app``. The helpers
+only commands use live here too: `benchmark`, `environment`,
+`chat_template`, `live_panel`, `common`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
-from .. import __version__, openblas
-from .bench_cmd import bench
-from .chat import chat
-from .generate_cmd import generate
-from .info import doctor, models
-from .serve_cmd import serve
-from ..train.command import train
-
-app = typer.Typer(
-    name="dflash-mlx",
-    help="Lossless block-diffusion speculative decoding (DFlash) for MLX.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_show_locals=False,
-)
-
-
-def _print_version(value: bool) -> None:
-    if value:
-        typer.echo(f"dflash-mlx {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: Annotated[
-        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
-    ] = False,
-) -> None:
-    """Lossless block-diffusion speculative decoding (DFlash) for MLX."""
-
-
-app.command()(chat)
-app.command()(generate)
-app.command()(bench)
-app.command()(models)
-app.command()(doctor)
-app.command()(train)
-app.command()(serve)
+from . import openblas
 
 
 def main() -> None:
     """Console entry point: preload OpenBLAS on Linux (re-exec), then run the app."""
     openblas.maybe_reexec()
+    from .commands import app
+
     app()
+
+
+def __getattr__(name: str):
+    if name == "app":  # `from dflash_mlx.cli import app`
+        from .commands import app
+
+        return app
+    raise AttributeError(f"module 'dflash_mlx.cli' has no attribute {name!r}")

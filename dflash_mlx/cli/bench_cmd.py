@@ -1,7 +1,7 @@
 """`dflash-mlx bench`: mlx-lm's decoding vs DFlash on a packaged dataset, one process.
 
 Progress over prompts while it runs, then a rich table; `--out FILE` writes the
-JSON report (see `dflash_mlx.benchmark.report`) atomically.
+JSON report (see `dflash_mlx.cli.benchmark.report`) atomically.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..benchmark import BenchSettings, report, run_benchmark
-from ..chat_template import reasoning_kwargs
+from .benchmark import BenchSettings, report, run_benchmark
+from .chat_template import reasoning_kwargs
 from ..datasets import DATASETS, sample
-from ..environment import describe
-from ..loading import target_float_dtype
-from ..resolve import choose_block_size
-from ..train.checkpoint import write_json_atomic
+from .environment import describe
+from ..models.loading import target_float_dtype
+from ..models.resolve import choose_block_size
+from ..utils.io import write_json_atomic
 from .common import DraftOpt, ModelOpt, ReasoningOpt, console, fail, load_models, user_errors
 
 

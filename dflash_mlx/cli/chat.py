@@ -19,9 +19,10 @@ import typer
 from rich.live import Live
 from rich.markup import escape
 
-from ..chat_template import reasoning_kwargs, render, template_source
-from ..generate import encode_prompt, stream_generate
-from ..resolve import choose_block_size
+from .chat_template import reasoning_kwargs, render, template_source
+from ..generation import encode_prompt, stream_generate
+from ..models.loading import dtype_name, target_float_dtype
+from ..models.resolve import choose_block_size
 from ..session import make_session
 from ..stats import RunStats
 from .common import (
@@ -79,6 +80,7 @@ def chat(
     state.totals.block_size = b
     session = make_session(model_, drafter)
     mode = f"DFlash, block {b}" if drafter is not None else "plain decoding"
+    mode += f", {dtype_name(target_float_dtype(model_))}"
     console.print(f"[bold]{escape(choice.label)}[/] ({mode}). /help for commands, /quit to leave.")
     while True:
         try:

@@ -15,13 +15,14 @@ import typer
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from rich.console import Console
 
-from ..chat_template import ReasoningError
+from .chat_template import ReasoningError
 from ..draft.config import DraftConfigError
 from ..draft.load import DraftWeightsError
 from ..draft.pairing import PairMismatchError
-from ..registry import RegistryError
-from ..resolve import ModelChoice, ModelChoiceError, choose_model, load_choice
-from ..target import UnsupportedTargetError
+from ..models.registry import RegistryError
+from ..models.loading import load_choice
+from ..models.resolve import ModelChoice, ModelChoiceError, choose_model
+from ..targets.adapter import UnsupportedTargetError
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)

@@ -8,9 +8,9 @@ from typing import Annotated
 
 import typer
 
-from ..chat_template import reasoning_kwargs, render, template_source
-from ..generate import stream_generate
-from ..resolve import choose_block_size
+from .chat_template import reasoning_kwargs, render, template_source
+from ..generation import stream_generate
+from ..models.resolve import choose_block_size
 from ..stats import RunStats
 from .common import (
     BlockOpt, DraftOpt, ModelOpt, ReasoningOpt, SeedOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,

@@ -11,13 +11,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..benchmark import BenchSettings, report, run_benchmark
-from ..chat_template import reasoning_kwargs
+from .benchmark import BenchSettings, report, run_benchmark
+from .chat_template import reasoning_kwargs
 from ..datasets import sample
-from ..environment import describe
-from ..openblas import openblas_path
-from ..registry import registry_entries
-from ..resolve import choose_block_size, default_available, supported
+from .environment import describe
+from .openblas import openblas_path
+from ..models.registry import registry_entries
+from ..models.resolve import choose_block_size, default_available, supported
 from .common import DraftOpt, ModelOpt, console, load_models, user_errors
 
 

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..resolve import choose_block_size
+from ..models.resolve import choose_block_size
 from ..server.app import make_server
 from .common import DraftOpt, ModelOpt, load_models, user_errors
 

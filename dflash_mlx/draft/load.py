@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..models.registry import is_repo_id
 from .config import DraftConfig, DraftConfigError, read_draft_config
 from .dflash2 import DFlash2DraftModel
 from .model import DFlashDraftModel
@@ -35,7 +36,7 @@ def resolve_model_dir(path_or_repo: str | Path, what: str = "draft model") -> Pa
             raise FileNotFoundError(f"The {what} path {path} is not a directory.")
         return path
     repo = str(path_or_repo)
-    if repo.count("/") != 1 or repo.startswith((".", "/", "~")):
+    if not is_repo_id(repo):
         raise FileNotFoundError(
             f"The {what} '{repo}' is neither an existing directory nor a Hugging Face "
             "repo id of the form 'org/name'."
@@ -57,7 +58,7 @@ def read_weights(model_dir: Path) -> dict[str, mx.array]:
     for file in files:
         try:
             weights.update(mx.load(str(file)))
-        except Exception as e:  # MLX raises plain RuntimeError/ValueError for bad files
+        except (RuntimeError, ValueError, OSError) as e:  # what MLX raises for unreadable files
             raise DraftWeightsError(f"{file}: cannot read the safetensors file ({e}).") from e
     return {k: v for k, v in weights.items() if k not in IGNORED_KEYS}
 

@@ -5,7 +5,7 @@ queries from the block being drafted and its keys/values from both the block
 and the *context*: the target's hidden states of committed positions, fused by
 `fc` + `hidden_norm`. Context K/V are cached across cycles; block rows are never
 stored, so nothing in the drafter needs rolling back. It owns no embedding and no
-head: both come from the target (see `dflash_mlx.target.TargetAdapter`).
+head: both come from the target (see `dflash_mlx.targets.adapter.TargetAdapter`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from ..families import text_model
+from ..targets.families import text_model
 
 
 class PairMismatchError(ValueError):

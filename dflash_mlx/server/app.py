@@ -15,7 +15,8 @@ import threading
 import time
 from http.server import ThreadingHTTPServer
 
-from ..families import text_model
+from ..models.loading import dtype_name, target_float_dtype
+from ..targets.families import text_model
 from .handler import Handler
 from .request import ServerInfo
 from .worker import GenerationWorker
@@ -44,8 +45,10 @@ class DFlashServer(ThreadingHTTPServer):
         return f"http://{host}:{port}"
 
     def model_card(self) -> dict:
+        """`/v1/models`' entry, with what this server computes: drafter, default block size, dtype."""
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "dflash-mlx",
-                "draft": self.draft_id}  # fmt: skip
+                "draft": self.draft_id, "block_size": self.worker.block_size if self.worker.draft is not None else None,
+                "dtype": dtype_name(target_float_dtype(self.worker.model))}  # fmt: skip
 
     def start(self) -> "DFlashServer":
         """Serve from a background thread; returns at once."""

@@ -21,14 +21,19 @@ import threading
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from jinja2 import TemplateError
 from mlx_lm.sample_utils import make_logits_processors
 
-from ..block_size import default_block_size
-from ..generate import stream_generate
+from ..models.block_size import default_block_size
+from ..generation import stream_generate
 from ..session import make_session
 from ..stats import RunStats
 from .request import GenerationRequest
 from .stops import StopText
+
+
+# What a failed generation raises (MLX raises RuntimeError / ValueError): answered with a 500.
+GENERATION_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, ArithmeticError, MemoryError)
 
 
 @dataclass
@@ -161,7 +166,7 @@ class GenerationWorker:
         req, put = job.request, job.events.put
         try:
             prompt = self._tokenize(req)
-        except Exception as e:  # a template or tokenizer error: the request's fault
+        except (TemplateError, ValueError, TypeError, KeyError) as e:  # the template's or tokenizer's: a 400
             field = "messages" if req.kind == "chat" else "prompt"
             put(Failed(400, f"cannot build the prompt: {e}", field))
             return
@@ -210,7 +215,7 @@ class GenerationWorker:
             end = Finished(finish, count, dflash_object(stats) if self.draft is not None else {})
         except ValueError as e:
             end = Failed(400 if not started else 500, str(e))
-        except Exception as e:  # keep serving the next requests
+        except GENERATION_ERRORS as e:  # report it as a 500 and keep serving the next requests
             end = Failed(500, f"generation failed: {type(e).__name__}: {e}")
         finally:
             responses.close()  # an early stop: the session undoes its queued verify

@@ -23,6 +23,8 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..utils.io import save_safetensors_atomic, write_json_atomic
+
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -31,22 +33,8 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be read or does not match this run."""
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write `obj` as JSON: a temporary file renamed over `path` (removed if anything fails)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _save_safetensors_atomic(path: Path, arrays: dict[str, mx.array], metadata=None) -> None:
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
-    mx.save_safetensors(str(tmp), arrays, metadata=metadata or {})
-    os.replace(tmp, path)
+    save_safetensors_atomic(path, arrays, metadata)
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:

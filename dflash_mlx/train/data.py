@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..generate import encode_prompt
+from ..generation import encode_prompt
 
 
 class DataError(ValueError):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..target import TargetAdapter
+from ..targets.adapter import TargetAdapter
 from .batches import TrainBatch
 
 

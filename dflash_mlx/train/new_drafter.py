@@ -17,7 +17,7 @@ from mlx import nn
 
 from ..draft.config import V1_ARCHITECTURE, derive_target_layer_ids, parse_draft_config
 from ..draft.model import DFlashDraftModel
-from ..families import text_model
+from ..targets.families import text_model
 
 
 class DrafterSetupError(ValueError):

@@ -34,9 +34,9 @@ from rich.progress import (
 )
 
 from ..draft.load import load_draft
-from ..families import text_model
-from ..loading import target_float_dtype
-from ..target import TargetAdapter
+from ..targets.families import text_model
+from ..models.loading import target_float_dtype
+from ..targets.adapter import TargetAdapter
 from .batches import Sequence, build_sequences, step_batch, step_position
 from .checkpoint import (
     export_drafter,

@@ -20,7 +20,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from ..generate import stream_generate
+from ..generation import stream_generate
 from ..stats import RunStats
 
 

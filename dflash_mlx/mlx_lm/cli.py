@@ -32,9 +32,9 @@ import mlx_lm
 from mlx_lm.generate import setup_arg_parser
 from mlx_lm.sample_utils import make_sampler
 
-from . import mlx_lm as plugin
-from .draft.load import resolve_model_dir
-from .stats import RunStats
+from . import api as plugin
+from ..draft.load import resolve_model_dir
+from ..stats import RunStats
 
 PROG = "python -m dflash_mlx generate"
 
@@ -143,26 +143,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def _print(responses, verbose: bool) -> None:
     """mlx_lm generate's output, plus the DFlash line when cycles ran."""
-    if verbose:
-        print("=" * 10)
-    text, response, stats = "", None, RunStats()
-    for response in responses:
-        if verbose:
-            print(response.text, end="", flush=True)
-        text += response.text
-        stats.add(response)
+    stats = RunStats()
+    text = plugin.consume(responses, verbose, stats.add)
     if not verbose:
         print(text)
-        return
-    print()
-    print("=" * 10)
-    if len(text) == 0:
-        print("No text generated for this prompt")
-        return
-    print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
-    print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
-    print(f"Peak memory: {response.peak_memory:.3f} GB")
-    if stats.cycles:
+    elif text and stats.cycles:
         print(f"DFlash: {stats.cycles} cycles, {stats.acceptance_length:.2f} tokens per cycle, "
               f"{stats.drafted} drafted tokens accepted")  # fmt: skip
 

@@ -22,8 +22,8 @@ from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from .chat_template import render, template_source
-from .generate import stream_generate
-from .stats import RunStats
+from ..generation import stream_generate
+from ..stats import RunStats
 
 WARMUP_TOKENS = 8
 

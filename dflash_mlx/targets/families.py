@@ -2,7 +2,7 @@
 
 mlx-lm builds each family's attention masks and embeddings inside its model's
 `__call__`; to capture hidden states and record Gated DeltaNet inputs without
-patching anything, `dflash_mlx.target` runs the layers itself and asks the
+patching anything, `dflash_mlx.targets.adapter` runs the layers itself and asks the
 family here for: the per-layer masks (from the layer pattern and the caches),
 the input embedding (with the family's own scaling), which layers are
 linear-attention (Gated DeltaNet) layers, any transform the target applies to
@@ -108,7 +108,7 @@ def _no_softcap(text, logits):
 class Family:
     """How to run one mlx-lm model family layer by layer.
 
-    Most families use the generic loop in `dflash_mlx.target` with `masks` and
+    Most families use the generic loop in `dflash_mlx.targets.adapter` with `masks` and
     `embed`; a family whose stack threads extra state between layers supplies
     its own `run(inner, ids, cache, on_layer) -> last hidden state`.
     """

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from mlx_lm.sample_utils import greedy_sampler, make_sampler
 
-from .sampling import SamplingSettings
+from ..sampling import SamplingSettings
 
 
 class UnsupportedSampler(ValueError):

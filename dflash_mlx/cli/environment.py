@@ -3,7 +3,7 @@
 Platform, chip or CPU model, MLX / mlx-lm versions, the device MLX computes
 on (Metal GPU or CPU), memory, and on Linux which BLAS library the process
 actually has loaded (MLX's bundled reference BLAS is slow; the system OpenBLAS
-is what `dflash_mlx.openblas` preloads).
+is what `dflash_mlx.cli.openblas` preloads).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Owns the schema of models.toml: parsing it with ``tomllib``, validating each
 ``[[pair]]`` entry (errors name the file, the entry and the field) and the
-lookups ``registry_entries``, ``lookup`` and ``draft_for``. The packaged copy
+lookups ``registry_entries`` and ``lookup``. The packaged copy
 (``dflash_mlx/models.toml``) is read through ``importlib.resources``.
 
 Stdlib only and free of package-relative imports, so that
@@ -23,9 +23,9 @@ __all__ = [
     "KINDS",
     "RegistryEntry",
     "RegistryError",
-    "draft_for",
     "load_registry",
     "lookup",
+    "is_repo_id",
     "parse_registry",
     "registry_entries",
 ]
@@ -84,8 +84,13 @@ def _check_name(value: Any) -> str | None:
     return "expected a short lowercase name (letters, digits, '.', '-')"
 
 
+def is_repo_id(text: str) -> bool:
+    """Whether `text` has the shape of a Hugging Face repo id, 'owner/name'."""
+    return isinstance(text, str) and bool(_REPO_RE.match(text))
+
+
 def _check_repo(value: Any) -> str | None:
-    if isinstance(value, str) and _REPO_RE.match(value):
+    if is_repo_id(value):
         return None
     return "expected a Hugging Face repo id 'owner/name'"
 
@@ -283,9 +288,3 @@ def lookup(name_or_repo: str) -> RegistryEntry | None:
         if any(key == alias.lower() for alias in entry.aliases):
             return entry
     return None
-
-
-def draft_for(target: str) -> str | None:
-    """The drafter repo id registered for ``target`` (name or repo id), or None."""
-    entry = lookup(target)
-    return entry.draft if entry else None

@@ -3,7 +3,7 @@
 Random tiny drafters are (rightly) almost never accepted, so tests that must
 see drafted tokens (``from_draft``) through the public, path-based API need a
 drafter whose proposals the target sometimes takes. This one is a real v1
-checkpoint (``tiny_models.make_draft``) edited so that every layer is the
+checkpoint (``make_draft``) edited so that every layer is the
 identity (``o_proj`` and ``down_proj`` zero) and its final norm's weight maps
 the mask token's normalized embedding onto the target's output row of
 ``token``: every drafted position proposes ``token``. Against a target whose
@@ -19,7 +19,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from tiny_models import MASK_ID, make_draft
+from .builders import make_draft
+from .tokenizer import MASK_ID
 
 
 def make_constant_draft(out_dir: Path, target_dir: Path, token: int) -> Path:

@@ -14,19 +14,19 @@ equal to mlx-lm's.
 - `stream_generate` / `generate` run DFlash with the explicit ``draft_model``
   when it is a DFlash drafter, else with the remembered drafter;
   ``num_draft_tokens=n`` means blocks of n + 1 (default: the drafter's own
-  block size, see `dflash_mlx.block_size`). An ordinary mlx-lm draft model, or
+  block size, see `dflash_mlx.models.block_size`). An ordinary mlx-lm draft model, or
   no drafter, runs ``mlx_lm.stream_generate`` itself. So do options DFlash
   cannot honour (a sampler not made by ``make_sampler``, XTC,
   ``min_tokens_to_keep > 1``, ``kv_bits``, ``max_kv_size``,
   ``input_embeddings``, another ``stream``): plain mlx-lm decoding, with one
   warning per reason and process. Unknown keyword arguments raise TypeError.
-- Samplers: see `dflash_mlx.mlx_lm_samplers`. Sampled DFlash draws its seed
+- Samplers: see `dflash_mlx.mlx_lm.samplers`. Sampled DFlash draws its seed
   from MLX's global generator, so ``mx.random.seed(n)`` before a call makes it
   reproducible, as in mlx-lm (the samples differ from mlx-lm's; the
   distribution is the same).
 - Prompt caches: mlx-lm's own (``mlx_lm.models.cache.make_prompt_cache(model)``,
   ``load_prompt_cache``) run DFlash and are left holding exactly what mlx-lm
-  would leave in them (`dflash_mlx.mlx_lm_cache`), so mlx-lm's
+  would leave in them (`dflash_mlx.mlx_lm.cache`), so mlx-lm's
   save / load / trim functions keep working. `make_prompt_cache(model)` here
   gives, with a drafter, a `DFlashPromptCache` (a `dflash_mlx.session.Session`
   with the same semantics, which also reuses the common prefix of a prompt that
@@ -49,16 +49,16 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .draft.load import load_draft
-from .draft.model import DFlashDraftModel
-from .generate import encode_prompt
-from .generate import stream_generate as dflash_stream_generate
-from .loading import target_float_dtype
-from .mlx_lm_samplers import UnsupportedSampler, sampler_settings
-from .proposer import Proposer
-from .mlx_lm_cache import list_cache_problem, list_session, remember
-from .resolve import entry_for_target
-from .session import Session, make_session
+from ..draft.load import load_draft
+from ..draft.model import DFlashDraftModel
+from ..generation import encode_prompt
+from ..generation import stream_generate as dflash_stream_generate
+from ..models.loading import target_float_dtype
+from .samplers import UnsupportedSampler, sampler_settings
+from ..proposers.base import Proposer
+from .cache import list_cache_problem, list_session, remember
+from ..models.resolve import entry_for_target
+from ..session import Session, make_session
 
 __all__ = [
     "DFlashPromptCache", "generate", "load", "make_prompt_cache", "remember_draft", "remembered_draft",
@@ -311,11 +311,18 @@ def _relabelled(responses, prompt_tokens: int, cache, session: Session | None, h
 
 def generate(model: nn.Module, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
     """``mlx_lm.generate``: the whole text, printed with timings when `verbose`."""
+    return consume(stream_generate(model, tokenizer, prompt, **kwargs), verbose)
+
+
+def consume(responses, verbose: bool, observe=None) -> str:
+    """Collect the text as ``mlx_lm.generate`` does, printing what it prints when `verbose`
+    (the text between ``==========`` lines, then the timings); `observe` sees each response."""
     if verbose:
         print("=" * 10)
-    text = ""
-    response = None
-    for response in stream_generate(model, tokenizer, prompt, **kwargs):
+    text, response = "", None
+    for response in responses:
+        if observe is not None:
+            observe(response)
         if verbose:
             print(response.text, end="", flush=True)
         text += response.text

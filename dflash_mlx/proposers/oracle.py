@@ -12,7 +12,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .proposer import Proposal
+from .base import Proposal
 
 
 class OracleProposer:

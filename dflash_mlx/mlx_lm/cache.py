@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 
-from .proposer import Proposer, as_proposer
-from .rollback import UnsupportedCacheError, check_caches
-from .session import Session
-from .target import TargetAdapter, UnsupportedTargetError
+from ..proposers import Proposer, as_proposer
+from ..targets.rollback import UnsupportedCacheError, check_caches
+from ..session import Session
+from ..targets.adapter import TargetAdapter, UnsupportedTargetError
 
 UNKNOWN_TOKEN = 0  # stands for a token a list held before DFlash saw it
 

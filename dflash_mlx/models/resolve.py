@@ -1,14 +1,13 @@
-"""From what a user typed (`--model`, `--draft`, `--block-size`) to loaded models.
+"""What to load, from what a user typed (`--model`, `--draft`, `--block-size`, or `load()`'s arguments).
 
 `choose_model` turns a registry name, a target repo id or a local directory
 into a `ModelChoice` (what to load, which drafter, the registry entry), with
-errors that say what to do: close registry names for a typo, `--draft` for a
-target the registry does not know, a missing config.json, a family this
-version cannot run. `load_choice` loads it (huggingface_hub shows download
-progress) and, on MLX's CPU backend, computes in float32 (bfloat16 matmuls
-have no fast CPU path). `choose_block_size` applies the precedence
-`--block-size` > registry default > drafter config, capping only defaults at
-5 for targets or drafters of 4 bits or fewer.
+errors that say what to do: close registry names for a typo, `--draft` (or
+``draft=``) for a target the registry does not know, a missing config.json, a
+family this version cannot run. `models.loading` loads a choice.
+`choose_block_size` applies the one precedence: an explicit block size >
+registry default > drafter config, capping only defaults at 5 for targets or
+drafters of 4 bits or fewer.
 """
 
 from __future__ import annotations
@@ -17,12 +16,10 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
-from mlx import nn
-
+from ..targets.adapter import UnsupportedTargetError
+from ..targets.families import FAMILIES
 from .block_size import capped_block_size
-from .families import FAMILIES
-from .registry import RegistryEntry, lookup, registry_entries
+from .registry import RegistryEntry, is_repo_id, lookup, registry_entries
 
 DEFAULT_MODEL = "demo"
 
@@ -79,7 +76,13 @@ def default_available() -> bool:
     return entry is not None and (Path(entry.target_path()) / "config.json").exists()
 
 
-def choose_model(model: str | None, draft: str | None = None, *, use_draft: bool = True) -> ModelChoice:
+def choose_model(model: str | None, draft: str | None = None, *, use_draft: bool = True,
+                 api: bool = False) -> ModelChoice:  # fmt: skip
+    """What to load for a target (registry name, repo id, local directory; None: the bundled default).
+
+    Errors name what to change: command-line flags (``--model``, ``--draft``,
+    ``--no-dflash``), or with `api=True` the Python arguments (``draft=``).
+    """
     is_default = model is None
     if model is None:
         if not default_available():
@@ -88,80 +91,50 @@ def choose_model(model: str | None, draft: str | None = None, *, use_draft: bool
                 "(see `dflash-mlx models`), a Hugging Face repo id or a local mlx-lm directory."
             )
         model = DEFAULT_MODEL
+    model = str(model)
+    where = model if api else f"--model {model}"
     path = Path(model).expanduser()
-    entry = None if path.exists() else lookup(model)
     if path.exists():
         if not path.is_dir():
-            raise ModelChoiceError(f"--model {model}: {path} is a file, not a model directory.")
+            raise ModelChoiceError(f"{where}: {path} is a file, not a model directory.")
         if not (path / "config.json").is_file():
-            raise ModelChoiceError(
-                f"--model {model}: {path} has no config.json, so it is not an mlx-lm model directory."
-            )
-        target = str(path)
-        entry = entry_for_directory(path)
-    elif entry is not None:
-        if not supported(entry):
-            families = ", ".join(sorted(FAMILIES))
-            raise ModelChoiceError(
-                f"--model {model}: the registry lists {entry.name} (family {entry.family}), but this "
-                f"version of dflash-mlx cannot run that family yet (supported: {families})."
-            )
+            raise ModelChoiceError(f"{where}: {path} has no config.json, so it is not an mlx-lm model directory.")
+        target, entry = str(path), entry_for_target(path)
+    elif (entry := lookup(model)) is not None:
         target = entry.target_path() if entry.bundled else (model if "/" in model else entry.target)
-    elif "/" in model and model.count("/") == 1 and not model.startswith((".", "/", "~")):
+    elif is_repo_id(model):
         target = model  # a repo id the registry does not know
     else:
         names = [e.name for e in registry_entries()]
         close = difflib.get_close_matches(model.lower(), names, n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise ModelChoiceError(
-            f"--model {model}: not a registry name, a local directory or a Hugging Face repo id "
+            f"{where}: not a registry name, a local directory or a Hugging Face repo id "
             f"('owner/name').{hint} `dflash-mlx models` lists the registry."
+        )
+    if entry is not None and not supported(entry):
+        families = ", ".join(sorted(FAMILIES))
+        if api:
+            raise UnsupportedTargetError(
+                f"{model}: the registry lists {entry.name} (family {entry.family}), which this version of "
+                f"dflash-mlx cannot run yet; supported families: {families}."
+            )
+        raise UnsupportedTargetError(
+            f"{where}: the registry lists {entry.name} (family {entry.family}), but this "
+            f"version of dflash-mlx cannot run that family yet (supported: {families})."
         )
     if not use_draft:
         return ModelChoice(target, None, entry, model, is_default)
     if draft is None:
         if entry is None:
+            todo = ("pass draft=<path or repo id of a DFlash drafter>" if api else
+                    "Pass --draft PATH_OR_REPO (a DFlash drafter for it), or --no-dflash for plain decoding")
             raise ModelChoiceError(
-                f"--model {model}: no drafter is registered for this target in models.toml (a local "
-                "directory is matched by its name, e.g. Qwen3-4B-4bit). Pass "
-                "--draft PATH_OR_REPO (a DFlash drafter for it), or --no-dflash for plain decoding."
+                f"{where}: no drafter is registered for this target in models.toml (a local "
+                f"directory is matched by its name, e.g. Qwen3-4B-4bit). {todo}."
             )
         draft = entry.draft_path()
-    return ModelChoice(target, draft, entry, entry.name if entry else model, is_default)
-
-
-def on_cpu() -> bool:
-    return not mx.metal.is_available()
-
-
-def as_float32(module: nn.Module | None) -> None:
-    """Cast floating-point parameters to float32 (quantized weights stay as they are).
-
-    The cast is evaluated at once: a lazy cast would belong to this thread's
-    stream, and MLX streams are per thread, so a model loaded here and used from
-    another thread (a server's worker, a GUI) would fail.
-    """
-    if module is not None:
-        module.set_dtype(mx.float32)
-        mx.eval(module.parameters())
-
-
-def load_choice(choice: ModelChoice, *, draft_bits: int | None = None):
-    """(model, tokenizer, drafter or None), in float32 on the CPU backend."""
-    from mlx_lm import load as mlx_lm_load
-
-    from .draft.load import load_draft
-    from .loading import target_float_dtype
-
-    model, tokenizer = mlx_lm_load(choice.target)[:2]
-    if on_cpu():
-        as_float32(model)
-    drafter = None
-    if choice.draft is not None:
-        drafter = load_draft(
-            choice.draft, model, bits=draft_bits, dtype=target_float_dtype(model), target_name=choice.label
-        )
-    return model, tokenizer, drafter
+    return ModelChoice(target, str(draft), entry, entry.name if entry else model, is_default)
 
 
 def choose_block_size(flag: int | None, entry: RegistryEntry | None, model, drafter) -> int | None:

@@ -2,16 +2,14 @@
 
 `TargetAdapter` runs the target's own layer modules one by one (nothing in
 mlx-lm is patched), returning the logits plus the outputs of the decoder layers
-the drafter reads, concatenated along the hidden axis. Gated DeltaNet layers go
-through `dflash_mlx.gated_delta` so a verify can be undone; `rollback` then
-keeps the accepted prefix in every cache (`dflash_mlx.rollback`). It also
-lends the drafter the target's embedding and output head. Family differences
-live in `dflash_mlx.families`.
+the drafter reads, concatenated along the hidden axis. `verify` also returns a
+`VerifyRecord` (Gated DeltaNet layers go through `gated_delta` so a verify can
+be undone), which `rollback.rollback(cache, record, keep)` consumes to keep the
+accepted prefix in every cache. It also lends the drafter the target's
+embedding and output head. Family differences live in `families`.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .families import FAMILIES, model_family, text_model
 from .gated_delta import gated_delta_forward
-from .rollback import check_caches, rollback
+from .rollback import VerifyRecord, check_caches
 
 
 class UnsupportedTargetError(ValueError):
@@ -55,26 +53,8 @@ class TargetAdapter:
         self._capture_slots: dict[int, list[int]] = {}
         for slot, layer in enumerate(self.layer_ids):
             self._capture_slots.setdefault(layer, []).append(slot)
-        self._records: dict[int, Any] = {}
-        self._last_rows = 0
 
-    @property
-    def args(self):
-        return self.text.args
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.args.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.args.vocab_size
-
-    def make_cache(self) -> list[Any]:
+    def make_cache(self) -> list:
         cache = make_prompt_cache(self.model)
         check_caches(cache, self.family_name, self.linear_layers)
         return cache
@@ -93,15 +73,21 @@ class TargetAdapter:
             return self.text.lm_head(hidden)
         return self.inner.embed_tokens.as_linear(hidden)
 
-    def forward(self, ids: mx.array, cache: list, record: bool = False) -> tuple[mx.array, mx.array | None]:
+    def forward(self, ids: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
         """Run ids [1, L]; return (logits [1, L, V], captured features [1, L, n*H] or None).
 
         Both are lazy: a caller that only needs the cache and the features never
-        pays for the output head. `record=True` keeps what `rollback` needs.
+        pays for the output head.
         """
+        logits, features, _ = self._forward(ids, cache, None)
+        return logits, features
+
+    def verify(self, ids: mx.array, cache: list) -> tuple[mx.array, mx.array | None, VerifyRecord]:
+        """`forward`, plus the record `rollback(cache, record, keep)` needs to keep a prefix."""
+        return self._forward(ids, cache, VerifyRecord(rows=ids.shape[1]))
+
+    def _forward(self, ids: mx.array, cache: list, record: VerifyRecord | None):
         captured: list[mx.array | None] = [None] * len(self.layer_ids)
-        self._records = {}
-        self._last_rows = ids.shape[1]
 
         def on_layer(i: int, h: mx.array) -> None:
             for slot in self._capture_slots.get(i, ()):
@@ -113,26 +99,21 @@ class TargetAdapter:
             h = self._run_layers(ids, cache, on_layer, record)
         features = mx.concatenate(captured, axis=-1) if captured else None
         logits = self.family.final_logits(self.text, self.head(self.inner.norm(h)))
-        return logits, features
+        return logits, features, record
 
-    def _run_layers(self, ids: mx.array, cache: list, on_layer, record: bool) -> mx.array:
+    def _run_layers(self, ids: mx.array, cache: list, on_layer, record: VerifyRecord | None) -> mx.array:
         """The generic stack: embed, per-layer masks, attention or Gated DeltaNet layers."""
         h = self.family.embed(self.inner, ids)
         masks = self.family.masks(self.inner, h, cache)
         for i, (layer, mask, c) in enumerate(zip(self.layers, masks, cache)):
             if i in self.linear_layers:
-                records = [] if record else None
+                records = [] if record is not None else None
                 r = gated_delta_forward(layer.linear_attn, layer.input_layernorm(h), mask, c, records)
                 if records:
-                    self._records[i] = records[0]
+                    record.gdn[i] = records[0]
                 h = h + r
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
             else:
                 h = layer(h, mask, c)
             on_layer(i, h)
         return h
-
-    def rollback(self, cache: list, keep: int) -> None:
-        """Keep only the first `keep` rows of the last (recorded) forward in `cache`."""
-        rollback(cache, keep, self._last_rows, self._records)
-        self._records = {}

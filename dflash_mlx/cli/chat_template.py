@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from .registry import REASONING_KEYS, RegistryEntry
+from ..models.registry import REASONING_KEYS, RegistryEntry
 
 LEVELS = ("on", "off", "low", "medium", "high", "xhigh")
 _KNOWN_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")

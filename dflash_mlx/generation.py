@@ -1,0 +1,170 @@
+"""`stream_generate` / `generate`: prompts in, mlx-lm `GenerationResponse`s out.
+
+Follows `mlx_lm.stream_generate`'s conventions exactly (string prompts encoded
+with its BOS rule, one response per token, an EOS ends the stream as the final
+response with finish_reason "stop" and no text, max_tokens ends it with
+"length"), and adds `cycle_tokens`: how many tokens the draft-verify cycle that
+produced this token committed, set on the last token of each cycle.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .acceptance import Acceptor
+from .models.block_size import default_block_size
+from .engine import speculative_cycles
+from .sampling import SamplingSettings
+from .session import Session, check_draft_sampling, make_session
+
+
+@dataclass
+class DFlashResponse(GenerationResponse):
+    """An mlx-lm `GenerationResponse` plus the size of the cycle it closes."""
+
+    cycle_tokens: Optional[int] = None
+
+
+def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
+    """Encode like `mlx_lm.stream_generate`: add special tokens unless the text starts with BOS."""
+    if isinstance(prompt, mx.array):
+        return prompt.reshape(-1)
+    if isinstance(prompt, str):
+        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
+    return mx.array(list(prompt), dtype=mx.int32)
+
+
+def stream_generate(
+    model: nn.Module,
+    draft,
+    tokenizer,
+    prompt,
+    *,
+    max_tokens: int = 256,
+    block_size: int | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    logits_processors: list | None = None,
+    seed: int | None = None,
+    prefill_step_size: int = 2048,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
+    max_draft_context: int | None = None,
+    draft_sampling: str | None = None,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    session: Session | None = None,
+) -> Iterator[DFlashResponse]:
+    """Generate from `model`, drafting with `draft` (a DFlash drafter, a Proposer or None).
+
+    `draft=None` decodes plainly through the same code path (cycle_tokens stays None).
+    `temperature > 0` samples exactly from the target's distribution as processed by
+    mlx-lm's `make_sampler(temp, top_p, min_p, top_k)` (rejection sampling);
+    `logits_processors` are mlx-lm's (e.g. `make_logits_processors`); `seed` makes
+    sampled output reproducible. `draft_sampling="argmax"` makes a DFlash drafter
+    propose its argmax tokens (one-hot q) instead of samples of q when sampling
+    (for this call only; None: the session's choice, by default "sample").
+    XTC (`xtc_probability > 0`) has no fixed distribution to verify drafts
+    against: it is refused with a drafter and runs mlx-lm's sampler without one.
+    `max_draft_context` bounds the committed positions the drafter attends to (its
+    sliding layers keep window - 1 anyway): less memory and draft time in long
+    conversations, possibly lower acceptance; the output does not change.
+    `session` (from `make_session(model, draft)`) keeps the target and drafter
+    caches across calls: a prompt that extends the previous prompt and reply
+    (a chat's next turn) only prefills what is new. Output is unchanged.
+    """
+    settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+    if max_tokens == 0:
+        raise ValueError("max_tokens must be non-zero (use -1 for no limit).")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    prompt = encode_prompt(tokenizer, prompt)
+    if prompt.size == 0:
+        raise ValueError("The prompt is empty: at least one token is needed.")
+    if session is None:
+        session = make_session(
+            model, draft, max_draft_context=max_draft_context, draft_sampling=draft_sampling or "sample"
+        )
+    elif session.model is not model or session.draft is not draft:
+        raise ValueError("The session was made with another model or drafter (make_session(model, draft)).")
+    elif max_draft_context is not None:
+        raise ValueError("Pass max_draft_context to make_session, not with a session.")
+    if draft_sampling is not None:
+        check_draft_sampling(draft_sampling)
+    draft_sampling = draft_sampling or session.draft_sampling  # this call's choice; the session keeps its own
+    proposer, target = session.proposer, session.target
+    if xtc_probability and proposer is not None:
+        raise ValueError(
+            "XTC sampling (xtc_probability > 0) has no fixed distribution, so drafts cannot be "
+            "verified against it: pass draft=None (plain decoding) or drop XTC."
+        )
+    if not 0 <= xtc_probability <= 1:
+        raise ValueError(f"xtc_probability must be in [0, 1], got {xtc_probability!r}.")
+    if block_size is None:
+        block_size = default_block_size(model, draft) if proposer else 1  # the engine checks a given one
+
+    counts_cycles = proposer is not None
+    eos = tokenizer.eos_token_ids
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    with wired_limit(model, [generation_stream]):
+        tic = time.perf_counter()
+        cycles = speculative_cycles(
+            target, prompt, proposer,
+            max_tokens=max_tokens, block_size=block_size,
+            prefill_step_size=prefill_step_size, prompt_progress=prompt_progress_callback,
+            acceptor=Acceptor(
+                settings, prompt, logits_processors, seed,
+                xtc=(xtc_probability, xtc_threshold, sorted(eos)) if xtc_probability else None,
+                sample_drafts=draft_sampling == "sample",
+            ),
+            stop_tokens=eos, session=session,
+        )
+        n = 0
+        with mx.stream(generation_stream):
+            for cycle in cycles:
+                in_cycle = counts_cycles and not cycle.from_prefill
+                if n == 0:
+                    prompt_tps = (prompt.size - session.reused) / (time.perf_counter() - tic)
+                    tic = time.perf_counter()
+                for i, token in enumerate(cycle.tokens):
+                    n += 1
+                    finish = None
+                    if cycle.stopped and i == len(cycle.tokens) - 1:  # the engine cut the cycle at a stop token
+                        finish = "stop"
+                    else:
+                        detokenizer.add_token(token)
+                        if n == max_tokens:
+                            finish = "length"
+                    if finish:
+                        detokenizer.finalize()
+                    closes_cycle = in_cycle and (finish or i + 1 == len(cycle.tokens))
+                    yield DFlashResponse(
+                        text=detokenizer.last_segment,
+                        token=token,
+                        logprobs=cycle.logprobs[i],
+                        from_draft=i < cycle.drafted,
+                        prompt_tokens=prompt.size,
+                        prompt_tps=prompt_tps,
+                        generation_tokens=n,
+                        generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+                        peak_memory=mx.get_peak_memory() / 1e9,
+                        finish_reason=finish,
+                        cycle_tokens=(i + 1) if closes_cycle else None,
+                    )
+                    if finish:
+                        return
+
+
+def generate(model: nn.Module, draft, tokenizer, prompt, **kwargs) -> str:
+    """The whole completion as one string (same arguments as `stream_generate`)."""
+    return "".join(r.text for r in stream_generate(model, draft, tokenizer, prompt, **kwargs))

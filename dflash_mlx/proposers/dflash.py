@@ -1,0 +1,105 @@
+"""DFlash drafters as proposers: one drafter forward drafts a whole block.
+
+`DFlashProposer` (v1) and `DFlash2Proposer` keep the drafter's context cache
+(the target's features of every committed position, see `draft.model`), rewind
+it when a session reuses a prefix, and draft `count` tokens after an anchor.
+Whether drafts are sampled is the call's choice (`sampling`), never state.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..draft.model import DFlashDraftModel
+from ..draft.pairing import check_pair
+from ..sampling import dense_from_candidates, distribution
+from .base import Proposal, Proposer
+
+
+class DFlashProposer:
+    """Drafts a block in one forward of a DFlash (v1) drafter: rows chosen independently
+    (argmax, or samples of the processed q)."""
+
+    def __init__(self, drafter: DFlashDraftModel, max_context: int | None = None):
+        self.drafter = drafter
+        self.layer_ids = tuple(drafter.config.target_layer_ids)
+        self.block_size = drafter.config.block_size
+        self.max_context = max_context
+        self._mask_id = drafter.config.mask_token_id
+        self.target = None
+        self.cache = None
+
+    def start(self, target, prompt: mx.array, reused: int = 0) -> None:
+        self.target = target
+        if reused and self.cache is not None and self._rewind(reused):
+            return
+        self.cache = self.drafter.make_cache(self.max_context)
+        for c in self.cache:
+            c.skip(reused)  # context the drafter never saw: drafts get worse, output does not change
+
+    def _rewind(self, position: int) -> bool:
+        drop = self.context_end - position
+        if drop < 0 or any(drop > c.held_rows for c in self.cache):
+            return False
+        for c in self.cache:
+            c.trim(drop)
+        return True
+
+    def add_context(self, features: mx.array) -> None:
+        self.drafter.extend_context(features, self.cache)
+
+    def state(self) -> list:
+        return [c.state for c in self.cache]
+
+    @property
+    def context_end(self) -> int:
+        """Absolute position right after the last context row the drafter has seen."""
+        return self.cache[0].end if self.cache else 0
+
+    def propose(self, anchor: mx.array, position: int, count: int, *, sampling=None, key=None) -> Proposal:
+        if self.context_end != position:
+            raise RuntimeError(
+                f"Drafter context ends at {self.context_end} but the anchor sits at {position}."
+            )
+        masks = mx.full((count,), self._mask_id, dtype=mx.int32)
+        block = mx.concatenate([anchor.reshape(1).astype(mx.int32), masks])[None]
+        return self._choose(block, anchor, sampling, key)
+
+    def _choose(self, block: mx.array, anchor: mx.array, sampling, key) -> Proposal:
+        logits = self.drafter(block, self.cache, self.target)[0]
+        if sampling is None:
+            return Proposal(tokens=mx.argmax(logits, axis=-1).astype(mx.int32))
+        probs = distribution(logits, sampling)
+        tokens = mx.random.categorical(mx.log(probs), axis=-1, key=key).astype(mx.int32)
+        return Proposal(tokens=tokens, probs=probs)
+
+
+class DFlash2Proposer(DFlashProposer):
+    """A DFlash 2 drafter: its candidate selector walks the block (greedy, or sampling at the
+    temperature with q living on each row's candidates)."""
+
+    def _choose(self, block: mx.array, anchor: mx.array, sampling, key) -> Proposal:
+        hidden = self.drafter.hidden_states(block, self.cache, self.target)[0]
+        logits = self.drafter.logits(hidden, self.target)
+        temperature = sampling.temperature if sampling is not None else 0.0
+        path, candidates, q = self.drafter.candidate_selector.select(hidden, logits, anchor, temperature, key)
+        probs = dense_from_candidates(candidates, q, logits.shape[-1]) if q is not None else None
+        return Proposal(tokens=path, probs=probs)
+
+
+def proposer_for(drafter: DFlashDraftModel, max_context: int | None = None) -> DFlashProposer:
+    """The proposer for a drafter of either generation (its config says which)."""
+    return (DFlash2Proposer if drafter.config.is_dflash2 else DFlashProposer)(drafter, max_context)
+
+
+def as_proposer(draft, target_model, max_context: int | None = None) -> Proposer | None:
+    """Accept None, a DFlash drafter (checked against the target), or a `Proposer`."""
+    if draft is None or isinstance(draft, Proposer):
+        return draft
+    if isinstance(draft, DFlashDraftModel):
+        check_pair(draft, target_model, draft_name=getattr(draft, "source", "the drafter"))
+        return proposer_for(draft, max_context)
+    raise TypeError(
+        f"draft must be a DFlash drafter (from dflash_mlx.load_draft), a Proposer or None, "
+        f"not {type(draft).__name__}."
+    )

@@ -1,0 +1,1 @@
+"""Small helpers several layers share (`io`: atomic writes)."""
