@@ -20,10 +20,14 @@ from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from dflash_mlx import mlx_lm as plugin
-from dflash_mlx.mlx_lm_cache import held_length
 from dflash_mlx.proposer import Proposal
 from test_lossless import prompt_ids
 from tiny_models import TINY_VOCAB, load_pair
+
+
+def held_length(cache) -> int:
+    """Tokens an mlx-lm cache list holds (its first attention cache's offset)."""
+    return next(c.offset for c in cache if isinstance(getattr(c, "offset", None), int))
 
 
 class PositionOracle:
