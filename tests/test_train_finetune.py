@@ -209,3 +209,35 @@ def test_init_output_is_the_published_format_and_lossless(two_kinds, runs):
     assert not any(k.startswith(("embed_tokens", "lm_head")) for k in saved)
     for name in ("on-A", "scratch-B", "init-B", "replay-B"):
         assert_lossless(target, root / name, prompts["A"][:3] + prompts["B"][:3])
+
+
+def long_prompts(prompts: list[str], marker: str, words: int, seed: int = 5) -> list[str]:
+    """Each prompt with `words` filler words between its marker and its last token (~2 tokens a word)."""
+    vocab = "the river ran past the old mill and under the stone bridge near the market every morning".split()
+    rng = np.random.default_rng(seed)
+    return [marker + " ".join(rng.choice(vocab, words)) + "\n" + p[len(marker) :] for p in prompts]
+
+
+def test_long_context_finetuning(two_kinds, runs):
+    """The A-drafter (trained on 2-token prompts) drafts poorly after a 300-token prompt;
+    fine-tuning it with --max-length on long prompts fixes that and keeps short prompts."""
+    root, target = runs["root"], two_kinds["target"]
+    longs = long_prompts(two_kinds["prompts"]["A"], MARKERS["A"], 150)
+    model, tokenizer, _ = tm.load_pair(str(target))
+    lengths = [len(tokenizer.encode(p, add_special_tokens=False)) for p in longs]
+    assert min(lengths) > 250
+    data = write_prompts(root / "A-long.jsonl", longs)
+    short_held, long_held = held_out(two_kinds["prompts"]["A"], 0), held_out(longs, 0)
+    before_long, before_short = (held_acceptance(target, root / "on-A", p) for p in (long_held, short_held))
+    ok("--model", target, "--responses", root / "responses.jsonl", *COMMON, "--data", data, "--out", root / "long",
+       "--init", root / "on-A", "--steps", "12", "--lr", "1e-3", "--max-length", "1024", "--feature-chunk", "128",
+       "--cache-features")  # fmt: skip
+    after = report(root / "long")
+    after_short = held_acceptance(target, root / "long", short_held)
+    print(f"\nA at ~{min(lengths)}-token prompts: {before_long:.2f} -> {after['mean_acceptance_length']:.2f} after "
+          f"12 steps with --max-length 1024; at short prompts {before_short:.2f} -> {after_short:.2f}")  # fmt: skip
+    assert after["max_length"] == 1024 and after["dropped_sequences"] == 0
+    assert before_long < 1.8 and before_short > 2.8
+    assert after["mean_acceptance_length"] > before_long + 0.8
+    assert after_short > 0.85 * before_short
+    assert_lossless(target, root / "long", long_held[:2])
