@@ -5,7 +5,7 @@
    `evens from 12 to 30:`, `letters from d to m:` -> ` d e f ... m`,
    `repeat red fox jumps 3 times:` -> the phrase three times. Every answer
    ends with the end-of-text token.
-2. A byte-level BPE tokenizer trained on it (tiny_models-style: ChatML
+2. A byte-level BPE tokenizer trained on it (tests/helpers-style: ChatML
    specials and a dedicated `<|mask|>` token) and a small qwen3-architecture
    target trained on it from scratch (plain next-token loss on random fresh
    examples), saved as an mlx-lm model directory.

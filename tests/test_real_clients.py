@@ -312,3 +312,32 @@ def test_an_mlx_lm_example_script_runs_dflash_by_its_import_line(tmp_path):
     assert dflash_verbose == mlx_verbose and "Generation: " in mlx_verbose
     assert mlx["drafted"] == 0 and dflash["drafted"] > 0
 
+
+
+def _command(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """The real console script, on the bundled default, as a user runs it."""
+    return subprocess.run([shutil.which("dflash-mlx"), *args], capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+def test_generate_command_on_the_bundled_pair_equals_mlx_lm(plain):
+    run = _command("generate", QUESTION, "-n", "32", "--json")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    _, tokenizer = plain
+    want, _ = mlx_lm_greedy(plain, tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True), 32)
+    assert out["model"] == "demo" and out["text"] == want and out["block_size"] == 8
+
+
+def test_bench_models_and_doctor_commands_run_on_the_bundled_pair(tmp_path):
+    report = tmp_path / "bench.json"
+    run = _command("bench", "--num-prompts", "1", "-n", "16", "-b", "4", "--out", str(report))
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(report.read_text())
+    assert doc["model"] == "demo" and [r["block_size"] for r in doc["runs"]] == [4]
+    assert doc["greedy_matches"] is True and doc["environment"]["dtype"] == ("float32" if on_cpu() else "bfloat16")
+    run = _command("models")
+    assert run.returncode == 0 and "demo" in run.stdout and "qwen3-4b" in run.stdout
+    run = _command("doctor", "--selftest", "--num-prompts", "1", "--max-tokens", "12")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "outputs identical" in run.stdout and "OpenBLAS" in run.stdout

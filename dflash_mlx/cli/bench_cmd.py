@@ -18,7 +18,7 @@ from .benchmark import BenchSettings, report, run_benchmark
 from .chat_template import reasoning_kwargs
 from ..datasets import DATASETS, sample
 from .environment import describe
-from ..models.loading import target_float_dtype
+from ..models.loading import dtype_name, target_float_dtype
 from ..models.resolve import choose_block_size
 from ..utils.io import write_json_atomic
 from .common import DraftOpt, ModelOpt, ReasoningOpt, console, fail, load_models, user_errors
@@ -79,7 +79,7 @@ def bench(
         legs = run_benchmark(model_, tokenizer, drafter, conversations, sizes, settings,
                              draft_model=assistant, on_prompt=on_prompt)  # fmt: skip
         progress.update(task, completed=len(conversations))
-    dtype = str(target_float_dtype(model_)).removeprefix("mlx.core.")
+    dtype = dtype_name(target_float_dtype(model_))
     doc = report(legs, describe(dtype=dtype), {
         "model": choice.label, "target": choice.target, "draft": choice.draft, "dataset": dataset,
         "num_prompts": len(conversations), "max_tokens": max_tokens, "temperature": temperature,

@@ -104,6 +104,8 @@ def choose_model(model: str | None, draft: str | None = None, *, use_draft: bool
         target = entry.target_path() if entry.bundled else (model if "/" in model else entry.target)
     elif is_repo_id(model):
         target = model  # a repo id the registry does not know
+    elif model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ModelChoiceError(f"{where}: no such directory {path} (and not a Hugging Face repo id 'owner/name').")
     else:
         names = [e.name for e in registry_entries()]
         close = difflib.get_close_matches(model.lower(), names, n=3, cutoff=0.5)

@@ -16,7 +16,7 @@ import time
 from http.server import ThreadingHTTPServer
 
 from ..models.loading import dtype_name, target_float_dtype
-from ..targets.families import text_model
+from ..targets.families import context_length, text_model
 from .handler import Handler
 from .request import ServerInfo
 from .worker import GenerationWorker
@@ -79,23 +79,6 @@ def vocab_size(model, tokenizer) -> int:
         return int(text_model(model).model.embed_tokens.weight.shape[0])
     except AttributeError:
         return len(tokenizer.vocab)
-
-
-def context_length(model) -> int | None:
-    """The target's context in tokens, or None if its config gives none.
-
-    Its config's max_position_embeddings, or what a RoPE scaling extends it to
-    (factor x original_max_position_embeddings, as YaRN configs give).
-    """
-    args = getattr(text_model(model), "args", None)
-    lengths = [getattr(args, "max_position_embeddings", None)]
-    scaling = getattr(args, "rope_scaling", None)
-    if isinstance(scaling, dict):
-        factor, original = scaling.get("factor"), scaling.get("original_max_position_embeddings")
-        if isinstance(factor, (int, float)) and isinstance(original, int):
-            lengths.append(int(factor * original))
-    lengths = [n for n in lengths if isinstance(n, int) and n > 0]
-    return max(lengths) if lengths else None
 
 
 def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: int = 8080,

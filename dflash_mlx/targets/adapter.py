@@ -54,6 +54,10 @@ class TargetAdapter:
         for slot, layer in enumerate(self.layer_ids):
             self._capture_slots.setdefault(layer, []).append(slot)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.text.args.vocab_size
+
     def make_cache(self) -> list:
         cache = make_prompt_cache(self.model)
         check_caches(cache, self.family_name, self.linear_layers)

@@ -144,3 +144,20 @@ def model_family(model: nn.Module) -> str:
 def text_model(model: nn.Module) -> nn.Module:
     """The module holding `.model` (embedding, layers, norm) and the output head."""
     return getattr(model, "language_model", model)
+
+
+def context_length(model) -> int | None:
+    """The target's context in tokens, or None if its config gives none.
+
+    Its config's max_position_embeddings, or what a RoPE scaling extends it to
+    (factor x original_max_position_embeddings, as YaRN configs give).
+    """
+    args = getattr(text_model(model), "args", None)
+    lengths = [getattr(args, "max_position_embeddings", None)]
+    scaling = getattr(args, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        factor, original = scaling.get("factor"), scaling.get("original_max_position_embeddings")
+        if isinstance(factor, (int, float)) and isinstance(original, int):
+            lengths.append(int(factor * original))
+    lengths = [n for n in lengths if isinstance(n, int) and n > 0]
+    return max(lengths) if lengths else None

@@ -7,6 +7,14 @@ token followed by b - 1 mask tokens; its row k (k >= 1) must predict the token
 k places after the anchor. All blocks of one sequence are packed into one query
 sequence of K * b rows (see `dflash_mlx.train.masks` for who sees what).
 
+Anchors are stratified: the response is cut into `anchors` equal spans and one
+anchor is drawn in each, so a long response is covered end to end (a block at
+a deep position sees the whole long context before it) instead of by chance.
+
+With a replay set (`--replay`), the last `num_replay` sequences form a second
+pool and every batch takes `replay_per_batch` of its sequences from it, each
+pool in its own per-epoch order.
+
 Everything a step draws is a pure function of (seed, step): the sequence order
 of each epoch and the anchors. A resumed run therefore replays exactly the
 batches an uninterrupted run would have seen.
@@ -59,20 +67,39 @@ def step_position(step: int, num_sequences: int, batch_size: int) -> tuple[int, 
     return divmod(step, per_epoch)
 
 
-def step_indices(step: int, num_sequences: int, batch_size: int, seed: int) -> list[int]:
+def step_indices(step: int, num_sequences: int, batch_size: int, seed: int, stream: int = 0) -> list[int]:
     """Sequence indices used by 0-based `step`: a fresh permutation every epoch."""
     epoch, i = step_position(step, num_sequences, batch_size)
-    order = np.random.default_rng([seed, 0, epoch]).permutation(num_sequences)
+    order = np.random.default_rng([seed, 0, epoch] if stream == 0 else [seed, 3, stream, epoch])
+    order = order.permutation(num_sequences)
     return [int(j) for j in order[i * batch_size : (i + 1) * batch_size]]
 
 
+def mixed_step_indices(
+    step: int, num_sequences: int, batch_size: int, seed: int, num_replay: int = 0, replay_per_batch: int = 0
+) -> list[int]:
+    """Indices of `step` when the last `num_replay` sequences are a replay pool.
+
+    `batch_size - replay_per_batch` come from the first pool, `replay_per_batch`
+    from the replay pool (each pool has its own epochs).
+    """
+    if num_replay == 0 or replay_per_batch == 0:
+        return step_indices(step, num_sequences, batch_size, seed)
+    num_new = num_sequences - num_replay
+    new = step_indices(step, num_new, batch_size - replay_per_batch, seed)
+    old = step_indices(step, num_replay, replay_per_batch, seed, stream=1)
+    return new + [num_new + j for j in old]
+
+
 def sample_anchors(rng: np.random.Generator, seq: Sequence, count: int) -> list[int]:
-    """Up to `count` distinct anchor positions, sorted."""
+    """Up to `count` distinct anchor positions, sorted: one in each of `count` equal spans."""
     positions = seq.anchor_range
-    if len(positions) <= count:
+    n = len(positions)
+    if n <= count:
         return list(positions)
-    picked = rng.choice(len(positions), size=count, replace=False)
-    return sorted(positions[int(i)] for i in picked)
+    edges = np.ceil(np.linspace(0, n, count + 1)).astype(np.int64)  # spans of >= 1 position
+    picked = edges[:-1] + (rng.random(count) * (edges[1:] - edges[:-1])).astype(np.int64)
+    return [positions[int(i)] for i in picked]
 
 
 def make_batch(
@@ -126,9 +153,11 @@ def step_batch(
     mask_id: int,
     seed: int,
     pad_id: int = 0,
+    num_replay: int = 0,
+    replay_per_batch: int = 0,
 ) -> tuple[list[int], TrainBatch]:
     """The sequence indices and the batch of 0-based `step` (deterministic in seed, step)."""
-    indices = step_indices(step, len(sequences), batch_size, seed)
+    indices = mixed_step_indices(step, len(sequences), batch_size, seed, num_replay, replay_per_batch)
     rng = np.random.default_rng([seed, 1, step])
     seqs = [sequences[i] for i in indices]
     anchors = [sample_anchors(rng, s, anchors_per_seq) for s in seqs]

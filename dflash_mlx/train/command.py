@@ -19,12 +19,25 @@ from rich.markup import escape
 from ..draft.pairing import PairMismatchError
 from .checkpoint import CheckpointError
 from .data import DataError
+from .init_drafter import InitDrafterError
 from .model_forward import UnsupportedDrafterError
 from .new_drafter import DrafterSetupError
-from .options import SAVE_DTYPES, OptionError, TrainOptions
+from .options import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DRAFT_LAYERS,
+    DEFAULT_MAX_LENGTH,
+    FINETUNE_LR,
+    FINETUNE_WARMUP,
+    SAVE_DTYPES,
+    SCRATCH_LR,
+    SCRATCH_WARMUP,
+    OptionError,
+    TrainOptions,
+)
 
 USER_ERRORS = (
     OptionError, DataError, DrafterSetupError, CheckpointError, UnsupportedDrafterError, PairMismatchError,
+    InitDrafterError,
 )  # fmt: skip
 
 
@@ -56,18 +69,19 @@ HELP = {
     "data": 'JSONL prompts: {"prompt": "..."} or {"messages": [...]} per line.',
     "out": "Output drafter directory (config.json + model.safetensors).",
     "steps": "Optimisation steps.",
-    "block_size": "Block size b (anchor included).",
-    "draft_layers": "Drafter layers.",
+    "block_size": f"Block size b (anchor included); default the --init drafter's, else {DEFAULT_BLOCK_SIZE}.",
+    "draft_layers": f"Drafter layers (default {DEFAULT_DRAFT_LAYERS}; not with --init).",
     "max_tokens": "Response tokens the target regenerates per prompt.",
-    "max_length": "Prompt + response tokens kept per sequence.",
-    "lr": "Peak learning rate (AdamW, cosine decay).",
+    "max_length": f"Prompt + response tokens kept per sequence, up to the target's context "
+    f"(default: the context, at most {DEFAULT_MAX_LENGTH}).",
+    "lr": f"Peak learning rate (AdamW, cosine decay); default {SCRATCH_LR:g}, or {FINETUNE_LR:g} with --init.",
     "batch_size": "Sequences per step.",
     "anchors_per_seq": "Random anchors (blocks) per sequence.",
     "save_every": "Checkpoint every N steps.",
     "resume": "Continue from the last checkpoint.",
     "seed": "Seed of the initialisation, data order and anchors.",
     "holdout": "Prompts held out for the validation pass.",
-    "warmup": "Warmup fraction of the steps.",
+    "warmup": f"Warmup fraction of the steps; default {SCRATCH_WARMUP:g}, or {FINETUNE_WARMUP:g} with --init.",
     "weight_decay": "AdamW weight decay.",
     "grad_clip": "Gradient norm clip.",
     "loss_decay": "c in w_k = exp(-(k-1)/c); default by block size (7 @16, 5 @10, 4 @8).",
@@ -77,14 +91,21 @@ HELP = {
     "val_max_tokens": "Tokens per held-out prompt in validation (default: --max-tokens).",
     "gen_batch_size": "Batch size of response regeneration.",
     "gen_temperature": "Temperature of response regeneration (0: greedy).",
-    "chat_template_kwargs": 'JSON object for the chat template, e.g. \'{"enable_thinking": false}\'.',
+    "chat_template_kwargs": "JSON object for the chat template, e.g. '{\"enable_thinking\": false}'.",
     "work_dir": "Run files (responses, checkpoints, log); default OUT/work.",
     "responses": "Responses cache JSONL; default WORK_DIR/responses.jsonl.",
     "cache_features": "Keep target features on disk (bfloat16) for later epochs.",
     "save_dtype": f"Dtype of the saved drafter: {', '.join(SAVE_DTYPES)}.",
-    "target_dtype": "Cast the target to this dtype (e.g. float32 on a CPU).",
+    "target_dtype": "Cast the target to this dtype (default: float32 on a CPU, as stored on Metal).",
     "keep_checkpoints": "Checkpoints kept on disk.",
     "stop_at": "Stop at this step with a checkpoint (continue later with --resume).",
+    "init": "Fine-tune this DFlash v1 drafter (directory or Hub repo id): its config and weights, "
+    "checked against --model; the optimizer starts fresh.",
+    "replay": "JSONL prompts of the original domain mixed into every batch (forgetting control); "
+    "held-out acceptance is reported on both sets.",
+    "replay_ratio": "Fraction of each batch taken from --replay.",
+    "loss_chunk_rows": "Block rows per logits chunk of the loss (default: ~128 MB of logits per chunk).",
+    "feature_chunk": "Target tokens per forward when computing features of long sequences.",
 }
 
 
@@ -93,41 +114,46 @@ def train(
     data: Annotated[str, typer.Option("--data", help=HELP["data"])],
     out: Annotated[str, typer.Option("--out", help=HELP["out"])],
     steps: Annotated[int, typer.Option(help=HELP["steps"])] = DEFAULT["steps"],
-    block_size: Annotated[int, typer.Option(help=HELP["block_size"])] = DEFAULT["block_size"],
-    draft_layers: Annotated[int, typer.Option(help=HELP["draft_layers"])] = DEFAULT["draft_layers"],
+    block_size: Annotated[int | None, typer.Option(help=HELP["block_size"])] = DEFAULT["block_size"],
+    draft_layers: Annotated[int | None, typer.Option(help=HELP["draft_layers"])] = DEFAULT["draft_layers"],
     max_tokens: Annotated[int, typer.Option(help=HELP["max_tokens"])] = DEFAULT["max_tokens"],
-    max_length: Annotated[int, typer.Option(help=HELP["max_length"])] = DEFAULT["max_length"],
-    lr: Annotated[float, typer.Option(help=HELP["lr"])] = DEFAULT["lr"],
+    max_length: Annotated[int | None, typer.Option(help=HELP["max_length"])] = DEFAULT["max_length"],
+    lr: Annotated[float | None, typer.Option(help=HELP["lr"])] = DEFAULT["lr"],
     batch_size: Annotated[int, typer.Option(help=HELP["batch_size"])] = DEFAULT["batch_size"],
     anchors_per_seq: Annotated[int, typer.Option(help=HELP["anchors_per_seq"])] = DEFAULT["anchors_per_seq"],
     save_every: Annotated[int, typer.Option(help=HELP["save_every"])] = DEFAULT["save_every"],
     resume: Annotated[bool, typer.Option("--resume", help=HELP["resume"])] = DEFAULT["resume"],
     seed: Annotated[int, typer.Option(help=HELP["seed"])] = DEFAULT["seed"],
     holdout: Annotated[int, typer.Option(help=HELP["holdout"])] = DEFAULT["holdout"],
-    warmup: Annotated[float, typer.Option(help=HELP["warmup"])] = DEFAULT["warmup"],
+    warmup: Annotated[float | None, typer.Option(help=HELP["warmup"])] = DEFAULT["warmup"],
     weight_decay: Annotated[float, typer.Option(help=HELP["weight_decay"])] = DEFAULT["weight_decay"],
     grad_clip: Annotated[float, typer.Option(help=HELP["grad_clip"])] = DEFAULT["grad_clip"],
     loss_decay: Annotated[float | None, typer.Option(help=HELP["loss_decay"])] = DEFAULT["loss_decay"],
     target_layers: Annotated[str | None, typer.Option(help=HELP["target_layers"])] = DEFAULT["target_layers"],
     mask_token_id: Annotated[int | None, typer.Option(help=HELP["mask_token_id"])] = DEFAULT["mask_token_id"],
-    intermediate_size: Annotated[
-        int | None, typer.Option(help=HELP["intermediate_size"])
-    ] = DEFAULT["intermediate_size"],
+    intermediate_size: Annotated[int | None, typer.Option(help=HELP["intermediate_size"])] = DEFAULT[
+        "intermediate_size"
+    ],
     val_max_tokens: Annotated[int | None, typer.Option(help=HELP["val_max_tokens"])] = DEFAULT["val_max_tokens"],
     gen_batch_size: Annotated[int, typer.Option(help=HELP["gen_batch_size"])] = DEFAULT["gen_batch_size"],
     gen_temperature: Annotated[float, typer.Option(help=HELP["gen_temperature"])] = DEFAULT["gen_temperature"],
-    chat_template_kwargs: Annotated[
-        str | None, typer.Option(help=HELP["chat_template_kwargs"])
-    ] = DEFAULT["chat_template_kwargs"],
+    chat_template_kwargs: Annotated[str | None, typer.Option(help=HELP["chat_template_kwargs"])] = DEFAULT[
+        "chat_template_kwargs"
+    ],
     work_dir: Annotated[str | None, typer.Option(help=HELP["work_dir"])] = DEFAULT["work_dir"],
     responses: Annotated[str | None, typer.Option(help=HELP["responses"])] = DEFAULT["responses"],
-    cache_features: Annotated[
-        bool, typer.Option("--cache-features", help=HELP["cache_features"])
-    ] = DEFAULT["cache_features"],
+    cache_features: Annotated[bool, typer.Option("--cache-features", help=HELP["cache_features"])] = DEFAULT[
+        "cache_features"
+    ],
     save_dtype: Annotated[str, typer.Option(help=HELP["save_dtype"])] = DEFAULT["save_dtype"],
     target_dtype: Annotated[str | None, typer.Option(help=HELP["target_dtype"])] = DEFAULT["target_dtype"],
     keep_checkpoints: Annotated[int, typer.Option(help=HELP["keep_checkpoints"])] = DEFAULT["keep_checkpoints"],
     stop_at: Annotated[int | None, typer.Option(help=HELP["stop_at"])] = DEFAULT["stop_at"],
+    init: Annotated[str | None, typer.Option("--init", help=HELP["init"])] = DEFAULT["init"],
+    replay: Annotated[str | None, typer.Option("--replay", help=HELP["replay"])] = DEFAULT["replay"],
+    replay_ratio: Annotated[float, typer.Option(help=HELP["replay_ratio"])] = DEFAULT["replay_ratio"],
+    loss_chunk_rows: Annotated[int | None, typer.Option(help=HELP["loss_chunk_rows"])] = DEFAULT["loss_chunk_rows"],
+    feature_chunk: Annotated[int, typer.Option(help=HELP["feature_chunk"])] = DEFAULT["feature_chunk"],
 ) -> None:
     """Train a DFlash drafter for a target (responses regenerated by the target itself)."""
     options = TrainOptions(
@@ -140,7 +166,8 @@ def train(
         gen_temperature=gen_temperature,
         chat_template_kwargs=_json_object(chat_template_kwargs, "--chat-template-kwargs"),
         work_dir=work_dir, responses=responses, cache_features=cache_features, save_dtype=save_dtype,
-        target_dtype=target_dtype, resume=resume, stop_at=stop_at,
+        target_dtype=target_dtype, resume=resume, stop_at=stop_at, init=init, replay=replay,
+        replay_ratio=replay_ratio, loss_chunk_rows=loss_chunk_rows, feature_chunk=feature_chunk,
     )  # fmt: skip
     console = Console()
     from .trainer import train_drafter  # heavy imports only when the command runs

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
+
 from ..generation import encode_prompt
 
 
@@ -96,7 +98,7 @@ def encode_record(
                 list(record.messages), add_generation_prompt=True, tokenize=False,
                 **(chat_template_kwargs or {}),
             )  # fmt: skip
-        except Exception as e:  # jinja2 raises its own error types
+        except (TemplateError, ValueError, TypeError, KeyError) as e:  # jinja2's own, or the template's
             raise DataError(f"{where}: the chat template failed on these messages ({e}).") from e
         ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:

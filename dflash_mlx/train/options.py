@@ -1,18 +1,25 @@
 """Every setting of a drafter training run, checked, with the flag that sets it.
 
 `TrainOptions` mirrors the `dflash-mlx train` flags one to one (field
-`block_size` is `--block-size`), so errors name the flag. The options that
-shape the training trajectory must not change between a run and its
-`--resume`; `check_resumable` compares them with a checkpoint's.
+`block_size` is `--block-size`), so errors name the flag. A few defaults
+depend on the run: with `--init` the learning rate and warm-up default to
+fine-tuning values (`FINETUNE_LR`, `FINETUNE_WARMUP`) and the block size to the
+initial drafter's; `--max-length` defaults to the target's context capped at
+`DEFAULT_MAX_LENGTH`. `resolved` fills them in. The options that shape the
+training trajectory must not change between a run and its `--resume`;
+`check_resumable` compares them with a checkpoint's.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
+SCRATCH_LR, SCRATCH_WARMUP = 6e-4, 0.04  # the paper's recipe (spec section 7)
+FINETUNE_LR, FINETUNE_WARMUP = 2e-4, 0.1  # with --init: a smaller step, a longer warm-up
+DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_LAYERS, DEFAULT_MAX_LENGTH = 16, 5, 2048
 TARGET_DTYPES = ("float32", "bfloat16", "float16")
 
 # Options that determine which batches, targets and updates a run makes.
@@ -20,7 +27,8 @@ TRAJECTORY_OPTIONS = (
     "model", "steps", "block_size", "draft_layers", "max_tokens", "max_length", "lr",
     "warmup", "weight_decay", "grad_clip", "loss_decay", "batch_size", "anchors_per_seq",
     "seed", "holdout", "target_layers", "mask_token_id", "intermediate_size",
-    "gen_temperature", "chat_template_kwargs", "target_dtype",
+    "gen_temperature", "chat_template_kwargs", "target_dtype", "init", "replay", "replay_ratio",
+    "loss_chunk_rows",
 )  # fmt: skip
 
 
@@ -38,12 +46,12 @@ class TrainOptions:
     data: str  # JSONL prompts
     out: str  # output drafter directory
     steps: int = 1000
-    block_size: int = 16
-    draft_layers: int = 5
+    block_size: int | None = None  # None: the --init drafter's, else DEFAULT_BLOCK_SIZE
+    draft_layers: int | None = None  # None: DEFAULT_DRAFT_LAYERS (refused with --init)
     max_tokens: int = 256  # response length when the target regenerates answers
-    max_length: int = 2048  # prompt + response tokens kept per training sequence
-    lr: float = 6e-4
-    warmup: float = 0.04  # fraction of the steps
+    max_length: int | None = None  # prompt + response tokens per sequence; None: min(context, 2048)
+    lr: float | None = None  # None: SCRATCH_LR, or FINETUNE_LR with --init
+    warmup: float | None = None  # fraction of the steps; None: SCRATCH_WARMUP / FINETUNE_WARMUP
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     loss_decay: float | None = None  # c of w_k = exp(-(k-1)/c); None: by block size
@@ -64,30 +72,64 @@ class TrainOptions:
     responses: str | None = None  # None: <work_dir>/responses.jsonl
     cache_features: bool = False
     save_dtype: str = "float32"
-    target_dtype: str | None = None  # None: as stored
+    target_dtype: str | None = None  # None: the loader's rule (float32 on a CPU, as stored on Metal)
     resume: bool = False
     stop_at: int | None = None  # stop (with a checkpoint) at this step; resume later
+    init: str | None = None  # a published v1 drafter (directory or Hub repo id) to start from
+    replay: str | None = None  # JSONL prompts of the original domain mixed into every batch
+    replay_ratio: float = 0.25  # fraction of each batch taken from --replay
+    loss_chunk_rows: int | None = None  # block rows per logits chunk; None: by vocabulary size
+    feature_chunk: int = 512  # target tokens per forward when computing features
+
+    def resolved(self, *, init_block_size: int | None = None, target_context: int | None = None) -> "TrainOptions":
+        """A copy with the run-dependent defaults filled in (see the module docstring)."""
+        finetune = self.init is not None
+        max_length = self.max_length
+        if max_length is None:
+            max_length = min(DEFAULT_MAX_LENGTH, target_context or DEFAULT_MAX_LENGTH)
+        return replace(
+            self,
+            block_size=self.block_size or init_block_size or DEFAULT_BLOCK_SIZE,
+            draft_layers=self.draft_layers or (None if finetune else DEFAULT_DRAFT_LAYERS),
+            max_length=max_length,
+            lr=self.lr if self.lr is not None else (FINETUNE_LR if finetune else SCRATCH_LR),
+            warmup=self.warmup if self.warmup is not None else (FINETUNE_WARMUP if finetune else SCRATCH_WARMUP),
+        )
 
     def check(self) -> None:
         """Raise OptionError for the first bad value."""
         positive = ("steps", "block_size", "draft_layers", "max_tokens", "max_length", "batch_size",
-                    "anchors_per_seq", "save_every", "gen_batch_size")  # fmt: skip
+                    "anchors_per_seq", "save_every", "gen_batch_size", "loss_chunk_rows", "feature_chunk")  # fmt: skip
+        optional = ("block_size", "draft_layers", "max_length", "loss_chunk_rows")
         for name in positive:
             value = getattr(self, name)
+            if value is None and name in optional:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise OptionError(f"{flag(name)} must be an integer >= 1, got {value!r}.")
-        if self.block_size < 2:
+        if self.block_size is not None and self.block_size < 2:
             raise OptionError(f"--block-size must be >= 2 (the anchor plus drafted rows), got {self.block_size}.")
+        if self.init is not None:
+            given = [n for n in ("draft_layers", "target_layers", "mask_token_id", "intermediate_size")
+                     if getattr(self, n) is not None]  # fmt: skip
+            if given:
+                raise OptionError(
+                    f"{flag(given[0])} cannot be combined with --init: the drafter's layers, target "
+                    "layer ids, mask token and widths come from the --init checkpoint's config.json."
+                )
+        if not 0 < self.replay_ratio < 1:
+            raise OptionError(f"--replay-ratio is a fraction of each batch in (0, 1), got {self.replay_ratio!r}.")
         for name in ("holdout", "keep_checkpoints", "seed"):
             if getattr(self, name) < 0:
                 raise OptionError(f"{flag(name)} must be >= 0, got {getattr(self, name)}.")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
+        if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
             raise OptionError(f"--lr must be a positive number, got {self.lr!r}.")
-        if not 0 <= self.warmup < 1:
+        if self.warmup is not None and not 0 <= self.warmup < 1:
             raise OptionError(f"--warmup is a fraction of the steps in [0, 1), got {self.warmup!r}.")
         if self.weight_decay < 0 or self.grad_clip <= 0 or self.gen_temperature < 0:
-            name = "weight_decay" if self.weight_decay < 0 else (
-                "grad_clip" if self.grad_clip <= 0 else "gen_temperature")
+            name = (
+                "weight_decay" if self.weight_decay < 0 else ("grad_clip" if self.grad_clip <= 0 else "gen_temperature")
+            )
             raise OptionError(f"{flag(name)} has a bad value {getattr(self, name)!r}.")
         if self.loss_decay is not None and not self.loss_decay > 0:
             raise OptionError(f"--loss-decay must be > 0, got {self.loss_decay!r}.")
@@ -98,9 +140,7 @@ class TrainOptions:
         if self.save_dtype not in SAVE_DTYPES:
             raise OptionError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}.")
         if self.target_dtype is not None and self.target_dtype not in TARGET_DTYPES:
-            raise OptionError(
-                f"--target-dtype must be one of {', '.join(TARGET_DTYPES)}, got {self.target_dtype!r}."
-            )
+            raise OptionError(f"--target-dtype must be one of {', '.join(TARGET_DTYPES)}, got {self.target_dtype!r}.")
         layers = self.target_layers
         if layers is not None and (
             not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers)

@@ -29,6 +29,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from ..utils.io import write_text_atomic
 from .data import DataError
 
 
@@ -60,9 +61,7 @@ def read_cache(path: Path) -> dict[str, list[int]]:
 
 
 def _rewrite(path: Path, lines: list[str]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("".join(lines), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(lines))
 
 
 def regenerate_responses(

@@ -1,12 +1,14 @@
 """`train_drafter`: a whole DFlash drafter training run, from prompts to a validated drafter.
 
-Steps: read and encode the prompts, hold some out, have the target regenerate
-the responses (cached), build a fresh drafter (or resume from the last
-checkpoint), train it with AdamW + warmup + cosine decay + gradient clipping on
-the weighted block loss (only the drafter's parameters: the target, its
-embedding and head are frozen), checkpoint periodically, export the drafter in
-the real checkpoint format and measure its mean acceptance length on the
-held-out prompts. The run's files live in `<out>/work` (responses cache,
+Steps: read and encode the prompts (and the `--replay` prompts), hold some of
+each out, have the target regenerate the responses (cached), build a fresh
+drafter or start from a published one (`--init`, `init_drafter`), or resume
+from the last checkpoint, train it with AdamW + warmup + cosine decay +
+gradient clipping on the weighted block loss (`step.StepRunner`: only the
+drafter's parameters, the loss in chunks of rows at large vocabularies),
+checkpoint periodically, export the drafter in the real checkpoint format and
+measure its mean acceptance length on the held-out prompts of both sets. The
+report also holds the peak memory of the training loop. The run's files live in `<out>/work` (responses cache,
 checkpoints, per-step log, optional feature cache); the report goes to
 `<out>/training_report.json`.
 """
@@ -15,15 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
-from mlx import nn
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -34,10 +35,11 @@ from rich.progress import (
 )
 
 from ..draft.load import load_draft
-from ..targets.families import text_model
-from ..models.loading import target_float_dtype
-from ..targets.adapter import TargetAdapter
-from .batches import Sequence, build_sequences, step_batch, step_position
+from ..targets.families import context_length, text_model
+from ..models.loading import load_choice, target_float_dtype
+from ..models.resolve import ModelChoiceError, choose_model
+from ..targets.adapter import TargetAdapter, UnsupportedTargetError
+from .batches import Sequence, build_sequences, step_position
 from .checkpoint import (
     export_drafter,
     latest_checkpoint,
@@ -46,40 +48,43 @@ from .checkpoint import (
     save_checkpoint,
     write_json_atomic,
 )
-from .data import encode_prompts, read_prompts
+from .data import DataError, encode_prompts, read_prompts
 from .features import FeatureStore
-from .loss import accepted_prefix, block_loss, default_decay, row_weights
-from .model_forward import training_logits
+from .init_drafter import load_init_drafter, read_init_config
+from .loss import default_decay
 from .new_drafter import drafter_config, new_drafter, resolve_mask_token_id
 from .options import OptionError, TrainOptions, check_resumable
 from .regenerate import regenerate_responses
+from .step import StepRunner, make_optimizer
 from .validate import acceptance_length
+from ..utils.io import write_text_atomic
+
+__all__ = ["StepRunner", "make_optimizer", "train_drafter", "load_target", "split_holdout"]
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 def load_target(name: str, dtype: str | None = None):
-    """(model, tokenizer) through mlx-lm; errors name --model."""
-    from mlx_lm import load
-
-    path = Path(name).expanduser()
-    if not path.exists() and (name.count("/") != 1 or name.startswith((".", "/", "~"))):
-        raise OptionError(f"--model {name}: no such directory (and not a Hugging Face repo id 'org/name').")
+    """(model, tokenizer) through the one loader (`models.loading`): float32 on MLX's CPU
+    backend, as stored on Metal, unless --target-dtype says otherwise; errors name --model."""
     try:
-        model, tokenizer = load(str(path) if path.exists() else name)[:2]
-    except Exception as e:  # mlx-lm / huggingface_hub raise many types
+        choice = choose_model(name, use_draft=False)
+    except (ModelChoiceError, UnsupportedTargetError) as e:
+        raise OptionError(str(e)) from e
+    try:
+        model, tokenizer, _ = load_choice(choice)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:  # mlx-lm's and huggingface_hub's
         raise OptionError(f"--model {name}: mlx-lm could not load the target ({type(e).__name__}: {e}).") from e
     if dtype is not None:
         model.set_dtype(DTYPES[dtype])
+        mx.eval(model.parameters())
     return model, tokenizer
 
 
 def split_holdout(prompts: list[list[int]], holdout: int, seed: int) -> tuple[list, list]:
     """(training prompts, held-out prompts): a fixed random `holdout` of them held out."""
     if holdout >= len(prompts):
-        raise OptionError(
-            f"--holdout {holdout} leaves no training prompts (the data file has {len(prompts)})."
-        )
+        raise OptionError(f"--holdout {holdout} leaves no training prompts (the data file has {len(prompts)}).")
     order = np.random.default_rng([seed, 2]).permutation(len(prompts))
     held = sorted(int(i) for i in order[:holdout])
     kept = sorted(int(i) for i in order[holdout:])
@@ -91,54 +96,6 @@ def fingerprint(sequences: list[Sequence]) -> str:
     for s in sequences:
         h.update(json.dumps([s.prompt_len, s.ids]).encode())
     return h.hexdigest()
-
-
-def make_optimizer(options: TrainOptions) -> optim.AdamW:
-    """AdamW; linear warmup over `warmup` of the steps, then cosine decay to 0."""
-    warmup = round(options.warmup * options.steps)
-    decay = optim.cosine_decay(options.lr, max(options.steps - warmup, 1))
-    schedule = decay
-    if warmup > 0:
-        schedule = optim.join_schedules([optim.linear_schedule(0.0, options.lr, warmup), decay], [warmup])
-    return optim.AdamW(learning_rate=schedule, weight_decay=options.weight_decay)
-
-
-class StepRunner:
-    """One optimisation step on a batch: features, loss, gradients, clipping, update."""
-
-    def __init__(self, drafter, target: TargetAdapter, store: FeatureStore, optimizer, options: TrainOptions):
-        self.drafter, self.target, self.store, self.optimizer = drafter, target, store, optimizer
-        self.options = options
-        self.weights = row_weights(options.block_size, options.loss_decay)
-        self.loss_and_grad = nn.value_and_grad(drafter, self._loss)
-
-    def _loss(self, features, block_ids, anchors, targets, valid):
-        logits = training_logits(self.drafter, self.target, features, block_ids, anchors)
-        loss, blocks = block_loss(logits, targets, valid, self.weights)
-        prefix = accepted_prefix(mx.stop_gradient(logits), targets, valid)
-        block_valid = valid.any(axis=-1)
-        tau = (prefix * block_valid).sum() / mx.maximum(blocks, 1.0)
-        return loss, tau
-
-    def __call__(self, step: int, sequences: list[Sequence], mask_id: int, pad_id: int) -> dict[str, float]:
-        o = self.options
-        indices, batch = step_batch(
-            step, sequences, batch_size=o.batch_size, anchors_per_seq=o.anchors_per_seq,
-            block_size=o.block_size, mask_id=mask_id, seed=o.seed, pad_id=pad_id,
-        )  # fmt: skip
-        features = self.store.batch_features(indices, batch, [sequences[i] for i in indices])
-        (loss, tau), grads = self.loss_and_grad(features, batch.block_ids, batch.anchors, batch.targets, batch.valid)
-        grads, grad_norm = optim.clip_grad_norm(grads, o.grad_clip)
-        self.optimizer.update(self.drafter, grads)
-        mx.eval(self.drafter.parameters(), self.optimizer.state, loss, tau, grad_norm)
-        lr = self.optimizer.learning_rate.item()  # the rate this update used
-        return {
-            "loss": loss.item(),
-            "tau": tau.item(),
-            "grad_norm": grad_norm.item(),
-            "lr": lr,
-            "tokens": batch.tokens,
-        }
 
 
 def _progress(console: Console) -> Progress:
@@ -157,11 +114,32 @@ def _read_log(path: Path, upto: int) -> list[dict]:
     return [r for r in rows if r["step"] <= upto]
 
 
+def read_replay(options: TrainOptions, tokenizer) -> tuple[list, list]:
+    """(training, held-out) replay prompts; errors name --replay."""
+    if options.replay is None:
+        return [], []
+    try:
+        records = read_prompts(options.replay)
+    except DataError as e:
+        raise DataError(f"--replay {e}") from e
+    prompts = encode_prompts(tokenizer, records, str(options.replay), options.chat_template_kwargs)
+    held = min(options.holdout, len(prompts) // 2)
+    return split_holdout(prompts, held, options.seed + 1)
+
+
+def peak_memory() -> dict[str, float]:
+    """MLX's peak allocation since the last reset and the process's peak RSS, in GB."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_bytes = rss if sys.platform == "darwin" else rss * 1024
+    return {"peak_memory_gb": mx.get_peak_memory() / 1e9, "peak_rss_gb": rss_bytes / 1e9}
+
+
 def train_drafter(options: TrainOptions, console: Console | None = None) -> dict[str, Any]:
     """Run the whole training described by `options`; return the report (also saved).
 
-    The report's `mean_acceptance_length` is None when `holdout` is 0 or the run
-    stopped early (`stop_at`); `stopped_at` is then the step it stopped at.
+    The report's `mean_acceptance_length` (and `replay_mean_acceptance_length`
+    with `--replay`) is None when `holdout` is 0 or the run stopped early
+    (`stop_at`); `stopped_at` is then the step it stopped at.
     """
     options.check()
     console = console or Console()
@@ -176,34 +154,57 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
             f"{ckpt_root} already holds checkpoints (latest {existing.name}): pass --resume to "
             "continue that run, or choose another --out / --work-dir."
         )
+    init_block = read_init_config(options.init)[2].block_size if options.init else None
     records = read_prompts(options.data)
     console.print(f"Loading target [bold]{options.model}[/bold]")
     model, tokenizer = load_target(options.model, options.target_dtype)
+    context = context_length(model)
+    if options.max_length is not None and context is not None and options.max_length > context:
+        raise OptionError(
+            f"--max-length {options.max_length} is beyond the context of target '{options.model}' "
+            f"(max_position_embeddings {context} in its config.json)."
+        )
+    options = options.resolved(init_block_size=init_block, target_context=context)
     vocab = text_model(model).args.vocab_size
-    mask_id = resolve_mask_token_id(tokenizer, options.mask_token_id, vocab, options.model)
-    config = drafter_config(
-        model, num_layers=options.draft_layers, block_size=options.block_size, mask_token_id=mask_id,
-        target_layer_ids=options.target_layers, intermediate_size=options.intermediate_size,
-        dtype=options.save_dtype,
-    )  # fmt: skip
+    if options.init:
+        drafter, config = load_init_drafter(options.init, model, options.model, options.block_size)
+        mask_id = drafter.config.mask_token_id
+        draft_layers = drafter.config.num_hidden_layers
+    else:
+        mask_id = resolve_mask_token_id(tokenizer, options.mask_token_id, vocab, options.model)
+        config = drafter_config(
+            model, num_layers=options.draft_layers, block_size=options.block_size, mask_token_id=mask_id,
+            target_layer_ids=options.target_layers, intermediate_size=options.intermediate_size,
+            dtype=options.save_dtype,
+        )  # fmt: skip
+        draft_layers = options.draft_layers
     layer_ids = tuple(config["dflash_config"]["target_layer_ids"])
     prompts = encode_prompts(tokenizer, records, str(options.data), options.chat_template_kwargs)
     train_prompts, held_prompts = split_holdout(prompts, options.holdout, options.seed)
+    replay_train, replay_held = read_replay(options, tokenizer)
     responses = regenerate_responses(
-        model, tokenizer, train_prompts, Path(options.responses or work / "responses.jsonl"),
+        model, tokenizer, train_prompts + replay_train, Path(options.responses or work / "responses.jsonl"),
         max_tokens=options.max_tokens, target_name=options.model, batch_size=options.gen_batch_size,
         temperature=options.gen_temperature, seed=options.seed, console=console,
     )  # fmt: skip
-    sequences, dropped = build_sequences(train_prompts, responses, options.max_length)
+    sequences, dropped = build_sequences(train_prompts, responses[: len(train_prompts)], options.max_length)
+    replay_seqs, replay_dropped = build_sequences(replay_train, responses[len(train_prompts) :], options.max_length)
     if not sequences:
         raise OptionError(
             f"No usable training sequence in {options.data}: every response is shorter than 2 "
             f"tokens or the prompts fill --max-length {options.max_length}."
         )
+    if options.replay and not replay_seqs:
+        raise OptionError(
+            f"--replay {options.replay}: no usable sequence (responses shorter than 2 tokens or "
+            f"prompts filling --max-length {options.max_length})."
+        )
+    sequences = sequences + replay_seqs
     data_id = fingerprint(sequences)
 
     mx.random.seed(options.seed)
-    drafter = new_drafter(config)
+    if not options.init:
+        drafter = new_drafter(config)
     optimizer = make_optimizer(options)
     start, elapsed_before = 0, 0.0
     if options.resume:
@@ -217,16 +218,14 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
         start, elapsed_before = int(state["step"]), float(state.get("train_seconds", 0.0))
         console.print(f"Resuming from {existing} (step {start})")
     target = TargetAdapter(model, layer_ids)
-    store = FeatureStore(target, work / "features" if options.cache_features else None)
-    runner = StepRunner(drafter, target, store, optimizer, options)
+    store = FeatureStore(target, work / "features" if options.cache_features else None, options.feature_chunk)
+    runner = StepRunner(drafter, target, store, optimizer, options, num_replay=len(replay_seqs))
     pad_id = int(getattr(tokenizer, "pad_token_id", None) or 0)
     end = min(options.steps, options.stop_at or options.steps)
     log_path = work / "train_log.jsonl"
     history = _read_log(log_path, start)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_log = log_path.with_name(f".{log_path.name}.tmp")
-    tmp_log.write_text("".join(json.dumps(r) + "\n" for r in history))  # drop steps past the checkpoint
-    os.replace(tmp_log, log_path)
+    write_text_atomic(log_path, "".join(json.dumps(r) + "\n" for r in history))  # drop steps past the checkpoint
 
     def checkpoint(step: int, seconds: float) -> None:
         epoch, batch_in_epoch = step_position(step, len(sequences), options.batch_size)
@@ -243,11 +242,15 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
         save_checkpoint(ckpt_root, step, drafter, optimizer, state, keep=options.keep_checkpoints)
 
     decay = options.loss_decay or default_decay(options.block_size)
+    start_from = f"from {options.init}" if options.init else "from scratch"
+    replay_note = f", {len(replay_seqs)} replay sequences ({runner.replay_per_batch} per batch)" if replay_seqs else ""
     console.print(
-        f"Training a {options.draft_layers}-layer drafter (block {options.block_size}, target layers "
-        f"{list(layer_ids)}, mask id {mask_id}, loss decay {decay:g}) "
-        f"on {len(sequences)} sequences ({dropped} dropped), {len(held_prompts)} held out"
+        f"Training a {draft_layers}-layer drafter {start_from} (block {options.block_size}, target layers "
+        f"{list(layer_ids)}, mask id {mask_id}, loss decay {decay:g}, lr {options.lr:g}, warmup "
+        f"{options.warmup:g}) on {len(sequences) - len(replay_seqs)} sequences ({dropped} dropped){replay_note}, "
+        f"{len(held_prompts)} held out"
     )
+    mx.reset_peak_memory()
     tic = time.perf_counter()
     seconds = elapsed_before
     with _progress(console) as progress, open(log_path, "a") as log:
@@ -269,46 +272,66 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
             if (step + 1) % options.save_every == 0 and step + 1 < end:
                 checkpoint(step + 1, elapsed_before + time.perf_counter() - tic)
         seconds = elapsed_before + time.perf_counter() - tic
+    memory = peak_memory()
     if end > start:
         checkpoint(end, seconds)
 
     report: dict[str, Any] = {
         "target": options.model,
         "drafter": str(out),
+        "init": options.init,
         "steps": end,
         "total_steps": options.steps,
         "block_size": options.block_size,
-        "draft_layers": options.draft_layers,
+        "draft_layers": draft_layers,
         "target_layer_ids": list(layer_ids),
         "mask_token_id": mask_id,
-        "train_sequences": len(sequences),
+        "lr": options.lr,
+        "warmup": options.warmup,
+        "max_length": options.max_length,
+        "loss_chunk_rows": runner.chunk_rows,
+        "train_sequences": len(sequences) - len(replay_seqs),
         "dropped_sequences": dropped,
         "holdout_prompts": len(held_prompts),
+        "replay": options.replay,
+        "replay_train_sequences": len(replay_seqs),
+        "replay_dropped_sequences": replay_dropped,
+        "replay_holdout_prompts": len(replay_held),
+        "replay_per_batch": runner.replay_per_batch,
         "train_seconds": seconds,
+        **memory,
         "loss_first": _mean([r["loss"] for r in history[:10]]),
         "loss_last": _mean([r["loss"] for r in history[-10:]]),
         "stopped_at": None,
         "mean_acceptance_length": None,
         "validation": None,
+        "replay_mean_acceptance_length": None,
+        "replay_validation": None,
     }
+    console.print(
+        f"Peak memory of the training loop: {memory['peak_memory_gb']:.2f} GB (MLX), "
+        f"process peak RSS {memory['peak_rss_gb']:.2f} GB"
+    )
     if end < options.steps:
         report["stopped_at"] = end
         console.print(f"Stopped at step {end} of {options.steps}; continue with --resume.")
         return report
 
     export_drafter(out, drafter, config, options.save_dtype)
-    if held_prompts:
+    if held_prompts or replay_held:
         loaded = load_draft(out, model, dtype=target_float_dtype(model), target_name=options.model)
+    for key, held, what in (("", held_prompts, "held-out"), ("replay_", replay_held, "held-out replay")):
+        if not held:
+            continue
         validation = acceptance_length(
-            model, loaded, tokenizer, held_prompts, max_tokens=options.val_max_tokens or options.max_tokens,
+            model, loaded, tokenizer, held, max_tokens=options.val_max_tokens or options.max_tokens,
             block_size=options.block_size, console=console,
         )  # fmt: skip
         tau = validation["mean_acceptance_length"]
-        report.update(validation=validation, mean_acceptance_length=tau)
+        report.update({f"{key}validation": validation, f"{key}mean_acceptance_length": tau})
         shown = "n/a (no held-out prompt ran a draft cycle)" if tau is None else f"{tau:.3f}"
         console.print(
-            f"Mean acceptance length on {len(held_prompts)} held-out prompts: "
-            f"[bold]{shown}[/bold] (block {options.block_size})"
+            f"Mean acceptance length on {len(held)} {what} prompts: [bold]{shown}[/bold] (block {options.block_size})"
         )
     write_json_atomic(out / "training_report.json", report)
     console.print(f"Drafter written to {out}")

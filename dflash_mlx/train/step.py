@@ -1,0 +1,98 @@
+"""One optimisation step of drafter training, and the optimizer with its schedule.
+
+`StepRunner` draws the step's batch (`batches.step_batch`, replay pool
+included), gets the target's features, computes the weighted block loss and
+the drafter's gradients, clips them and updates the drafter (only the
+drafter: the target, its embedding and head are frozen). When the batch has
+more block rows than one logits chunk holds (`--loss-chunk-rows`, by default
+about 128 MB of float32 logits), the loss runs in chunks
+(`chunked_loss.chunked_step`); otherwise in one graph. Both give the same loss
+and gradients.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.optimizers as optim
+from mlx import nn
+
+from ..targets.adapter import TargetAdapter
+from .batches import Sequence, step_batch
+from .chunked_loss import auto_chunk_rows, chunked_step
+from .features import FeatureStore
+from .loss import accepted_prefix, block_loss, row_weights
+from .model_forward import training_logits
+from .options import TrainOptions
+
+
+def make_optimizer(options: TrainOptions) -> optim.AdamW:
+    """AdamW; linear warmup over `warmup` of the steps, then cosine decay to 0."""
+    options = options.resolved()
+    warmup = round(options.warmup * options.steps)
+    decay = optim.cosine_decay(options.lr, max(options.steps - warmup, 1))
+    schedule = decay
+    if warmup > 0:
+        schedule = optim.join_schedules([optim.linear_schedule(0.0, options.lr, warmup), decay], [warmup])
+    return optim.AdamW(learning_rate=schedule, weight_decay=options.weight_decay)
+
+
+class StepRunner:
+    """One optimisation step on a batch: features, loss, gradients, clipping, update."""
+
+    def __init__(
+        self, drafter, target: TargetAdapter, store: FeatureStore, optimizer, options: TrainOptions,
+        num_replay: int = 0,
+    ):  # fmt: skip
+        self.drafter, self.target, self.store, self.optimizer = drafter, target, store, optimizer
+        self.options = options
+        self.num_replay = num_replay
+        self.replay_per_batch = 0
+        if num_replay:
+            self.replay_per_batch = min(max(1, round(options.replay_ratio * options.batch_size)),
+                                        options.batch_size - 1)  # fmt: skip
+        self.weights = row_weights(options.block_size, options.loss_decay)
+        self.chunk_rows = options.loss_chunk_rows or auto_chunk_rows(target.vocab_size)
+        self.loss_and_grad = nn.value_and_grad(drafter, self._loss)
+
+    def _loss(self, features, block_ids, anchors, targets, valid):
+        logits = training_logits(self.drafter, self.target, features, block_ids, anchors)
+        loss, blocks = block_loss(logits, targets, valid, self.weights)
+        prefix = accepted_prefix(mx.stop_gradient(logits), targets, valid)
+        block_valid = valid.any(axis=-1)
+        tau = (prefix * block_valid).sum() / mx.maximum(blocks, 1.0)
+        return loss, tau
+
+    def loss_and_grads(self, features, batch):
+        """(loss, tau, grads) of a batch, chunked when its rows exceed one chunk."""
+        rows = batch.targets.size
+        if rows <= self.chunk_rows:
+            (loss, tau), grads = self.loss_and_grad(
+                features, batch.block_ids, batch.anchors, batch.targets, batch.valid
+            )
+            return loss, tau, grads
+        return chunked_step(
+            self.drafter, self.target, features, batch.block_ids, batch.anchors, batch.targets, batch.valid,
+            self.weights, self.chunk_rows,
+        )  # fmt: skip
+
+    def __call__(self, step: int, sequences: list[Sequence], mask_id: int, pad_id: int) -> dict[str, float]:
+        o = self.options
+        indices, batch = step_batch(
+            step, sequences, batch_size=o.batch_size, anchors_per_seq=o.anchors_per_seq,
+            block_size=o.block_size, mask_id=mask_id, seed=o.seed, pad_id=pad_id,
+            num_replay=self.num_replay, replay_per_batch=self.replay_per_batch,
+        )  # fmt: skip
+        features = self.store.batch_features(indices, batch, [sequences[i] for i in indices])
+        loss, tau, grads = self.loss_and_grads(features, batch)
+        grads, grad_norm = optim.clip_grad_norm(grads, o.grad_clip)
+        self.optimizer.update(self.drafter, grads)
+        mx.eval(self.drafter.parameters(), self.optimizer.state, loss, tau, grad_norm)
+        lr = self.optimizer.learning_rate.item()  # the rate this update used
+        return {
+            "loss": loss.item(),
+            "tau": tau.item(),
+            "grad_norm": grad_norm.item(),
+            "lr": lr,
+            "tokens": batch.tokens,
+            "replay_sequences": sum(i >= len(sequences) - self.num_replay for i in indices) if self.num_replay else 0,
+        }

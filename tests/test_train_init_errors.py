@@ -1,0 +1,97 @@
+"""`train --init` defaults and the clear errors of issue 19: a DFlash 2 checkpoint, a
+drafter made for another target, --max-length beyond the target's context, an empty
+--replay file, drafter-shape flags combined with --init."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import helpers as tm
+import typer
+from typer.testing import CliRunner
+
+from dflash_mlx import load_draft
+from dflash_mlx.train.command import train
+from dflash_mlx.train.options import FINETUNE_LR, FINETUNE_WARMUP
+
+app = typer.Typer()
+app.command("train")(train)
+
+
+@app.callback()
+def _root() -> None:
+    """A one-command app, as the CLI registers it."""
+
+
+runner = CliRunner()
+WORDS = "the river ran past old mill under stone bridge near market every morning baker".split()
+QUICK = ["--steps", "2", "--max-tokens", "6", "--batch-size", "2", "--anchors-per-seq", "2", "--holdout", "0"]
+
+
+def _invoke(*args) -> tuple[int, str]:
+    result = runner.invoke(app, ["train", *map(str, args)], env={"COLUMNS": "250"})
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("init-data") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": " ".join(WORDS[i : i + 4])}) + "\n" for i in range(8)))
+    return path
+
+
+def test_init_keeps_the_drafters_config_and_uses_finetuning_defaults(qwen3_target, qwen3_draft, data, tmp_path):
+    code, out = _invoke("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", qwen3_draft,
+                        *QUICK)  # fmt: skip
+    assert code == 0, out
+    report = json.loads((tmp_path / "o" / "training_report.json").read_text())
+    assert report["lr"] == FINETUNE_LR and report["warmup"] == FINETUNE_WARMUP and report["init"] == str(qwen3_draft)
+    assert report["block_size"] == 16 and report["target_layer_ids"] == [1, 2] and report["draft_layers"] == 2
+    assert f"from {qwen3_draft}" in out and "Peak memory of the training loop" in out
+    assert report["peak_rss_gb"] > 0 and report["peak_memory_gb"] > 0
+    before = json.loads((qwen3_draft / "config.json").read_text())
+    after = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert after["dflash_config"] == before["dflash_config"] and after["num_hidden_layers"] == 2
+    model, _, _ = tm.load_pair(str(qwen3_target))
+    load_draft(tmp_path / "o", model)
+    code, out = _invoke("--model", qwen3_target, "--data", data, "--out", tmp_path / "p", "--init", qwen3_draft,
+                        *QUICK, "--block-size", "4", "--lr", "1e-3")  # fmt: skip
+    assert code == 0, out
+    report = json.loads((tmp_path / "p" / "training_report.json").read_text())
+    assert report["lr"] == 1e-3 and report["block_size"] == 4
+    assert json.loads((tmp_path / "p" / "config.json").read_text())["dflash_config"]["block_size"] == 4
+
+
+def test_init_refuses_dflash2_and_drafters_of_another_target(qwen3_target, tiny_target, data, tmp_path):
+    v2 = tm.make_draft2(tmp_path / "v2", qwen3_target, target_layer_ids=[1, 2])
+    code, out = _invoke("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", v2, *QUICK)
+    assert code == 1 and f"--init {v2}" in out and "DFlash 2" in out and "not supported yet" in out, out
+    other = tiny_target("qwen3", hidden_size=32)
+    foreign = tm.make_draft(tmp_path / "foreign", other, target_layer_ids=[1, 2])
+    code, out = _invoke("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", foreign, *QUICK)
+    assert code == 1 and f"Draft '{foreign}' does not fit target '{qwen3_target}'" in out, out
+    assert "hidden_size is 32 in the draft but the target has 64" in out
+    code, out = _invoke("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", tmp_path / "none",
+                        *QUICK)  # fmt: skip
+    assert code == 1 and "--init" in out and "neither an existing directory" in out, out
+
+
+def test_flag_errors(qwen3_target, qwen3_draft, data, tmp_path):
+    base = ["--model", qwen3_target, "--data", data, "--out", tmp_path / "o", *QUICK]
+    code, out = _invoke(*base, "--max-length", "5000")
+    assert code == 1 and "--max-length 5000 is beyond the context of target" in out
+    assert "max_position_embeddings 4096" in out
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    code, out = _invoke(*base, "--replay", empty)
+    assert code == 1 and f"--replay {empty}: no prompts (the file is empty)" in out, out
+    code, out = _invoke(*base, "--replay", tmp_path / "missing.jsonl")
+    assert code == 1 and "--replay" in out and "not found" in out
+    code, out = _invoke(*base, "--init", qwen3_draft, "--draft-layers", "3")
+    assert code == 1 and "--draft-layers cannot be combined with --init" in out
+    code, out = _invoke(*base, "--replay-ratio", "1.5")
+    assert code == 1 and "--replay-ratio" in out
