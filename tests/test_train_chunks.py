@@ -1,5 +1,5 @@
-"""Memory-bounded training pieces: the loss in chunks of rows equals the whole-batch loss
-(value and gradients), target features computed in chunks equal one forward, anchors
+"""Memory-bounded training pieces: the loss in chunks of rows and the anchors in groups
+equal the whole-batch loss (value and gradients), target features computed in chunks equal one forward, anchors
 spread over long responses, and replay batches mixing two pools."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dflash_mlx.train.chunked_loss import auto_chunk_rows, chunked_step
 from dflash_mlx.train.features import target_features
 from dflash_mlx.train.new_drafter import drafter_config, new_drafter
 from dflash_mlx.train.options import TrainOptions
-from dflash_mlx.train.step import StepRunner
+from dflash_mlx.train.step import StepRunner, auto_anchor_chunk
 
 B = 4
 
@@ -49,6 +49,14 @@ def test_chunked_loss_equals_the_whole_batch_loss(qwen3_target, softcap):
         assert flat.keys() == c_flat.keys()
         for key in flat:
             np.testing.assert_allclose(np.array(c_flat[key]), np.array(flat[key]), rtol=1e-4, atol=1e-6, err_msg=key)
+    for group, rows in ((1, None), (3, None), (2, 5)):  # anchors in groups (and rows in chunks): the same
+        options = TrainOptions(model="t", data="d", out="o", block_size=B, anchor_chunk=group, loss_chunk_rows=rows)
+        g_loss, g_tau, g_grads = StepRunner(draft, target, None, None, options).loss_and_grads(features, batch)
+        assert g_loss.item() == pytest.approx(loss.item(), rel=1e-5) and g_tau.item() == pytest.approx(tau.item())
+        g_flat = dict(tree_flatten(g_grads))
+        for key in flat:
+            np.testing.assert_allclose(np.array(g_flat[key]), np.array(flat[key]), rtol=1e-4, atol=1e-6, err_msg=key)
+    assert auto_anchor_chunk(draft, 2, 4, B, 20) == 4 and auto_anchor_chunk(draft, 8, 32, 16, 10**6) == 1
     small = TrainOptions(model="t", data="d", out="o", block_size=B, draft_layers=2, loss_chunk_rows=5)
     chunked_runner = StepRunner(draft, target, None, None, small)
     assert chunked_runner.chunk_rows == 5 and whole.chunk_rows == auto_chunk_rows(tm.TINY_VOCAB)

@@ -95,3 +95,29 @@ def test_flag_errors(qwen3_target, qwen3_draft, data, tmp_path):
     assert code == 1 and "--draft-layers cannot be combined with --init" in out
     code, out = _invoke(*base, "--replay-ratio", "1.5")
     assert code == 1 and "--replay-ratio" in out
+
+
+def test_init_with_replay_resumes_exactly(qwen3_target, qwen3_draft, data, tmp_path):
+    import mlx.core as mx
+    import numpy as np
+
+    replay = tmp_path / "replay.jsonl"
+    replay.write_text("".join(json.dumps({"prompt": " ".join(WORDS[-i - 3 :])}) + "\n" for i in range(6)))
+    common = ["--model", qwen3_target, "--data", data, "--init", qwen3_draft, "--replay", replay,
+              "--responses", tmp_path / "responses.jsonl", "--steps", "6", "--max-tokens", "6", "--batch-size", "4",
+              "--anchors-per-seq", "2", "--holdout", "2", "--save-every", "3", "--block-size", "4"]  # fmt: skip
+    for args in (["--out", tmp_path / "full"], ["--out", tmp_path / "split", "--stop-at", "3"]):
+        code, out = _invoke(*common, *args)
+        assert code == 0, out
+    code, out = _invoke(*common, "--out", tmp_path / "split", "--resume")
+    assert code == 0 and "(step 3)" in out, out
+    code, out = _invoke(*common, "--out", tmp_path / "split", "--resume", "--replay-ratio", "0.5")
+    assert code == 1 and "--replay-ratio is 0.5 but the checkpoint" in out
+    full, split = (mx.load(str(tmp_path / d / "model.safetensors")) for d in ("full", "split"))
+    for key in full:
+        np.testing.assert_allclose(np.array(split[key]), np.array(full[key]), atol=1e-6, err_msg=key)
+    report = json.loads((tmp_path / "full" / "training_report.json").read_text())
+    assert report["replay_per_batch"] == 1 and report["replay_train_sequences"] == 4  # 6 prompts, 2 held out
+    log = [json.loads(line) for line in (tmp_path / "full" / "work" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["replay_sequences"] for r in log] == [1] * 6
+    assert report["replay_mean_acceptance_length"] is not None and report["mean_acceptance_length"] is not None

@@ -80,6 +80,7 @@ class TrainOptions:
     replay_ratio: float = 0.25  # fraction of each batch taken from --replay
     loss_chunk_rows: int | None = None  # block rows per logits chunk; None: by vocabulary size
     feature_chunk: int = 512  # target tokens per forward when computing features
+    anchor_chunk: int | None = None  # anchors per sequence in one forward/backward; None: by memory
 
     def resolved(self, *, init_block_size: int | None = None, target_context: int | None = None) -> "TrainOptions":
         """A copy with the run-dependent defaults filled in (see the module docstring)."""
@@ -99,8 +100,9 @@ class TrainOptions:
     def check(self) -> None:
         """Raise OptionError for the first bad value."""
         positive = ("steps", "block_size", "draft_layers", "max_tokens", "max_length", "batch_size",
-                    "anchors_per_seq", "save_every", "gen_batch_size", "loss_chunk_rows", "feature_chunk")  # fmt: skip
-        optional = ("block_size", "draft_layers", "max_length", "loss_chunk_rows")
+                    "anchors_per_seq", "save_every", "gen_batch_size", "loss_chunk_rows", "feature_chunk",
+                    "anchor_chunk")  # fmt: skip
+        optional = ("block_size", "draft_layers", "max_length", "loss_chunk_rows", "anchor_chunk")
         for name in positive:
             value = getattr(self, name)
             if value is None and name in optional:

@@ -8,6 +8,14 @@ more block rows than one logits chunk holds (`--loss-chunk-rows`, by default
 about 128 MB of float32 logits), the loss runs in chunks
 (`chunked_loss.chunked_step`); otherwise in one graph. Both give the same loss
 and gradients.
+
+The drafter's attention keeps batch x heads x (anchors x b) x (L + anchors x b)
+probabilities per layer for the backward pass, which dominates at long
+sequences. So the anchors of a step are processed `--anchor-chunk` at a time
+(by default as many as keep those probabilities near 1 GB): each group of
+blocks gets its own forward and backward pass and the gradients are summed,
+weighted by the group's share of the blocks. Blocks never see each other, so
+this is the same loss and the same gradients (tested).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.optimizers as optim
 from mlx import nn
+from mlx.utils import tree_map
 
 from ..targets.adapter import TargetAdapter
 from .batches import Sequence, step_batch
@@ -23,6 +32,21 @@ from .features import FeatureStore
 from .loss import accepted_prefix, block_loss, row_weights
 from .model_forward import training_logits
 from .options import TrainOptions
+
+ATTENTION_BYTES = 1 << 30  # budget of the drafter's kept attention probabilities per anchor group
+
+
+def auto_anchor_chunk(drafter, batch: int, anchors: int, block: int, context: int) -> int:
+    """Anchors per group so that the kept attention probabilities stay near ATTENTION_BYTES."""
+    cfg = drafter.config
+    keys = context + anchors * block
+    per_anchor = 2 * 4 * batch * cfg.num_attention_heads * block * keys * cfg.num_hidden_layers
+    return max(1, min(anchors, ATTENTION_BYTES // max(per_anchor, 1)))
+
+
+def _add(total, grads, scale):
+    scaled = tree_map(lambda g: g * scale, grads)
+    return scaled if total is None else tree_map(lambda a, b: a + b, total, scaled)
 
 
 def make_optimizer(options: TrainOptions) -> optim.AdamW:
@@ -62,18 +86,39 @@ class StepRunner:
         tau = (prefix * block_valid).sum() / mx.maximum(blocks, 1.0)
         return loss, tau
 
-    def loss_and_grads(self, features, batch):
-        """(loss, tau, grads) of a batch, chunked when its rows exceed one chunk."""
-        rows = batch.targets.size
-        if rows <= self.chunk_rows:
-            (loss, tau), grads = self.loss_and_grad(
-                features, batch.block_ids, batch.anchors, batch.targets, batch.valid
-            )
+    def _group(self, features, block_ids, anchors, targets, valid):
+        """(loss, tau, grads) of some blocks, the logits chunked when their rows exceed one chunk."""
+        if targets.size <= self.chunk_rows:
+            (loss, tau), grads = self.loss_and_grad(features, block_ids, anchors, targets, valid)
             return loss, tau, grads
         return chunked_step(
-            self.drafter, self.target, features, batch.block_ids, batch.anchors, batch.targets, batch.valid,
-            self.weights, self.chunk_rows,
-        )  # fmt: skip
+            self.drafter, self.target, features, block_ids, anchors, targets, valid, self.weights, self.chunk_rows
+        )
+
+    def loss_and_grads(self, features, batch):
+        """(loss, tau, grads) of a batch: its anchors in groups, each group's rows in chunks."""
+        B, K = batch.anchors.shape
+        b = self.options.block_size
+        group = self.options.anchor_chunk or auto_anchor_chunk(self.drafter, B, K, b, features.shape[1])
+        if group >= K:
+            return self._group(features, batch.block_ids, batch.anchors, batch.targets, batch.valid)
+        per_group = batch.valid.any(axis=-1).astype(mx.float32)
+        total = max(per_group.sum().item(), 1.0)
+        loss = tau = grads = None
+        for start in range(0, K, group):
+            sl = slice(start, start + group)
+            share = per_group[:, sl].sum().item() / total
+            if share == 0:
+                continue
+            part = self._group(
+                features, batch.block_ids[:, start * b : (start + group) * b], batch.anchors[:, sl],
+                batch.targets[:, sl], batch.valid[:, sl],
+            )  # fmt: skip
+            loss = part[0] * share if loss is None else loss + part[0] * share
+            tau = part[1] * share if tau is None else tau + part[1] * share
+            grads = _add(grads, part[2], share)
+            mx.eval(loss, tau, grads)
+        return loss, tau, grads
 
     def __call__(self, step: int, sequences: list[Sequence], mask_id: int, pad_id: int) -> dict[str, float]:
         o = self.options
