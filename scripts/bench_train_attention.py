@@ -2,7 +2,7 @@
 
 One `StepRunner.loss_and_grads` (forward and backward, no optimizer) on 8
 random sequences of `--length` tokens of a random 2-layer hidden-64 qwen3
-target (tests/tiny_models, 512-token vocabulary, so the logits are small),
+target (tests/helpers, 512-token vocabulary, so the logits are small),
 with a fresh 5-layer drafter at block 16 and 32 anchors per sequence. The
 drafter's attention keeps batch x heads x (anchors x block) x (length +
 anchors x block) probabilities per layer for the backward pass; `--anchor-chunk`
@@ -33,9 +33,9 @@ def main() -> None:
     import mlx.core as mx
     import mlx_lm
     import numpy as np
-    import tiny_models as tm
+    import helpers as tm
 
-    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx.targets.adapter import TargetAdapter
     from dflash_mlx.train.batches import Sequence, make_batch, sample_anchors
     from dflash_mlx.train.features import target_features
     from dflash_mlx.train.new_drafter import drafter_config, new_drafter
