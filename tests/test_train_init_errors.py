@@ -121,3 +121,16 @@ def test_init_with_replay_resumes_exactly(qwen3_target, qwen3_draft, data, tmp_p
     log = [json.loads(line) for line in (tmp_path / "full" / "work" / "train_log.jsonl").read_text().splitlines()]
     assert [r["replay_sequences"] for r in log] == [1] * 6
     assert report["replay_mean_acceptance_length"] is not None and report["mean_acceptance_length"] is not None
+
+
+def test_init_from_a_flat_schema_sliding_drafter(qwen3_target, data, tmp_path):
+    init = tm.make_draft(tmp_path / "sliding", qwen3_target, target_layer_ids=[1, 2], block_size=5, schema="flat",
+                         layer_types=["sliding_attention", "full_attention"], sliding_window=4)  # fmt: skip
+    code, out = _invoke("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", init, *QUICK)
+    assert code == 0, out
+    config = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert "block_size" not in config and config["dflash_config"]["block_size"] == 5  # moved, not duplicated
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 4
+    model, _, _ = tm.load_pair(str(qwen3_target))
+    draft = load_draft(tmp_path / "o", model)
+    assert draft.config.block_size == 5 and draft.config.layer_is_sliding(0)
