@@ -95,6 +95,8 @@ def test_flag_errors(qwen3_target, qwen3_draft, data, tmp_path):
     assert code == 1 and "--draft-layers cannot be combined with --init" in out
     code, out = _invoke(*base, "--replay-ratio", "1.5")
     assert code == 1 and "--replay-ratio" in out
+    code, out = _invoke(*base, "--replay", data, "--batch-size", "1")
+    assert code == 1 and "--replay needs --batch-size >= 2" in out
 
 
 def test_init_with_replay_resumes_exactly(qwen3_target, qwen3_draft, data, tmp_path):

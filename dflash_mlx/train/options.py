@@ -119,6 +119,8 @@ class TrainOptions:
                     f"{flag(given[0])} cannot be combined with --init: the drafter's layers, target "
                     "layer ids, mask token and widths come from the --init checkpoint's config.json."
                 )
+        if self.replay is not None and isinstance(self.batch_size, int) and self.batch_size < 2:
+            raise OptionError("--replay needs --batch-size >= 2 (each batch holds new and replayed sequences).")
         if not 0 < self.replay_ratio < 1:
             raise OptionError(f"--replay-ratio is a fraction of each batch in (0, 1), got {self.replay_ratio!r}.")
         for name in ("holdout", "keep_checkpoints", "seed"):
