@@ -52,7 +52,7 @@ def test_init_keeps_the_drafters_config_and_uses_finetuning_defaults(qwen3_targe
     assert report["lr"] == FINETUNE_LR and report["warmup"] == FINETUNE_WARMUP and report["init"] == str(qwen3_draft)
     assert report["block_size"] == 16 and report["target_layer_ids"] == [1, 2] and report["draft_layers"] == 2
     assert f"from {qwen3_draft}" in out and "Peak memory of the training loop" in out
-    assert report["peak_rss_gb"] > 0 and report["peak_memory_gb"] > 0
+    assert report["peak_rss_gb"] > 0 and report["peak_memory_gb"] > 0 and report["max_memory_gb"] is None
     before = json.loads((qwen3_draft / "config.json").read_text())
     after = json.loads((tmp_path / "o" / "config.json").read_text())
     assert after["dflash_config"] == before["dflash_config"] and after["num_hidden_layers"] == 2
@@ -97,6 +97,11 @@ def test_flag_errors(qwen3_target, qwen3_draft, data, tmp_path):
     assert code == 1 and "--replay-ratio" in out
     code, out = _invoke(*base, "--replay", data, "--batch-size", "1")
     assert code == 1 and "--replay needs --batch-size >= 2" in out
+    code, out = _invoke(*base, "--max-memory-gb", "0.0001")
+    assert code == 1 and "--max-memory-gb 0.0001: the first training step peaked at" in out
+    assert "lower --batch-size (now 2) or --anchors-per-seq (now 2)" in out
+    code, out = _invoke(*base, "--max-memory-gb", "-1")
+    assert code == 1 and "--max-memory-gb must be a positive number" in out
 
 
 def test_init_with_replay_resumes_exactly(qwen3_target, qwen3_draft, data, tmp_path):
