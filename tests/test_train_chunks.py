@@ -17,7 +17,7 @@ from dflash_mlx.train.chunked_loss import auto_chunk_rows, chunked_step
 from dflash_mlx.train.features import target_features
 from dflash_mlx.train.new_drafter import drafter_config, new_drafter
 from dflash_mlx.train.options import TrainOptions
-from dflash_mlx.train.step import StepRunner, auto_anchor_chunk
+from dflash_mlx.train.step import StepRunner, auto_anchor_chunk, memory_budgets
 
 B = 4
 
@@ -61,6 +61,11 @@ def test_chunked_loss_equals_the_whole_batch_loss(qwen3_target, softcap):
     chunked_runner = StepRunner(draft, target, None, None, small)
     assert chunked_runner.chunk_rows == 5 and whole.chunk_rows == auto_chunk_rows(tm.TINY_VOCAB)
     assert auto_chunk_rows(151_936) * 151_936 <= 1 << 25 and auto_chunk_rows(10**9) == 16
+    assert memory_budgets(None) == (1 << 25, 1 << 30) and memory_budgets(100.0) == (1 << 25, 1 << 30)
+    assert memory_budgets(1.0) == (31_250_000, 250_000_000)
+    tight = TrainOptions(model="t", data="d", out="o", block_size=B, max_memory_gb=0.01)
+    limited = StepRunner(draft, target, None, None, tight)
+    assert limited.chunk_rows == 312_500 // tm.TINY_VOCAB and limited.attention_bytes == 2_500_000
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama_sliding", "qwen3_5"])

@@ -52,7 +52,7 @@ def test_init_keeps_the_drafters_config_and_uses_finetuning_defaults(qwen3_targe
     assert report["lr"] == FINETUNE_LR and report["warmup"] == FINETUNE_WARMUP and report["init"] == str(qwen3_draft)
     assert report["block_size"] == 16 and report["target_layer_ids"] == [1, 2] and report["draft_layers"] == 2
     assert f"from {qwen3_draft}" in out and "Peak memory of the training loop" in out
-    assert report["peak_rss_gb"] > 0 and report["peak_memory_gb"] > 0
+    assert report["peak_rss_gb"] > 0 and report["peak_memory_gb"] > 0 and report["max_memory_gb"] is None
     before = json.loads((qwen3_draft / "config.json").read_text())
     after = json.loads((tmp_path / "o" / "config.json").read_text())
     assert after["dflash_config"] == before["dflash_config"] and after["num_hidden_layers"] == 2
@@ -95,6 +95,13 @@ def test_flag_errors(qwen3_target, qwen3_draft, data, tmp_path):
     assert code == 1 and "--draft-layers cannot be combined with --init" in out
     code, out = _invoke(*base, "--replay-ratio", "1.5")
     assert code == 1 and "--replay-ratio" in out
+    code, out = _invoke(*base, "--replay", data, "--batch-size", "1")
+    assert code == 1 and "--replay needs --batch-size >= 2" in out
+    code, out = _invoke(*base, "--max-memory-gb", "0.0001")
+    assert code == 1 and "--max-memory-gb 0.0001: the first training step peaked at" in out
+    assert "lower --batch-size (now 2) or --anchors-per-seq (now 2)" in out
+    code, out = _invoke(*base, "--max-memory-gb", "-1")
+    assert code == 1 and "--max-memory-gb must be a positive number" in out
 
 
 def test_init_with_replay_resumes_exactly(qwen3_target, qwen3_draft, data, tmp_path):
@@ -121,3 +128,16 @@ def test_init_with_replay_resumes_exactly(qwen3_target, qwen3_draft, data, tmp_p
     log = [json.loads(line) for line in (tmp_path / "full" / "work" / "train_log.jsonl").read_text().splitlines()]
     assert [r["replay_sequences"] for r in log] == [1] * 6
     assert report["replay_mean_acceptance_length"] is not None and report["mean_acceptance_length"] is not None
+
+
+def test_init_from_a_flat_schema_sliding_drafter(qwen3_target, data, tmp_path):
+    init = tm.make_draft(tmp_path / "sliding", qwen3_target, target_layer_ids=[1, 2], block_size=5, schema="flat",
+                         layer_types=["sliding_attention", "full_attention"], sliding_window=4)  # fmt: skip
+    code, out = _invoke("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", init, *QUICK)
+    assert code == 0, out
+    config = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert "block_size" not in config and config["dflash_config"]["block_size"] == 5  # moved, not duplicated
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 4
+    model, _, _ = tm.load_pair(str(qwen3_target))
+    draft = load_draft(tmp_path / "o", model)
+    assert draft.config.block_size == 5 and draft.config.layer_is_sliding(0)

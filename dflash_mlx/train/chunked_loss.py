@@ -32,9 +32,9 @@ LOGIT_ELEMENTS_PER_CHUNK = 1 << 25  # 32M logits = 128 MB in float32 per chunk
 MIN_CHUNK_ROWS = 16
 
 
-def auto_chunk_rows(vocab_size: int) -> int:
-    """Rows per chunk so that one chunk's float32 logits stay near 128 MB."""
-    return max(MIN_CHUNK_ROWS, LOGIT_ELEMENTS_PER_CHUNK // max(int(vocab_size), 1))
+def auto_chunk_rows(vocab_size: int, elements: int = LOGIT_ELEMENTS_PER_CHUNK) -> int:
+    """Rows per chunk so that one chunk holds about `elements` float32 logits (default 128 MB)."""
+    return max(MIN_CHUNK_ROWS, int(elements) // max(int(vocab_size), 1))
 
 
 def row_coefficients(valid: mx.array, weights: mx.array) -> tuple[mx.array, mx.array]:

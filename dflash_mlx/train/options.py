@@ -81,6 +81,7 @@ class TrainOptions:
     loss_chunk_rows: int | None = None  # block rows per logits chunk; None: by vocabulary size
     feature_chunk: int = 512  # target tokens per forward when computing features
     anchor_chunk: int | None = None  # anchors per sequence in one forward/backward; None: by memory
+    max_memory_gb: float | None = None  # smaller chunks, and a stop after step 1 if MLX's peak exceeds it
 
     def resolved(self, *, init_block_size: int | None = None, target_context: int | None = None) -> "TrainOptions":
         """A copy with the run-dependent defaults filled in (see the module docstring)."""
@@ -119,6 +120,10 @@ class TrainOptions:
                     f"{flag(given[0])} cannot be combined with --init: the drafter's layers, target "
                     "layer ids, mask token and widths come from the --init checkpoint's config.json."
                 )
+        if self.replay is not None and isinstance(self.batch_size, int) and self.batch_size < 2:
+            raise OptionError("--replay needs --batch-size >= 2 (each batch holds new and replayed sequences).")
+        if self.max_memory_gb is not None and not (self.max_memory_gb > 0 and math.isfinite(self.max_memory_gb)):
+            raise OptionError(f"--max-memory-gb must be a positive number, got {self.max_memory_gb!r}.")
         if not 0 < self.replay_ratio < 1:
             raise OptionError(f"--replay-ratio is a fraction of each batch in (0, 1), got {self.replay_ratio!r}.")
         for name in ("holdout", "keep_checkpoints", "seed"):

@@ -16,6 +16,9 @@ sequences. So the anchors of a step are processed `--anchor-chunk` at a time
 blocks gets its own forward and backward pass and the gradients are summed,
 weighted by the group's share of the blocks. Blocks never see each other, so
 this is the same loss and the same gradients (tested).
+
+`--max-memory-gb` lowers both budgets (`memory_budgets`); the trainer stops
+after the first step if MLX's peak went beyond it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from mlx.utils import tree_map
 
 from ..targets.adapter import TargetAdapter
 from .batches import Sequence, step_batch
-from .chunked_loss import auto_chunk_rows, chunked_step
+from .chunked_loss import LOGIT_ELEMENTS_PER_CHUNK, auto_chunk_rows, chunked_step
 from .features import FeatureStore
 from .loss import accepted_prefix, block_loss, row_weights
 from .model_forward import training_logits
@@ -36,12 +39,23 @@ from .options import TrainOptions
 ATTENTION_BYTES = 1 << 30  # budget of the drafter's kept attention probabilities per anchor group
 
 
-def auto_anchor_chunk(drafter, batch: int, anchors: int, block: int, context: int) -> int:
-    """Anchors per group so that the kept attention probabilities stay near ATTENTION_BYTES."""
+def auto_anchor_chunk(
+    drafter, batch: int, anchors: int, block: int, context: int, budget: int = ATTENTION_BYTES
+) -> int:
+    """Anchors per group so that the kept attention probabilities stay near `budget` bytes."""
     cfg = drafter.config
     keys = context + anchors * block
     per_anchor = 2 * 4 * batch * cfg.num_attention_heads * block * keys * cfg.num_hidden_layers
-    return max(1, min(anchors, ATTENTION_BYTES // max(per_anchor, 1)))
+    return max(1, min(anchors, int(budget) // max(per_anchor, 1)))
+
+
+def memory_budgets(max_memory_gb: float | None) -> tuple[int, int]:
+    """(logit elements per chunk, attention bytes per anchor group): the defaults, or
+    an eighth and a quarter of `--max-memory-gb` when that is smaller."""
+    if max_memory_gb is None:
+        return LOGIT_ELEMENTS_PER_CHUNK, ATTENTION_BYTES
+    limit = max_memory_gb * 1e9
+    return min(LOGIT_ELEMENTS_PER_CHUNK, int(limit / 8 / 4)), min(ATTENTION_BYTES, int(limit / 4))
 
 
 def _add(total, grads, scale):
@@ -75,7 +89,8 @@ class StepRunner:
             self.replay_per_batch = min(max(1, round(options.replay_ratio * options.batch_size)),
                                         options.batch_size - 1)  # fmt: skip
         self.weights = row_weights(options.block_size, options.loss_decay)
-        self.chunk_rows = options.loss_chunk_rows or auto_chunk_rows(target.vocab_size)
+        logit_elements, self.attention_bytes = memory_budgets(options.max_memory_gb)
+        self.chunk_rows = options.loss_chunk_rows or auto_chunk_rows(target.vocab_size, logit_elements)
         self.loss_and_grad = nn.value_and_grad(drafter, self._loss)
 
     def _loss(self, features, block_ids, anchors, targets, valid):
@@ -99,7 +114,9 @@ class StepRunner:
         """(loss, tau, grads) of a batch: its anchors in groups, each group's rows in chunks."""
         B, K = batch.anchors.shape
         b = self.options.block_size
-        group = self.options.anchor_chunk or auto_anchor_chunk(self.drafter, B, K, b, features.shape[1])
+        group = self.options.anchor_chunk or auto_anchor_chunk(
+            self.drafter, B, K, b, features.shape[1], self.attention_bytes
+        )
         if group >= K:
             return self._group(features, batch.block_ids, batch.anchors, batch.targets, batch.valid)
         per_group = batch.valid.any(axis=-1).astype(mx.float32)

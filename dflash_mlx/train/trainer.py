@@ -134,6 +134,17 @@ def peak_memory() -> dict[str, float]:
     return {"peak_memory_gb": mx.get_peak_memory() / 1e9, "peak_rss_gb": rss_bytes / 1e9}
 
 
+def check_memory(options: TrainOptions) -> None:
+    """After the first step: stop if MLX's peak went beyond --max-memory-gb."""
+    peak = mx.get_peak_memory() / 1e9
+    if peak > options.max_memory_gb:
+        raise OptionError(
+            f"--max-memory-gb {options.max_memory_gb:g}: the first training step peaked at {peak:.2f} GB (MLX); "
+            f"lower --batch-size (now {options.batch_size}) or --anchors-per-seq (now {options.anchors_per_seq}), "
+            "or allow more memory."
+        )
+
+
 def train_drafter(options: TrainOptions, console: Console | None = None) -> dict[str, Any]:
     """Run the whole training described by `options`; return the report (also saved).
 
@@ -259,6 +270,8 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
         for step in range(start, end):
             t0 = time.perf_counter()
             row = runner(step, sequences, mask_id, pad_id)
+            if step == start and options.max_memory_gb is not None:
+                check_memory(options)
             dt = time.perf_counter() - t0
             row.update(step=step + 1, seconds=dt)
             log.write(json.dumps(row) + "\n")
@@ -290,6 +303,7 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
         "warmup": options.warmup,
         "max_length": options.max_length,
         "loss_chunk_rows": runner.chunk_rows,
+        "max_memory_gb": options.max_memory_gb,
         "train_sequences": len(sequences) - len(replay_seqs),
         "dropped_sequences": dropped,
         "holdout_prompts": len(held_prompts),
