@@ -81,8 +81,8 @@ def derive_target_layer_ids(num_draft_layers: int, num_target_layers: int) -> tu
     )
 
 
-def read_draft_config(path: str | Path) -> DraftConfig:
-    """Read and parse `<dir>/config.json` (or a config.json path)."""
+def read_raw_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """(config.json's path, its JSON object) for `<dir>/config.json` or a config.json path."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
@@ -93,6 +93,12 @@ def read_draft_config(path: str | Path) -> DraftConfig:
         raise DraftConfigError(f"{file}: config.json is not valid JSON ({e}).") from e
     if not isinstance(raw, dict):
         raise DraftConfigError(f"{file}: config.json must hold a JSON object.")
+    return file, raw
+
+
+def read_draft_config(path: str | Path) -> DraftConfig:
+    """Read and parse `<dir>/config.json` (or a config.json path)."""
+    file, raw = read_raw_config(path)
     return parse_draft_config(raw, source=str(file))
 
 

@@ -12,13 +12,12 @@ DFlash 2 checkpoint is refused: training supports v1 drafters only.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from ..draft.config import DraftConfig, DraftConfigError, parse_draft_config
+from ..draft.config import DraftConfig, DraftConfigError, parse_draft_config, read_raw_config
 from ..draft.load import DraftWeightsError, load_draft, resolve_model_dir
 from ..draft.model import DFlashDraftModel
 
@@ -33,14 +32,8 @@ def read_init_config(init: str) -> tuple[Path, dict[str, Any], DraftConfig]:
         model_dir = resolve_model_dir(init, what="--init drafter")
     except FileNotFoundError as e:
         raise InitDrafterError(f"--init {init}: {e}") from e
-    file = model_dir / "config.json"
-    if not file.is_file():
-        raise InitDrafterError(f"--init {init}: {file} not found (a drafter directory holds config.json).")
     try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise InitDrafterError(f"--init {init}: {file} is not valid JSON ({e.msg}).") from e
-    try:
+        file, raw = read_raw_config(model_dir)
         config = parse_draft_config(raw, source=str(file))
     except DraftConfigError as e:
         raise InitDrafterError(f"--init {init}: {e}") from e
