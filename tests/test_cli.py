@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mlx import __version__, openblas
+from dflash_mlx import __version__
+from dflash_mlx.cli import openblas
 from dflash_mlx.cli import app
 
 ROOT = Path(__file__).resolve().parent.parent
