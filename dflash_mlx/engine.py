@@ -50,9 +50,6 @@ class _Pending:
     features: mx.array | None
     record: VerifyRecord
 
-    def unpack(self):
-        return self.block_size, self.verdict, self.rows, self.features, self.record
-
 
 def speculative_cycles(
     target: TargetAdapter,
@@ -144,19 +141,18 @@ def speculative_cycles(
         pending = launch(anchor, position, committed)
     try:
         while pending is not None:
-            b, verdict, logits, features, record = pending.unpack()
-            pending = None
-            values = verdict.tolist()
+            queued, pending = pending, None
+            values = queued.verdict.tolist()
             accepted = values[0]
             tokens = values[1 : accepted + 2]
             stop = next((i for i, t in enumerate(tokens) if t in stop_tokens), None)
             if stop is not None:
                 tokens = tokens[: stop + 1]
             kept = len(tokens)  # rows kept: the anchor and the accepted drafts before the last token
-            rollback(cache, record, keep=kept)
+            rollback(cache, queued.record, keep=kept)
             session.fed([anchor_id] + tokens[:-1])
-            if features is not None:
-                add_context(features[:, :kept])
+            if queued.features is not None:
+                add_context(queued.features[:, :kept])
             acceptor.commit(tokens)
             committed += len(tokens)
             position += len(tokens)
@@ -164,8 +160,8 @@ def speculative_cycles(
             if stop is None and (committed < max_tokens or max_tokens < 0):
                 pending = launch(mx.array([anchor_id], mx.int32), position, committed)
             # Log-probabilities stay lazy: only a caller that reads them pays for them.
-            logprobs = log_softmax(logits[:kept])
-            yield Cycle(tokens=tokens, logprobs=logprobs, drafted=min(accepted, kept), block_size=b,
+            logprobs = log_softmax(queued.rows[:kept])
+            yield Cycle(tokens=tokens, logprobs=logprobs, drafted=min(accepted, kept), block_size=queued.block_size,
                         stopped=stop is not None)  # fmt: skip
     finally:
         if pending is not None:  # the consumer stopped early: undo the queued verify but for its anchor

@@ -60,11 +60,6 @@ from .cache import list_cache_problem, list_session, remember
 from ..models.resolve import entry_for_target
 from ..session import Session, make_session
 
-__all__ = [
-    "DFlashPromptCache", "generate", "load", "make_prompt_cache", "remember_draft", "remembered_draft",
-    "stream_generate",
-]
-
 # Every keyword mlx_lm.stream_generate passes on to generate_step / speculative_generate_step.
 OPTIONS = frozenset({
     "sampler", "logits_processors", "max_kv_size", "prompt_cache", "prefill_step_size", "kv_bits",

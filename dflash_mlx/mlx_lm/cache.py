@@ -61,8 +61,9 @@ def list_cache_problem(model: nn.Module, cache) -> str | None:
         check_caches(cache, target.family_name, target.linear_layers)
     except (UnsupportedCacheError, UnsupportedTargetError) as e:
         return f"prompt_cache: {e}"
-    if len(cache) != len(target.make_cache()):
-        return f"prompt_cache holds {len(cache)} layer caches, this model makes {len(target.make_cache())}"
+    expected = len(target.make_cache())
+    if len(cache) != expected:
+        return f"prompt_cache holds {len(cache)} layer caches, this model makes {expected}"
     if held_length(cache) is None:
         return "prompt_cache has no attention cache that says how many tokens it holds"
     return None
@@ -94,8 +95,8 @@ def list_session(model: nn.Module, draft, cache: list) -> Session:
 
 def remember(cache: list, session: Session) -> None:
     """Record what the list holds after a DFlash call (its drafter context is the session's)."""
-    bound = _bindings.get(id(cache))
-    if bound is not None and bound.first() is cache[0]:
+    bound = _binding(cache, session.draft)
+    if bound is not None:
         bound.tokens = list(session.tokens)
 
 
