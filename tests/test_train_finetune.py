@@ -21,42 +21,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import helpers as tm
-import typer
-from typer.testing import CliRunner
 
 import dflash_mlx
 from dflash_mlx import load_draft
-from dflash_mlx.train.command import train
 from dflash_mlx.train.validate import acceptance_length
-
-app = typer.Typer()
-app.command("train")(train)
+from helpers.train_cli import train_ok
 
 
-@app.callback()
-def _root() -> None:
-    """A one-command app, as the CLI registers it."""
-
-
-runner = CliRunner()
 CYCLE, PROMPTS_PER_KIND, GAIN, HIDDEN = 32, 40, 16.0, 160
 MARKERS = {"A": "<|im_start|>", "B": "<|im_end|>"}
 SCRATCH = ["--target-layers", "0,1", "--draft-layers", "2"]
 COMMON = ["--block-size", "4", "--max-tokens", "24", "--batch-size", "8",
           "--anchors-per-seq", "8", "--holdout", "8", "--val-max-tokens", "24", "--save-every", "1000"]  # fmt: skip
-
-
-def invoke(*args) -> tuple[int, str]:
-    result = runner.invoke(app, ["train", *map(str, args)], env={"COLUMNS": "200"})
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.output
-
-
-def ok(*args) -> str:
-    code, output = invoke(*args)
-    assert code == 0, output
-    return output
 
 
 def roundtrip_tokens(tokenizer) -> list[int]:
@@ -156,11 +132,11 @@ def runs(two_kinds):
     """A drafter trained on A; then N steps on B from scratch, from it, and from it with A replayed."""
     root, target, files = two_kinds["root"], two_kinds["target"], two_kinds["files"]
     common = ["--model", target, "--responses", root / "responses.jsonl", *COMMON]
-    ok(*common, "--data", files["A"], "--out", root / "on-A", "--steps", "150", "--lr", "3e-3", *SCRATCH)
+    train_ok(*common, "--data", files["A"], "--out", root / "on-A", "--steps", "150", "--lr", "3e-3", *SCRATCH)
     steps = ["--data", files["B"], "--steps", str(FINETUNE_STEPS), "--lr", "3e-3"]
-    ok(*common, *steps, "--out", root / "scratch-B", *SCRATCH)
-    ok(*common, *steps, "--out", root / "init-B", "--init", root / "on-A")
-    output = ok(*common, *steps, "--out", root / "replay-B", "--init", root / "on-A", "--replay", files["A"])
+    train_ok(*common, *steps, "--out", root / "scratch-B", *SCRATCH)
+    train_ok(*common, *steps, "--out", root / "init-B", "--init", root / "on-A")
+    output = train_ok(*common, *steps, "--out", root / "replay-B", "--init", root / "on-A", "--replay", files["A"])
     return {"root": root, "replay_output": output}
 
 
@@ -229,9 +205,9 @@ def test_long_context_finetuning(two_kinds, runs):
     data = write_prompts(root / "A-long.jsonl", longs)
     short_held, long_held = held_out(two_kinds["prompts"]["A"], 0), held_out(longs, 0)
     before_long, before_short = (held_acceptance(target, root / "on-A", p) for p in (long_held, short_held))
-    ok("--model", target, "--responses", root / "responses.jsonl", *COMMON, "--data", data, "--out", root / "long",
-       "--init", root / "on-A", "--steps", "12", "--lr", "1e-3", "--max-length", "1024", "--feature-chunk", "128",
-       "--cache-features")  # fmt: skip
+    train_ok("--model", target, "--responses", root / "responses.jsonl", *COMMON, "--data", data,
+             "--out", root / "long", "--init", root / "on-A", "--steps", "12", "--lr", "1e-3",
+             "--max-length", "1024", "--feature-chunk", "128", "--cache-features")  # fmt: skip
     after = report(root / "long")
     after_short = held_acceptance(target, root / "long", short_held)
     print(f"\nA at ~{min(lengths)}-token prompts: {before_long:.2f} -> {after['mean_acceptance_length']:.2f} after "

@@ -9,32 +9,14 @@ from pathlib import Path
 
 import pytest
 import helpers as tm
-import typer
-from typer.testing import CliRunner
 
 from dflash_mlx import load_draft
-from dflash_mlx.train.command import train
 from dflash_mlx.train.options import FINETUNE_LR, FINETUNE_WARMUP
-
-app = typer.Typer()
-app.command("train")(train)
+from helpers.train_cli import run_train
 
 
-@app.callback()
-def _root() -> None:
-    """A one-command app, as the CLI registers it."""
-
-
-runner = CliRunner()
 WORDS = "the river ran past old mill under stone bridge near market every morning baker".split()
 QUICK = ["--steps", "2", "--max-tokens", "6", "--batch-size", "2", "--anchors-per-seq", "2", "--holdout", "0"]
-
-
-def _invoke(*args) -> tuple[int, str]:
-    result = runner.invoke(app, ["train", *map(str, args)], env={"COLUMNS": "250"})
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.output
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +27,8 @@ def data(tmp_path_factory) -> Path:
 
 
 def test_init_keeps_the_drafters_config_and_uses_finetuning_defaults(qwen3_target, qwen3_draft, data, tmp_path):
-    code, out = _invoke("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", qwen3_draft,
-                        *QUICK)  # fmt: skip
+    code, out = run_train("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", qwen3_draft,
+                          *QUICK)  # fmt: skip
     assert code == 0, out
     report = json.loads((tmp_path / "o" / "training_report.json").read_text())
     assert report["lr"] == FINETUNE_LR and report["warmup"] == FINETUNE_WARMUP and report["init"] == str(qwen3_draft)
@@ -58,8 +40,8 @@ def test_init_keeps_the_drafters_config_and_uses_finetuning_defaults(qwen3_targe
     assert after["dflash_config"] == before["dflash_config"] and after["num_hidden_layers"] == 2
     model, _, _ = tm.load_pair(str(qwen3_target))
     load_draft(tmp_path / "o", model)
-    code, out = _invoke("--model", qwen3_target, "--data", data, "--out", tmp_path / "p", "--init", qwen3_draft,
-                        *QUICK, "--block-size", "4", "--lr", "1e-3")  # fmt: skip
+    code, out = run_train("--model", qwen3_target, "--data", data, "--out", tmp_path / "p", "--init", qwen3_draft,
+                          *QUICK, "--block-size", "4", "--lr", "1e-3")  # fmt: skip
     assert code == 0, out
     report = json.loads((tmp_path / "p" / "training_report.json").read_text())
     assert report["lr"] == 1e-3 and report["block_size"] == 4
@@ -68,39 +50,39 @@ def test_init_keeps_the_drafters_config_and_uses_finetuning_defaults(qwen3_targe
 
 def test_init_refuses_dflash2_and_drafters_of_another_target(qwen3_target, tiny_target, data, tmp_path):
     v2 = tm.make_draft2(tmp_path / "v2", qwen3_target, target_layer_ids=[1, 2])
-    code, out = _invoke("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", v2, *QUICK)
+    code, out = run_train("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", v2, *QUICK)
     assert code == 1 and f"--init {v2}" in out and "DFlash 2" in out and "not supported yet" in out, out
     other = tiny_target("qwen3", hidden_size=32)
     foreign = tm.make_draft(tmp_path / "foreign", other, target_layer_ids=[1, 2])
-    code, out = _invoke("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", foreign, *QUICK)
+    code, out = run_train("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", foreign, *QUICK)
     assert code == 1 and f"Draft '{foreign}' does not fit target '{qwen3_target}'" in out, out
     assert "hidden_size is 32 in the draft but the target has 64" in out
-    code, out = _invoke("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", tmp_path / "none",
-                        *QUICK)  # fmt: skip
+    code, out = run_train("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", tmp_path / "none",
+                          *QUICK)  # fmt: skip
     assert code == 1 and "--init" in out and "neither an existing directory" in out, out
 
 
 def test_flag_errors(qwen3_target, qwen3_draft, data, tmp_path):
     base = ["--model", qwen3_target, "--data", data, "--out", tmp_path / "o", *QUICK]
-    code, out = _invoke(*base, "--max-length", "5000")
+    code, out = run_train(*base, "--max-length", "5000")
     assert code == 1 and "--max-length 5000 is beyond the context of target" in out
     assert "max_position_embeddings 4096" in out
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    code, out = _invoke(*base, "--replay", empty)
+    code, out = run_train(*base, "--replay", empty)
     assert code == 1 and f"--replay {empty}: no prompts (the file is empty)" in out, out
-    code, out = _invoke(*base, "--replay", tmp_path / "missing.jsonl")
+    code, out = run_train(*base, "--replay", tmp_path / "missing.jsonl")
     assert code == 1 and "--replay" in out and "not found" in out
-    code, out = _invoke(*base, "--init", qwen3_draft, "--draft-layers", "3")
+    code, out = run_train(*base, "--init", qwen3_draft, "--draft-layers", "3")
     assert code == 1 and "--draft-layers cannot be combined with --init" in out
-    code, out = _invoke(*base, "--replay-ratio", "1.5")
+    code, out = run_train(*base, "--replay-ratio", "1.5")
     assert code == 1 and "--replay-ratio" in out
-    code, out = _invoke(*base, "--replay", data, "--batch-size", "1")
+    code, out = run_train(*base, "--replay", data, "--batch-size", "1")
     assert code == 1 and "--replay needs --batch-size >= 2" in out
-    code, out = _invoke(*base, "--max-memory-gb", "0.0001")
+    code, out = run_train(*base, "--max-memory-gb", "0.0001")
     assert code == 1 and "--max-memory-gb 0.0001: the first training step peaked at" in out
     assert "lower --batch-size (now 2) or --anchors-per-seq (now 2)" in out
-    code, out = _invoke(*base, "--max-memory-gb", "-1")
+    code, out = run_train(*base, "--max-memory-gb", "-1")
     assert code == 1 and "--max-memory-gb must be a positive number" in out
 
 
@@ -114,11 +96,11 @@ def test_init_with_replay_resumes_exactly(qwen3_target, qwen3_draft, data, tmp_p
               "--responses", tmp_path / "responses.jsonl", "--steps", "6", "--max-tokens", "6", "--batch-size", "4",
               "--anchors-per-seq", "2", "--holdout", "2", "--save-every", "3", "--block-size", "4"]  # fmt: skip
     for args in (["--out", tmp_path / "full"], ["--out", tmp_path / "split", "--stop-at", "3"]):
-        code, out = _invoke(*common, *args)
+        code, out = run_train(*common, *args)
         assert code == 0, out
-    code, out = _invoke(*common, "--out", tmp_path / "split", "--resume")
+    code, out = run_train(*common, "--out", tmp_path / "split", "--resume")
     assert code == 0 and "(step 3)" in out, out
-    code, out = _invoke(*common, "--out", tmp_path / "split", "--resume", "--replay-ratio", "0.5")
+    code, out = run_train(*common, "--out", tmp_path / "split", "--resume", "--replay-ratio", "0.5")
     assert code == 1 and "--replay-ratio is 0.5 but the checkpoint" in out
     full, split = (mx.load(str(tmp_path / d / "model.safetensors")) for d in ("full", "split"))
     for key in full:
@@ -133,7 +115,7 @@ def test_init_with_replay_resumes_exactly(qwen3_target, qwen3_draft, data, tmp_p
 def test_init_from_a_flat_schema_sliding_drafter(qwen3_target, data, tmp_path):
     init = tm.make_draft(tmp_path / "sliding", qwen3_target, target_layer_ids=[1, 2], block_size=5, schema="flat",
                          layer_types=["sliding_attention", "full_attention"], sliding_window=4)  # fmt: skip
-    code, out = _invoke("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", init, *QUICK)
+    code, out = run_train("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", init, *QUICK)
     assert code == 0, out
     config = json.loads((tmp_path / "o" / "config.json").read_text())
     assert "block_size" not in config and config["dflash_config"]["block_size"] == 5  # moved, not duplicated

@@ -12,45 +12,21 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import EOS_ID, MASK_ID, load_pair
-import typer
 from mlx.utils import tree_flatten
-from typer.testing import CliRunner
 
 import dflash_mlx
 from dflash_mlx import load_draft
-from dflash_mlx.train.command import train
 from dflash_mlx.train.data import DataError
 from dflash_mlx.train.regenerate import read_cache
-
-app = typer.Typer()
-app.command("train")(train)
+from helpers.train_cli import run_train, train_ok
 
 
-@app.callback()
-def _root() -> None:
-    """A one-command app, as the CLI registers it."""
-
-
-runner = CliRunner()
 WORDS = ["the", "river", "ran", "past", "old", "mill", "under", "stone", "bridge", "near",
          "market", "every", "morning", "baker", "opened", "shop"]  # fmt: skip
 PROMPTS = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(3 + i % 4)) for i in range(36)]
 ARGS = ["--steps", "24", "--block-size", "4", "--draft-layers", "2", "--max-tokens", "20",
         "--batch-size", "4", "--anchors-per-seq", "8", "--save-every", "8", "--holdout", "3",
         "--lr", "3e-3", "--target-layers", "1,2", "--val-max-tokens", "16"]  # fmt: skip
-
-
-def _invoke(*args) -> tuple[int, str]:
-    result = runner.invoke(app, ["train", *map(str, args)], env={"COLUMNS": "200"})
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.output
-
-
-def _ok(*args) -> str:
-    code, output = _invoke(*args)
-    assert code == 0, output
-    return output
 
 
 def _weights(path: Path) -> dict:
@@ -72,11 +48,11 @@ def runs(qwen3_target, data_file, tmp_path_factory):
     """One uninterrupted run and one stopped at step 16 then resumed."""
     root = tmp_path_factory.mktemp("train-runs")
     common = ["--model", qwen3_target, "--data", data_file, "--responses", root / "responses.jsonl", *ARGS]
-    full = _ok(*common, "--out", root / "full")
-    stopped = _ok(*common, "--out", root / "split", "--stop-at", "16")
+    full = train_ok(*common, "--out", root / "full")
+    stopped = train_ok(*common, "--out", root / "split", "--stop-at", "16")
     stopped_files = sorted(p.name for p in (root / "split").iterdir())
     checkpoints = sorted(p.name for p in (root / "split" / "work" / "checkpoints").iterdir())
-    resumed = _ok(*common, "--out", root / "split", "--resume")
+    resumed = train_ok(*common, "--out", root / "split", "--resume")
     return {
         "root": root,
         "full": full,
@@ -145,11 +121,11 @@ def test_stop_and_resume_reproduce_the_uninterrupted_run(runs):
 def test_resume_errors(runs, qwen3_target, data_file):
     root = runs["root"]
     common = ["--model", qwen3_target, "--data", data_file, "--responses", root / "responses.jsonl"]
-    code, out = _invoke(*common, *ARGS, "--out", root / "full")
+    code, out = run_train(*common, *ARGS, "--out", root / "full")
     assert code == 1 and "already holds checkpoints" in out and "--resume" in out
-    code, out = _invoke(*common, *ARGS, "--out", root / "none", "--resume")
+    code, out = run_train(*common, *ARGS, "--out", root / "none", "--resume")
     assert code == 1 and "no checkpoint to resume from" in out
-    code, out = _invoke(*common, *ARGS, "--block-size", "5", "--out", root / "full", "--resume")
+    code, out = run_train(*common, *ARGS, "--block-size", "5", "--out", root / "full", "--resume")
     assert code == 1 and "--block-size is 5 but the checkpoint" in out
 
 
@@ -166,11 +142,11 @@ def test_mask_token_from_tokenizer_or_option(qwen3_target, data_file, tmp_path):
     no_mask = _copy_target(qwen3_target, tmp_path / "t", lambda c: c.pop("mask_token", None))
     base = ["--data", data_file, "--steps", "2", "--block-size", "3", "--draft-layers", "1", "--max-tokens", "4",
             "--holdout", "0"]  # fmt: skip
-    code, out = _invoke("--model", no_mask, *base, "--out", tmp_path / "a")
+    code, out = run_train("--model", no_mask, *base, "--out", tmp_path / "a")
     assert code == 1 and "has no mask token" in out and "--mask-token-id" in out
-    _ok("--model", no_mask, *base, "--out", tmp_path / "b", "--mask-token-id", "4")
+    train_ok("--model", no_mask, *base, "--out", tmp_path / "b", "--mask-token-id", "4")
     assert json.loads((tmp_path / "b" / "config.json").read_text())["dflash_config"]["mask_token_id"] == 4
-    code, out = _invoke("--model", no_mask, *base, "--out", tmp_path / "c", "--mask-token-id", "9999")
+    code, out = run_train("--model", no_mask, *base, "--out", tmp_path / "c", "--mask-token-id", "9999")
     assert code == 1 and "--mask-token-id 9999 is outside the vocabulary" in out
 
 
@@ -190,23 +166,25 @@ def test_mask_token_from_tokenizer_or_option(qwen3_target, data_file, tmp_path):
 def test_data_errors_name_file_and_line(qwen3_target, tmp_path, lines, message):
     data = tmp_path / "bad.jsonl"
     data.write_text("\n".join(lines) + "\n")
-    code, out = _invoke("--model", qwen3_target, "--data", data, "--out", tmp_path / "o")
+    code, out = run_train("--model", qwen3_target, "--data", data, "--out", tmp_path / "o")
     assert code == 1 and str(data) in out and message in out, out
 
 
 def test_option_and_file_errors(qwen3_target, data_file, tmp_path):
-    code, out = _invoke("--model", qwen3_target, "--data", tmp_path / "missing.jsonl", "--out", tmp_path / "o")
+    code, out = run_train("--model", qwen3_target, "--data", tmp_path / "missing.jsonl", "--out", tmp_path / "o")
     assert code == 1 and "missing.jsonl: training data file not found" in out
-    code, out = _invoke("--model", tmp_path / "nowhere", "--data", data_file, "--out", tmp_path / "o")
+    code, out = run_train("--model", tmp_path / "nowhere", "--data", data_file, "--out", tmp_path / "o")
     assert code == 1 and "--model" in out and "no such directory" in out
-    code, out = _invoke("--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o", "--block-size", "1")
+    code, out = run_train("--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o", "--block-size", "1")
     assert code == 1 and "--block-size must be >= 2" in out
-    code, out = _invoke("--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o", "--holdout", "99")
+    code, out = run_train("--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o",
+                          "--holdout", "99")  # fmt: skip
     assert code == 1 and "--holdout 99 leaves no training prompts" in out
-    code, out = _invoke("--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o", "--target-layers", "1,9")
+    code, out = run_train("--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o",
+                          "--target-layers", "1,9")  # fmt: skip
     assert code == 1 and "--target-layers [1, 9]" in out and "0..3" in out
-    code, out = _invoke("--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o",
-                        "--chat-template-kwargs", "[1]")  # fmt: skip
+    code, out = run_train("--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o",
+                          "--chat-template-kwargs", "[1]")  # fmt: skip
     assert code == 2 and "expected a JSON object" in out
 
 
@@ -214,7 +192,7 @@ def test_messages_need_a_chat_template(qwen3_target, tmp_path):
     target = _copy_target(qwen3_target, tmp_path / "t", lambda c: c.pop("chat_template", None))
     data = tmp_path / "chat.jsonl"
     data.write_text('{"prompt": "ok"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
-    code, out = _invoke("--model", target, "--data", data, "--out", tmp_path / "o")
+    code, out = run_train("--model", target, "--data", data, "--out", tmp_path / "o")
     assert code == 1 and f"{data}:2: a 'messages' line needs a chat template" in out
 
 

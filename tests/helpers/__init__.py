@@ -7,6 +7,8 @@
 - ``constant_draft``: a drafter that always proposes one token (``make_constant_draft``).
 - ``runtime``: ``load_pair`` (cached: share read-only) and ``greedy_with_margins``.
 - ``checks``: prompts, mlx-lm references, stream comparisons, ``with_eos`` / ``without_eos``.
+- ``train_cli``: ``dflash-mlx train`` through Typer's CliRunner (import it from there: it
+  loads the training command, which the other test modules do not need).
 
 Test modules import from here (``from helpers import load_pair, TINY_VOCAB``); conftest.py
 builds the session fixtures (``tiny_target``, ``tiny_draft``, ``tiny_pair``, ...) on top.
