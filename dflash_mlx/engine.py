@@ -1,28 +1,38 @@
 """The speculative loop: prefill, then draft -> verify -> accept -> roll back.
 
 `speculative_cycles` is a generator of `Cycle`s (the tokens one target forward
-committed), with no I/O, no detokenizing and no knowledge of EOS: the caller
-stops consuming when it sees one. Acceptance is computed on the device
-and the next cycle's graph is queued with `mx.async_eval` before the current
-cycle is handed out, so there is one host sync per cycle. What a verify
-commits (greedy or exact sampling, logits processors) is the `Acceptor`'s.
-Log-probabilities are left lazy (a full-vocabulary log-softmax over every
-verified row costs ~10% of a 240M-parameter verify on a CPU).
+committed), with no I/O and no detokenizing; a cycle holding a stop token ends
+the generation. Acceptance is computed on the device and the next cycle's
+graph is queued with `mx.async_eval` before the current cycle is handed out,
+so there is one host sync per cycle. A block-size policy (`policy.base`)
+chooses each cycle's block; b = 1 is plain decoding, and consecutive b = 1
+cycles are pipelined like mlx-lm's `generate_step` (the next step is queued
+on the lazy token before the current one is read) where the caches can undo
+a single row. At b = 1 the drafter's context still receives every committed
+position, batched until the next larger block. What a verify commits (greedy
+or exact sampling, logits processors) is the `Acceptor`'s. Log-probabilities
+are left lazy (a full-vocabulary log-softmax over every verified row costs
+~10% of a 240M-parameter verify on a CPU).
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Collection, Iterator
 
 import mlx.core as mx
 
 from .acceptance import Acceptor
+from .policy.base import BlockPolicy, FixedBlock
 from .proposers.base import Proposer
 from .sampling import SamplingSettings, log_softmax
 from .session import Session
 from .targets.adapter import TargetAdapter
-from .targets.rollback import VerifyRecord, rollback
+from .targets.rollback import VerifyRecord, rollback, undoes_single_row
+
+CONTEXT_BATCH = 64  # rows of b = 1 features the drafter receives at once
 
 
 @dataclass
@@ -51,13 +61,44 @@ class _Pending:
     record: VerifyRecord
 
 
+class _DrafterContext:
+    """Target features of committed positions on their way to the proposer, in order.
+
+    Rows are handed over at once, except those of b = 1 cycles, which wait
+    (lazily) until a larger block needs the context or CONTEXT_BATCH gathered:
+    one batched context update instead of one per token.
+    """
+
+    def __init__(self, proposer: Proposer | None):
+        self.proposer = proposer if proposer is not None and proposer.layer_ids else None
+        self._waiting: list[mx.array] = []
+        self._rows = 0
+
+    def add(self, features: mx.array | None, wait: bool = False) -> None:
+        if self.proposer is None or features is None:
+            return
+        self._waiting.append(features)
+        self._rows += features.shape[1]
+        if not wait or self._rows >= CONTEXT_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._waiting:
+            w = self._waiting
+            self.proposer.add_context(w[0] if len(w) == 1 else mx.concatenate(w, axis=1))
+            self._waiting, self._rows = [], 0
+
+    def state(self) -> list:
+        return self.proposer.state() if self.proposer is not None else []
+
+
 def speculative_cycles(
     target: TargetAdapter,
     prompt: mx.array,
     proposer: Proposer | None,
     *,
     max_tokens: int,
-    block_size: int,
+    block_size: int | BlockPolicy,
     prefill_step_size: int = 2048,
     prompt_progress: Callable[[int, int], None] | None = None,
     acceptor: Acceptor | None = None,
@@ -67,13 +108,14 @@ def speculative_cycles(
     """Yield cycles until `max_tokens` tokens are committed (-1: no limit) or a stop token.
 
     The first cycle holds the token sampled from the prompt's last logits; each
-    later cycle holds 1..block_size tokens. A cycle containing one of
-    `stop_tokens` ends there (the tokens after it are dropped and never reach
-    the caches). `session` (made with this target and proposer) keeps the caches
-    for the next call; only the prompt tokens it does not hold are prefilled.
+    later cycle holds 1..b tokens, b chosen by `block_size` (an integer: that
+    block every cycle; a `BlockPolicy`: its choice per cycle). A cycle
+    containing one of `stop_tokens` ends there (the tokens after it are
+    dropped and never reach the caches). `session` (made with this target and
+    proposer) keeps the caches for the next call; only the prompt tokens it
+    does not hold are prefilled.
     """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}.")
+    policy = block_size if isinstance(block_size, BlockPolicy) else FixedBlock(block_size)
     if prefill_step_size < 1:
         raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}.")
     if session is None:
@@ -86,11 +128,7 @@ def speculative_cycles(
     prompt_ids = prompt.tolist()
     done = session.begin(prompt_ids)
     cache = session.cache
-    feeds_context = proposer is not None and bool(proposer.layer_ids)
-
-    def add_context(features: mx.array | None) -> None:
-        if feeds_context:
-            proposer.add_context(features)
+    context = _DrafterContext(proposer)
 
     # Prefill exactly as mlx-lm does: chunks of all but the last token, then the last.
     total = prompt.size
@@ -98,13 +136,13 @@ def speculative_cycles(
     while total - done > 1:
         n = min(prefill_step_size, total - done - 1)
         _, features = target.forward(prompt[None, done : done + n], cache)
-        add_context(features)
-        mx.eval([c.state for c in cache if c is not None], proposer.state() if feeds_context else [])
+        context.add(features)
+        mx.eval([c.state for c in cache if c is not None], context.state())
         done += n
         progress(done, total)
         mx.clear_cache()
     logits, features = target.forward(prompt[None, done:], cache)
-    add_context(features)
+    context.add(features)
     row = acceptor.process(logits[0, -1:])
     logprobs = log_softmax(row)
     anchor = acceptor.first_token(row)
@@ -116,19 +154,21 @@ def speculative_cycles(
     yield Cycle(tokens=[anchor_id], logprobs=logprobs, drafted=0, block_size=0, stopped=anchor_id in stop_tokens)
 
     committed, position = 1, total
+    # b = 1 steps are chained on the lazy token when nothing needs it on the host first
+    # (logits processors read the history) and the caches can undo a step past a stop token.
+    chains = not acceptor.processors and all(undoes_single_row(c) for c in cache)
 
-    def launch(anchor: mx.array, position: int, committed: int):
-        """Queue one draft + verify; return what `finish` needs."""
-        b = block_size if max_tokens < 0 else min(block_size, max_tokens - committed)
+    def launch(anchor: mx.array, position: int, committed: int, b: int) -> _Pending:
+        """Queue one draft + verify of block b."""
         drafts = draft_probs = None
-        if b > 1 and proposer is not None:
+        if b > 1:
+            context.flush()
             proposal = proposer.propose(
                 anchor, position, b - 1, sampling=acceptor.draft_settings, key=acceptor.next_key()
             )
             drafts, draft_probs = proposal.tokens, proposal.probs
             verify_ids = mx.concatenate([anchor.reshape(1), drafts])
         else:
-            b = 1
             verify_ids = anchor.reshape(1)
         logits, features, record = target.verify(verify_ids[None], cache)
         rows = acceptor.process(logits[0], drafts)
@@ -136,33 +176,56 @@ def speculative_cycles(
         mx.async_eval(verdict)
         return _Pending(b, verdict, rows, features, record)
 
-    pending = None
+    def choose(committed: int) -> int:
+        limit = policy.max_block if max_tokens < 0 else min(policy.max_block, max_tokens - committed)
+        return 1 if proposer is None else policy.choose(limit)
+
+    queue: deque[_Pending] = deque()
+    synced = time.perf_counter()
     if committed != max_tokens and anchor_id not in stop_tokens:
-        pending = launch(anchor, position, committed)
+        queue.append(launch(anchor, position, committed, choose(committed)))
+    chosen = None  # a block chosen ahead for the next launch
     try:
-        while pending is not None:
-            queued, pending = pending, None
+        while queue:
+            queued = queue.popleft()
+            if queued.block_size == 1:
+                context.add(queued.features, wait=True)  # its one row is the anchor, committed
+            remaining = max_tokens < 0 or committed + 1 < max_tokens
+            if chains and queued.block_size == 1 and remaining and not queue:
+                chosen = choose(committed + 1)
+                if chosen == 1:
+                    queue.append(launch(queued.verdict[1:2], position + 1, committed + 1, 1))
+                    chosen = None
             values = queued.verdict.tolist()
+            now = time.perf_counter()
+            seconds, synced = now - synced, now
             accepted = values[0]
             tokens = values[1 : accepted + 2]
             stop = next((i for i, t in enumerate(tokens) if t in stop_tokens), None)
             if stop is not None:
                 tokens = tokens[: stop + 1]
+                while queue:  # a step chained on the stop token: undo it whole
+                    rollback(cache, queue.pop().record, keep=0)
             kept = len(tokens)  # rows kept: the anchor and the accepted drafts before the last token
-            rollback(cache, queued.record, keep=kept)
+            if queued.block_size > 1:
+                rollback(cache, queued.record, keep=kept)
+                context.add(queued.features[:, :kept] if queued.features is not None else None)
             session.fed([anchor_id] + tokens[:-1])
-            if queued.features is not None:
-                add_context(queued.features[:, :kept])
             acceptor.commit(tokens)
+            policy.observe(queued.block_size, accepted if stop is None else None, seconds)
             committed += len(tokens)
             position += len(tokens)
             anchor_id = tokens[-1]
-            if stop is None and (committed < max_tokens or max_tokens < 0):
-                pending = launch(mx.array([anchor_id], mx.int32), position, committed)
+            if not queue and stop is None and (committed < max_tokens or max_tokens < 0):
+                b = chosen if chosen is not None else choose(committed)
+                queue.append(launch(mx.array([anchor_id], mx.int32), position, committed, b))
+            chosen = None
             # Log-probabilities stay lazy: only a caller that reads them pays for them.
             logprobs = log_softmax(queued.rows[:kept])
             yield Cycle(tokens=tokens, logprobs=logprobs, drafted=min(accepted, kept), block_size=queued.block_size,
                         stopped=stop is not None)  # fmt: skip
     finally:
-        if pending is not None:  # the consumer stopped early: undo the queued verify but for its anchor
-            session.keep_anchor_only(pending.record, anchor_id, pending.features if feeds_context else None)
+        context.flush()
+        if queue:  # the consumer stopped early: undo the queued verify but for its anchor
+            pending = queue.popleft()
+            session.keep_anchor_only(pending.record, anchor_id, pending.features if context.proposer else None)

@@ -3,8 +3,10 @@
 Follows `mlx_lm.stream_generate`'s conventions exactly (string prompts encoded
 with its BOS rule, one response per token, an EOS ends the stream as the final
 response with finish_reason "stop" and no text, max_tokens ends it with
-"length"), and adds `cycle_tokens`: how many tokens the draft-verify cycle that
-produced this token committed, set on the last token of each cycle.
+"length"), and adds `cycle_tokens` and `cycle_block_size`: how many tokens the
+draft-verify cycle that produced this token committed and how many rows it
+verified, set on the last token of each cycle. The block is adaptive unless
+the caller fixes it (`dflash_mlx.policy`).
 """
 
 from __future__ import annotations
@@ -21,15 +23,17 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .acceptance import Acceptor
 from .models.block_size import default_block_size
 from .engine import speculative_cycles
+from .policy import adaptive_policy
 from .sampling import SamplingSettings
 from .session import Session, check_draft_sampling, make_session
 
 
 @dataclass
 class DFlashResponse(GenerationResponse):
-    """An mlx-lm `GenerationResponse` plus the size of the cycle it closes."""
+    """An mlx-lm `GenerationResponse` plus the tokens and the block of the cycle it closes."""
 
     cycle_tokens: Optional[int] = None
+    cycle_block_size: Optional[int] = None
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
@@ -49,7 +53,7 @@ def stream_generate(
     prompt,
     *,
     max_tokens: int = 256,
-    block_size: int | None = None,
+    block_size: int | str | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -67,6 +71,10 @@ def stream_generate(
     """Generate from `model`, drafting with `draft` (a DFlash drafter, a Proposer or None).
 
     `draft=None` decodes plainly through the same code path (cycle_tokens stays None).
+    `block_size=None` (or "auto") chooses each cycle's block adaptively, up to the
+    drafter's block (capped at 5 for <= 4-bit models), plain decoding included:
+    argmax of expected tokens over the cycle's cost, calibrated on this machine
+    at first use and cached (`dflash_mlx.policy`); an integer fixes the block.
     `temperature > 0` samples exactly from the target's distribution as processed by
     mlx-lm's `make_sampler(temp, top_p, min_p, top_k)` (rejection sampling);
     `logits_processors` are mlx-lm's (e.g. `make_logits_processors`); `seed` makes
@@ -109,8 +117,13 @@ def stream_generate(
         )
     if not 0 <= xtc_probability <= 1:
         raise ValueError(f"xtc_probability must be in [0, 1], got {xtc_probability!r}.")
-    if block_size is None:
-        block_size = default_block_size(model, draft) if proposer else 1  # the engine checks a given one
+    if block_size is None or block_size == "auto":
+        block_size = (  # timing refines the blocks only where they cannot change the output
+            adaptive_policy(target, proposer, default_block_size(model, draft), refine=settings.greedy)
+            if proposer else 1
+        )
+    elif isinstance(block_size, str):
+        raise ValueError(f"block_size must be an integer >= 1, None or 'auto', got {block_size!r}.")
 
     counts_cycles = proposer is not None
     eos = tokenizer.eos_token_ids
@@ -160,6 +173,7 @@ def stream_generate(
                         peak_memory=mx.get_peak_memory() / 1e9,
                         finish_reason=finish,
                         cycle_tokens=(i + 1) if closes_cycle else None,
+                        cycle_block_size=cycle.block_size if closes_cycle else None,
                     )
                     if finish:
                         return

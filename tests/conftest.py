@@ -10,7 +10,8 @@ always proposes the token its greedy continuation of ``prompt`` repeats.
 Treat the returned directories and loaded objects as read-only (``without_eos``
 gives a tokenizer copy).
 
-The run itself: pytest re-executes once with the system OpenBLAS preloaded,
+The run itself: block-size calibrations are cached in a private directory
+(``DFLASH_MLX_CACHE_DIR``); pytest re-executes once with the system OpenBLAS preloaded,
 as the CLI does (`dflash_mlx.cli.openblas`; ``DFLASH_MLX_NO_REEXEC=1`` opts out),
 and the session fails if any test left a child process, a thread or a
 listening socket behind (`_nothing_left_behind`).
@@ -143,6 +144,20 @@ def pytest_configure(config):
         from dflash_mlx.cli.openblas import maybe_reexec
 
         maybe_reexec()
+    # Block-size calibrations go to a private cache (subprocesses inherit it), never the user's.
+    if "DFLASH_MLX_CACHE_DIR" not in os.environ:
+        import tempfile
+
+        os.environ["DFLASH_MLX_CACHE_DIR"] = config._dflash_cache_dir = tempfile.mkdtemp(prefix="dflash-mlx-cache-")
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_dflash_cache_dir", None)
+    if folder:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("DFLASH_MLX_CACHE_DIR", None)
 
 
 def pytest_report_header(config):

@@ -17,7 +17,7 @@ from rich.table import Table
 from .benchmark import BenchSettings, report, run_benchmark
 from .chat_template import reasoning_kwargs
 from ..datasets import DATASETS, sample
-from .environment import describe
+from ..utils.machine import describe
 from ..models.loading import dtype_name, target_float_dtype
 from ..models.resolve import choose_block_size
 from ..utils.io import write_json_atomic

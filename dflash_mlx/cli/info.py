@@ -14,7 +14,7 @@ from rich.table import Table
 from .benchmark import BenchSettings, report, run_benchmark
 from .chat_template import reasoning_kwargs
 from ..datasets import sample
-from .environment import describe
+from ..utils.machine import describe
 from .openblas import openblas_path
 from ..models.registry import registry_entries
 from ..models.resolve import choose_block_size, default_available, supported

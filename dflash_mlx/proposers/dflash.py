@@ -29,6 +29,10 @@ class DFlashProposer:
         self.target = None
         self.cache = None
 
+    def fork(self) -> DFlashProposer:
+        """An independent proposer on the same drafter (its own context; for calibration)."""
+        return type(self)(self.drafter, self.max_context)
+
     def start(self, target, prompt: mx.array, reused: int = 0) -> None:
         self.target = target
         if reused and self.cache is not None and self._rewind(reused):

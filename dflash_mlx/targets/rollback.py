@@ -53,11 +53,13 @@ class CacheKind:
     trimmable: bool  # can later be cut back to any shorter prefix (a session's prefix reuse)
     rollback: Callable  # (cache, layer index, record, keep) -> None
     linear_only: bool = False  # only valid in Gated DeltaNet layers
+    undoes_single_row: bool = True  # a one-row update can be undone entirely (keep=0)
 
 
 CACHE_KINDS: dict[type, CacheKind] = {
     KVCache: CacheKind(trimmable=True, rollback=_trim),
-    RotatingKVCache: CacheKind(trimmable=False, rollback=_rewind),
+    # a one-row update of a full ring overwrites its oldest row in place: not undoable
+    RotatingKVCache: CacheKind(trimmable=False, rollback=_rewind, undoes_single_row=False),
     ArraysCache: CacheKind(trimmable=False, rollback=_restore, linear_only=True),
 }
 
@@ -65,6 +67,11 @@ CACHE_KINDS: dict[type, CacheKind] = {
 def trimmable(cache) -> bool:
     """A layer cache the session may cut back to a shorter prefix (None: nothing to cut)."""
     return cache is None or CACHE_KINDS[type(cache)].trimmable
+
+
+def undoes_single_row(cache) -> bool:
+    """A one-row verify of this layer cache can be rolled back entirely (keep=0)."""
+    return cache is None or CACHE_KINDS[type(cache)].undoes_single_row
 
 
 def check_caches(cache: list, family: str, linear_layers: set[int]) -> None:

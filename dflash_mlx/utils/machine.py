@@ -1,4 +1,4 @@
-"""Facts about the machine a run happens on (for `doctor` and benchmark reports).
+"""Facts about the machine a run happens on (for `doctor`, benchmark reports and calibration keys).
 
 Platform, chip or CPU model, MLX / mlx-lm versions, the device MLX computes
 on (Metal GPU or CPU), memory, and on Linux which BLAS library the process

@@ -1,0 +1,81 @@
+"""The adaptive block: each cycle, the block b that maximises E(b) / T(b), plain decoding included.
+
+E(b) comes from the live acceptance estimate (`estimate`), T(b) from the
+calibrated, online-refined cost curve (`cost`). At b = 1 nothing is learnt
+about acceptance, so the policy probes a small block now and then: first
+after PROBE_GAP cycles, and after each probe that does not pay, twice as
+long (up to MAX_PROBE_GAP); a probe that pays resets the gap. Before a probe
+the probed positions' history is halved, so acceptance that recovered (code,
+a repeated list) is noticed at once.
+
+The loop's own cycle times refine the curve only when `refine` is set (the
+library sets it for greedy decoding): under sampling the blocks decide which
+random draws are made, so they depend on the calibration and the acceptance
+history only, and a seed reproduces the output on this machine.
+"""
+
+from __future__ import annotations
+
+from .cost import CostCurve
+from .estimate import AcceptanceEstimate
+
+PROBE_BLOCK = 4
+PROBE_GAP = 8
+MAX_PROBE_GAP = 64
+PROBE_SOFTEN = 0.5
+
+
+class AdaptiveBlock:
+    def __init__(self, curve: CostCurve, max_block: int, estimate: AcceptanceEstimate | None = None,
+                 refine: bool = True):  # fmt: skip
+        if max_block < 1:
+            raise ValueError(f"max_block must be >= 1, got {max_block}.")
+        self.curve = curve
+        self.refine = refine
+        self.max_block = max_block
+        self.estimate = estimate or AcceptanceEstimate(max_block - 1)
+        self._idle = 0  # cycles chosen at b = 1 since the last larger block
+        self._gap = PROBE_GAP
+        self._probed = False  # the last choice was a probe
+
+    def best(self, limit: int) -> int:
+        """argmax over b <= limit of E(b) / T(b) (the smaller block on a tie)."""
+        expected = self.estimate.expected_tokens(min(limit, self.max_block))
+        best, best_rate = 1, expected[0] / self.curve(1)
+        for b in range(2, len(expected) + 1):
+            rate = expected[b - 1] / self.curve(b)
+            if rate > best_rate:
+                best, best_rate = b, rate
+        return best
+
+    def choose(self, limit: int) -> int:
+        limit = min(limit, self.max_block)
+        if limit <= 1:
+            return 1
+        b = self.best(limit)
+        if b > 1:  # acceptance pays for a block (a probe that paid, too): probe soon if it stops paying
+            self._gap, self._idle, self._probed = PROBE_GAP, 0, False
+            return b
+        if self._probed:  # the last probe did not pay: wait longer before the next
+            self._gap = min(2 * self._gap, MAX_PROBE_GAP)
+        self._probed = False
+        self._idle += 1
+        if self._idle < self._gap:
+            return 1
+        self._idle, self._probed = 0, True
+        probe = min(limit, PROBE_BLOCK)
+        self.estimate.soften(probe - 1, PROBE_SOFTEN)
+        return probe
+
+    def observe(self, block_size: int, accepted: int | None, seconds: float) -> None:
+        if self.refine and seconds > 0:
+            self.curve.observe(block_size, seconds)
+        if accepted is not None and block_size > 1:
+            self.estimate.observe(block_size - 1, accepted)
+
+
+def adaptive_policy(target, proposer, max_block: int, refine: bool = True) -> AdaptiveBlock:
+    """A fresh adaptive policy for one generation, on this machine's (cached) cost curve."""
+    from .calibration import cost_curve
+
+    return AdaptiveBlock(cost_curve(target, proposer, max_block).fresh(), max_block, refine=refine)

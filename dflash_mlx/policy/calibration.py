@@ -1,0 +1,187 @@
+"""Measuring the cost curve T(b) on this machine, once, and caching it on disk.
+
+`cost_curve(target, proposer, max_block)` returns the curve for this target,
+drafter, dtype, quantization, device and MLX version: from memory, else from
+`<cache>/calibration/<key>.json`, else measured by running the real loop
+(`engine.speculative_cycles`) on a short synthetic prompt with a scheduled
+block per cycle, on private caches and a private copy of the proposer
+(`Proposer.fork()`; a proposer without one is timed with free dummy drafts),
+so the caller's session is untouched. Rounds alternate the blocks; the first
+is a warm-up; each block's time is the median of the others. A cache file
+that cannot be read, is of another format or describes another setup is
+ignored and rewritten (atomically). `<cache>` is $DFLASH_MLX_CACHE_DIR, else
+$XDG_CACHE_HOME/dflash-mlx, else ~/.cache/dflash-mlx; `clear_calibrations()`
+(or `dflash-mlx calibrate --clear`) empties it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..models.block_size import min_quantized_bits
+from ..proposers.base import Proposal
+from ..utils.io import write_json_atomic
+from ..utils.machine import chip, loaded_blas
+from .base import ScheduledBlocks
+from .cost import CostCurve
+
+FORMAT = 1  # bump when what is measured changes
+GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+ROUNDS = 4  # the first is a warm-up
+SINGLE_ROWS_PER_ROUND = 3  # b = 1 runs in stretches (as the adaptive loop runs it)
+PROMPT_TOKENS = 16
+
+_memo: dict[str, CostCurve] = {}
+_lock = threading.Lock()
+
+
+def calibration_dir() -> Path:
+    base = os.environ.get("DFLASH_MLX_CACHE_DIR")
+    if not base:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = os.path.join(xdg, "dflash-mlx") if xdg else os.path.join(os.path.expanduser("~"), ".cache", "dflash-mlx")
+    return Path(base) / "calibration"
+
+
+def clear_calibrations() -> int:
+    """Delete every cached calibration (and forget the in-memory ones); return how many files went."""
+    with _lock:
+        _memo.clear()
+    removed = 0
+    folder = calibration_dir()
+    if folder.is_dir():
+        for path in folder.glob("*.json"):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def grid_for(max_block: int) -> list[int]:
+    return sorted({b for b in GRID if b < max_block} | {max_block})
+
+
+def _model_facts(model) -> dict:
+    if not isinstance(model, nn.Module):
+        return {"type": type(model).__name__}
+    params = tree_flatten(model.parameters())
+    floats = sorted({str(v.dtype) for _, v in params if mx.issubdtype(v.dtype, mx.floating)})
+    config = getattr(model, "config", None) or getattr(model, "args", None)
+    shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
+                                                    "block_size", "intermediate_size")}  # fmt: skip
+    return {"type": type(model).__name__, "parameters": sum(v.size for _, v in params), "float_dtypes": floats,
+            "bits": min_quantized_bits(model), **shape}  # fmt: skip
+
+
+def calibration_key(target, proposer, max_block: int) -> dict:
+    """Everything T(b) depends on: the models, the device, the software."""
+    return {
+        "format": FORMAT,
+        "target": _model_facts(target.model),
+        "draft": _model_facts(getattr(proposer, "drafter", proposer)) if proposer is not None else None,
+        "proposer": type(proposer).__name__,
+        "grid": grid_for(max_block),
+        "device": str(mx.default_device()),
+        "machine": platform.machine(),
+        "system": platform.system(),
+        "chip": chip(),
+        "cpu_count": os.cpu_count(),
+        "blas": loaded_blas(),
+        "mlx": mx.__version__,
+    }
+
+
+def _digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _read(path: Path, key: dict) -> CostCurve | None:
+    """The cached curve, or None when the file is missing, unreadable, or for another key."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        if doc.get("key") != json.loads(json.dumps(key, default=str)):
+            return None
+        return CostCurve([int(b) for b in doc["grid"]], [float(t) for t in doc["seconds"]])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+class _DummyDrafts:
+    """Free drafts (zeros) for timing a proposer that cannot be forked: the verify's cost only."""
+
+    layer_ids: tuple[int, ...] = ()
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def start(self, target, prompt, reused: int = 0) -> None:
+        pass
+
+    def add_context(self, features) -> None:
+        pass
+
+    def state(self) -> list:
+        return []
+
+    def propose(self, anchor, position, count, *, sampling=None, key=None) -> Proposal:
+        return Proposal(tokens=mx.zeros((count,), mx.int32))
+
+
+def measure(target, proposer, grid: list[int], rounds: int = ROUNDS) -> list[float]:
+    """Seconds per cycle at each grid block, measured by the loop itself on private state."""
+    from ..engine import speculative_cycles  # the engine imports this package
+    from ..session import Session
+
+    fork = getattr(proposer, "fork", None)
+    private = fork() if callable(fork) else _DummyDrafts(max(grid))
+    one_round = [1] * SINGLE_ROWS_PER_ROUND + [b for b in grid if b > 1]
+    policy = ScheduledBlocks(one_round * rounds)
+    vocab = target.vocab_size
+    prompt = mx.array([(7919 * i + 13) % vocab for i in range(PROMPT_TOKENS)], mx.int32)
+    cycles = speculative_cycles(target, prompt, private, max_tokens=-1, block_size=policy,
+                                session=Session(target, private))  # fmt: skip
+    try:
+        for _ in cycles:
+            if policy.done:
+                break
+    finally:
+        cycles.close()
+    samples: dict[int, list[float]] = {b: [] for b in grid}
+    for i, (b, seconds) in enumerate(policy.seconds):
+        if i >= len(one_round):  # the first round warms up
+            samples[b].append(seconds)
+    return [statistics.median(samples[b]) for b in grid]
+
+
+def cost_curve(target, proposer, max_block: int) -> CostCurve:
+    """This setup's calibrated curve up to `max_block` (measured at first use, then cached)."""
+    key = calibration_key(target, proposer, max_block)
+    digest = _digest(key)
+    with _lock:
+        if digest in _memo:
+            return _memo[digest]
+        path = calibration_dir() / f"{digest}.json"
+        curve = _read(path, key)
+        if curve is None:
+            tic = time.perf_counter()
+            seconds = measure(target, proposer, key["grid"])
+            curve = CostCurve(list(key["grid"]), seconds)
+            doc = {"key": key, "grid": curve.grid, "seconds": curve.seconds,
+                   "calibration_seconds": round(time.perf_counter() - tic, 3), "measured_at": time.time()}  # fmt: skip
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_json_atomic(path, json.loads(json.dumps(doc, default=str)))
+            except OSError:
+                pass  # a read-only cache directory: keep the curve for this process only
+        _memo[digest] = curve
+        return curve

@@ -1,0 +1,57 @@
+"""Live acceptance: per-position conditional acceptance rates and the expected tokens per cycle.
+
+Draft position k (0-based) is accepted with probability a_k given that drafts
+0..k-1 were. A cycle that accepted `n` of its b - 1 drafts observes positions
+0..n-1 as accepted and position n as rejected (if n < b - 1); deeper ones are
+not observed. Each position keeps exponentially discounted counts (recent
+cycles weigh most) plus a weak prior, so a fresh estimate starts optimistic
+and a few cycles override it. E(b) = 1 + sum_{k=1}^{b-1} prod_{j<k} a_j is
+what a cycle at block b is expected to commit.
+"""
+
+from __future__ import annotations
+
+PRIOR_RATE = 0.8  # DFlash drafters accept ~5 of 15 drafts in distribution: optimistic, quickly corrected
+PRIOR_WEIGHT = 1.0  # pseudo-observations behind the prior
+DISCOUNT = 0.9  # weight of older observations per new one (about 10 cycles of memory)
+
+
+class AcceptanceEstimate:
+    def __init__(self, positions: int, prior: float = PRIOR_RATE, weight: float = PRIOR_WEIGHT,
+                 discount: float = DISCOUNT):  # fmt: skip
+        if positions < 0:
+            raise ValueError(f"positions must be >= 0, got {positions}.")
+        self.prior, self.weight, self.discount = prior, weight, discount
+        self.accepted = [0.0] * positions  # discounted successes per position
+        self.seen = [0.0] * positions  # discounted observations per position
+
+    @property
+    def positions(self) -> int:
+        return len(self.seen)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A cycle offered `drafted` drafts and the target accepted the first `accepted`."""
+        for k in range(min(drafted, accepted + 1, self.positions)):
+            self.seen[k] = self.seen[k] * self.discount + 1.0
+            self.accepted[k] = self.accepted[k] * self.discount + (1.0 if k < accepted else 0.0)
+
+    def soften(self, positions: int, factor: float) -> None:
+        """Weigh the first `positions` positions' history by `factor` (a probe after a long pause)."""
+        for k in range(min(positions, self.positions)):
+            self.seen[k] *= factor
+            self.accepted[k] *= factor
+
+    def rate(self, k: int) -> float:
+        return (self.accepted[k] + self.weight * self.prior) / (self.seen[k] + self.weight)
+
+    def expected_tokens(self, max_block: int) -> list[float]:
+        """[E(1), E(2), ..., E(max_block)]."""
+        out, reach, total = [], 1.0, 1.0
+        for b in range(1, max_block + 1):
+            out.append(total)
+            if b - 1 < self.positions:
+                reach *= self.rate(b - 1)
+            else:
+                reach = 0.0
+            total += reach
+        return out
