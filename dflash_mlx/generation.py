@@ -67,6 +67,7 @@ def stream_generate(
     xtc_probability: float = 0.0,
     xtc_threshold: float = 0.1,
     session: Session | None = None,
+    max_block_size: int | None = None,
 ) -> Iterator[DFlashResponse]:
     """Generate from `model`, drafting with `draft` (a DFlash drafter, a Proposer or None).
 
@@ -75,6 +76,7 @@ def stream_generate(
     drafter's block (capped at 5 for <= 4-bit models), plain decoding included:
     argmax of expected tokens over the cycle's cost, calibrated on this machine
     at first use and cached (`dflash_mlx.policy`); an integer fixes the block.
+    `max_block_size` replaces the drafter's block as the adaptive maximum.
     `temperature > 0` samples exactly from the target's distribution as processed by
     mlx-lm's `make_sampler(temp, top_p, min_p, top_k)` (rejection sampling);
     `logits_processors` are mlx-lm's (e.g. `make_logits_processors`); `seed` makes
@@ -117,11 +119,14 @@ def stream_generate(
         )
     if not 0 <= xtc_probability <= 1:
         raise ValueError(f"xtc_probability must be in [0, 1], got {xtc_probability!r}.")
+    if max_block_size is not None and (not isinstance(max_block_size, int) or max_block_size < 1):
+        raise ValueError(f"max_block_size must be an integer >= 1, got {max_block_size!r}.")
     if block_size is None or block_size == "auto":
-        block_size = (  # timing refines the blocks only where they cannot change the output
-            adaptive_policy(target, proposer, default_block_size(model, draft), refine=settings.greedy)
-            if proposer else 1
-        )
+        largest = max_block_size or (default_block_size(model, draft) if proposer else 1)
+        # timing refines the blocks only where they cannot change the output (greedy)
+        block_size = adaptive_policy(target, proposer, largest, refine=settings.greedy) if proposer else 1
+    elif max_block_size is not None:
+        raise ValueError("max_block_size is for the adaptive block (block_size=None), not a fixed one.")
     elif isinstance(block_size, str):
         raise ValueError(f"block_size must be an integer >= 1, None or 'auto', got {block_size!r}.")
 

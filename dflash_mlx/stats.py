@@ -3,7 +3,8 @@
 `RunStats` consumes `DFlashResponse`s (or plain mlx-lm `GenerationResponse`s)
 as they arrive and keeps what the terminal app and the benchmark report:
 tokens, draft/verify cycles, the histogram of tokens committed per cycle
-(1..block size), per-position acceptance, timing with the prefill excluded,
+(1..block size), the blocks verified (chosen per cycle when adaptive),
+per-position acceptance, timing with the prefill excluded,
 prefill speed and peak memory. Times come from the caller's clock so that the
 baseline (mlx-lm's own decoding) and DFlash are measured the same way.
 """
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RunStats:
-    block_size: int | None = None
+    block_size: int | None = None  # the fixed block, or the adaptive policy's largest
+    adaptive: bool = False
     tokens: int = 0
     drafted: int = 0  # tokens that were accepted drafts
     generations: int = 0
@@ -25,6 +27,7 @@ class RunStats:
     cycles: int = 0
     histogram: Counter = field(default_factory=Counter)  # tokens per cycle -> cycles
     accepted_at: Counter = field(default_factory=Counter)  # draft position (0-based) -> cycles accepting it
+    blocks: Counter = field(default_factory=Counter)  # block verified -> cycles
     prefill_time: float = 0.0
     decode_time: float = 0.0
     peak_memory_gb: float = 0.0
@@ -58,6 +61,9 @@ class RunStats:
         if size is not None:
             self.cycles += 1
             self.histogram[size] += 1
+            block = getattr(response, "cycle_block_size", None)
+            if block is not None:
+                self.blocks[block] += 1
             for position in range(self._drafted_in_cycle):
                 self.accepted_at[position] += 1
             self._drafted_in_cycle = 0
@@ -70,6 +76,7 @@ class RunStats:
         self.cycles += other.cycles
         self.histogram.update(other.histogram)
         self.accepted_at.update(other.accepted_at)
+        self.blocks.update(other.blocks)
         self.prefill_time += other.prefill_time
         self.decode_time += other.decode_time
         self.peak_memory_gb = max(self.peak_memory_gb, other.peak_memory_gb)
@@ -87,6 +94,16 @@ class RunStats:
         return sum(k * v for k, v in self.histogram.items()) / self.cycles
 
     @property
+    def mean_block_size(self) -> float | None:
+        """Mean rows verified per cycle (None before the first cycle)."""
+        n = sum(self.blocks.values())
+        return sum(k * v for k, v in self.blocks.items()) / n if n else None
+
+    def blocks_dict(self) -> dict[str, int]:
+        """Cycles per block verified, ascending (the blocks an adaptive run chose)."""
+        return {str(k): self.blocks[k] for k in sorted(self.blocks)}
+
+    @property
     def tps(self) -> float:
         """Decode speed: tokens after the first over the time after the first (prefill excluded)."""
         return self.decoded / self.decode_time if self.decode_time > 0 else 0.0
@@ -96,9 +113,11 @@ class RunStats:
         return self.prompt_tokens / self.prefill_time if self.prefill_time > 0 else 0.0
 
     def histogram_dict(self) -> dict[str, int]:
-        top = max([self.block_size or 0, *self.histogram]) if (self.block_size or self.histogram) else 0
+        top = max([self.block_size or 0, *self.histogram])
         return {str(k): self.histogram.get(k, 0) for k in range(1, top + 1)}
 
     def per_position_acceptance(self) -> list[float]:
-        b = self.block_size or (max(self.histogram) if self.histogram else 1)
-        return [self.accepted_at.get(i, 0) / self.cycles if self.cycles else 0.0 for i in range(b - 1)]
+        """Per draft position: the share of the cycles that offered it which accepted it."""
+        b = max([self.block_size or 1, *self.histogram, *self.blocks])
+        offered = [sum(v for k, v in self.blocks.items() if k > i) if self.blocks else self.cycles for i in range(b - 1)]
+        return [self.accepted_at.get(i, 0) / n if n else 0.0 for i, n in enumerate(offered)]

@@ -19,7 +19,7 @@ from dflash_mlx import generate as dflash_generate
 from dflash_mlx.cli.chat_template import ReasoningError, reasoning_kwargs
 from dflash_mlx.cli import app
 from dflash_mlx.models.registry import RegistryEntry, lookup
-from dflash_mlx.models.resolve import ModelChoiceError, choose_block_size, choose_model
+from dflash_mlx.models.resolve import BlockChoice, ModelChoiceError, choose_block_size, choose_model
 from helpers import load_pair
 
 runner = CliRunner()
@@ -121,13 +121,19 @@ def test_reasoning_levels_map_onto_the_template_key():
 def test_block_size_precedence(tiny_pair):
     model, _, drafter = tiny_pair("qwen3", quantize_bits=4, draft_kw=dict(block_size=16))
     entry = RegistryEntry("x", "a/b", "c/d", block_size=8, kind="dflash")
-    assert choose_block_size(12, entry, model, drafter) == 12  # the flag wins, even above the cap
-    assert choose_block_size(None, entry, model, drafter) == 5  # registry 8, capped for 4-bit
-    assert choose_block_size(None, None, model, drafter) == 5  # drafter 16, capped
+    assert choose_block_size(12, entry, model, drafter) == BlockChoice(12)  # the flag wins, even above the cap
+    assert choose_block_size("12", entry, model, drafter) == BlockChoice(12)
+    # no flag (or auto): adaptive, at most the registry's 8, capped for 4-bit
+    assert choose_block_size(None, entry, model, drafter) == BlockChoice(5, adaptive=True)
+    assert choose_block_size("auto", entry, model, drafter) == BlockChoice(5, adaptive=True)
+    assert choose_block_size(None, None, model, drafter) == BlockChoice(5, adaptive=True)  # drafter 16, capped
     plain, _, plain_drafter = tiny_pair("qwen3", draft_kw=dict(block_size=16))
-    assert choose_block_size(None, entry, plain, plain_drafter) == 8
-    assert choose_block_size(None, None, plain, plain_drafter) == 16
-    assert choose_block_size(None, entry, plain, None) is None
+    assert choose_block_size(None, entry, plain, plain_drafter) == BlockChoice(8, adaptive=True)
+    assert choose_block_size(None, None, plain, plain_drafter) == BlockChoice(16, adaptive=True)
+    assert choose_block_size(None, entry, plain, None) == BlockChoice(None)
+    for bad in ("0", "-2", "fast", "2.5"):
+        with pytest.raises(ModelChoiceError, match="--block-size: expected 'auto' or an integer >= 1"):
+            choose_block_size(bad, entry, plain, plain_drafter)
 
 
 def test_choose_model_takes_names_repo_ids_and_directories(qwen3_target):
@@ -156,16 +162,17 @@ def test_chat_commands_and_history(pair_dirs):
     target, draft = pair_dirs
     script = "\n".join([
         "/help", "hello", "/block 3", "/temp 0.5", "/temp -1", "/block x", "/system be brief",
-        "and again", "/stats", "/reset", "/nonsense", "/quit",
+        "and again", "/stats", "/block auto", "once more", "/reset", "/nonsense", "/quit",
     ]) + "\n"
     r = invoke("chat", "--model", target, "--draft", draft, "-n", 12, input=script)
     assert r.exit_code == 0, r.output
     out = " ".join(r.stdout.split())
     for expected in ("/reset", "Block size 3.", "Temperature 0.5.", "/temp: expected a number >= 0",
-                     "/block: expected an integer >= 1", "System prompt set.", "Conversation cleared.",
+                     "/block: expected auto or an integer >= 1", "Adaptive block, at most 16.",
+                     "blocks chosen", "mean block", "System prompt set.", "Conversation cleared.",
                      "Unknown command /nonsense", "tokens per cycle", "mean acceptance"):  # fmt: skip
         assert expected in out, expected
-    assert out.count("cached)") == 2
+    assert out.count("cached)") == 3
     assert "(0 cached)" in out  # the first turn prefills everything
 
 

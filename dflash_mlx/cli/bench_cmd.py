@@ -19,7 +19,7 @@ from .chat_template import reasoning_kwargs
 from ..datasets import DATASETS, sample
 from ..utils.machine import describe
 from ..models.loading import dtype_name, target_float_dtype
-from ..models.resolve import choose_block_size
+from ..models.resolve import BlockChoice, choose_block_size
 from ..utils.io import write_json_atomic
 from .common import DraftOpt, ModelOpt, ReasoningOpt, console, fail, load_models, user_errors
 
@@ -31,7 +31,9 @@ def bench(
     num_prompts: Annotated[int, typer.Option("--num-prompts", min=1, help="Prompts (fixed-seed sample).")] = 10,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Tokens per reply.")] = 256,
     block_size: Annotated[
-        list[int] | None, typer.Option("--block-size", "-b", min=1, help="Block size; repeat to compare several.")
+        list[str] | None, typer.Option("--block-size", "-b", metavar="auto|N", help="A DFlash leg: auto (adaptive) "
+                                       "or a fixed block; repeat to compare several (default: auto and the "
+                                       "drafter's block).")
     ] = None,
     temperature: Annotated[float, typer.Option("--temperature", "--temp", min=0.0, help="0: greedy.")] = 0.0,
     seed: Annotated[int, typer.Option("--seed", help="Seed for sampled runs.")] = 0,
@@ -57,7 +59,11 @@ def bench(
     choice, model_, tokenizer, drafter = load_models(model, draft)
     with user_errors():
         template_kwargs = reasoning_kwargs(tokenizer, reasoning, choice.entry, choice.label)
-        sizes = block_size or [choose_block_size(None, choice.entry, model_, drafter)]
+        auto = choose_block_size(None, choice.entry, model_, drafter)
+        if drafter is None:
+            fail("bench needs a drafter: the model has none (pass --draft).")
+        blocks = [choose_block_size(b, choice.entry, model_, drafter) for b in block_size] if block_size else [
+            auto, BlockChoice(auto.size)]
         conversations = sample(dataset, num_prompts)
         assistant = None
         if draft_model is not None:
@@ -76,7 +82,7 @@ def bench(
         def on_prompt(i: int, leg: str) -> None:
             progress.update(task, completed=i, description=dataset, leg=leg)
 
-        legs = run_benchmark(model_, tokenizer, drafter, conversations, sizes, settings,
+        legs = run_benchmark(model_, tokenizer, drafter, conversations, blocks, settings,
                              draft_model=assistant, on_prompt=on_prompt)  # fmt: skip
         progress.update(task, completed=len(conversations))
     dtype = dtype_name(target_float_dtype(model_))
@@ -101,8 +107,11 @@ def _print_table(doc: dict, legs) -> None:
     table.add_row("mlx-lm (baseline)", f"{doc['baseline_tps']:.1f}", "1.00x", "-", "-")
     for run in doc["runs"]:
         acc = run["acceptance_length"]
+        name = f"DFlash b={run['block_size']}"
+        if run["block_size"] == "auto":
+            name = f"DFlash auto (≤{run['max_block_size']}, mean {run['mean_block_size'] or 0:.1f})"
         table.add_row(
-            f"DFlash b={run['block_size']}", f"{run['dflash_tps']:.1f}", f"{run['speedup']:.2f}x",
+            name, f"{run['dflash_tps']:.1f}", f"{run['speedup']:.2f}x",
             f"{acc:.2f}" if acc is not None else "-", "yes" if run["greedy_matches"] else "no",
         )
     if "mlx_lm_draft" in doc:
@@ -110,9 +119,10 @@ def _print_table(doc: dict, legs) -> None:
         table.add_row("mlx-lm draft model", f"{d['tps']:.1f}", f"{d['speedup']:.2f}x", "-",
                       "yes" if d["greedy_matches"] else "no")  # fmt: skip
     console.print(table)
-    hist = doc["histogram"]
-    console.print("[dim]tokens per cycle (first block size): "
-                  + "  ".join(f"{k}:{v}" for k, v in hist.items()) + "[/]")  # fmt: skip
+    for run in doc["runs"]:
+        console.print(f"[dim]b={run['block_size']}: tokens per cycle "
+                      + "  ".join(f"{k}:{v}" for k, v in run["histogram"].items())
+                      + " · blocks " + "  ".join(f"{k}:{v}" for k, v in run["block_sizes"].items()) + "[/]")  # fmt: skip
     if doc["temperature"] == 0 and not all(r["greedy_matches"] for r in doc["runs"]):
         console.print("[yellow]Some greedy DFlash replies differ from the baseline's (see the JSON "
                       "'prompts'): near-tie logits in low precision can flip a token.[/]")  # fmt: skip

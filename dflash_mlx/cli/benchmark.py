@@ -2,13 +2,13 @@
 
 For every prompt (a conversation: MT-Bench has two turns, each later turn fed
 the leg's own earlier reply) each leg runs in turn: the baseline is
-`mlx_lm.stream_generate` (what users compare against), then DFlash at each
-block size, then optionally mlx-lm's speculative decoding with an
+`mlx_lm.stream_generate` (what users compare against), then DFlash with each
+block choice (by default the adaptive block, then the drafter's fixed block), then optionally mlx-lm's speculative decoding with an
 autoregressive draft model. Every leg is warmed up first. Speeds are decode
 speeds (prefill excluded): total tokens after each reply's first over the total
 time after it, measured with one clock for all legs. `report` builds the JSON
-record (`speedup` = `dflash_tps` / `baseline_tps` for the first block size,
-`runs` one record per block size). No terminal output here: callers pass
+record (`speedup` = `dflash_tps` / `baseline_tps` for the first block choice,
+`runs` one record per block choice, with the blocks each verified). No terminal output here: callers pass
 `on_prompt` for progress.
 """
 
@@ -23,6 +23,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from .chat_template import render, template_source
 from ..generation import stream_generate
+from ..models.resolve import BlockChoice
 from ..stats import RunStats
 
 WARMUP_TOKENS = 8
@@ -31,12 +32,18 @@ WARMUP_TOKENS = 8
 @dataclass
 class Leg:
     name: str  # "baseline", "dflash", "mlx-lm-draft"
-    block_size: int | None = None
+    block: BlockChoice = BlockChoice(None)
     stats: RunStats = field(default_factory=RunStats)
     prompts: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.stats.block_size = self.block_size
+        self.stats.block_size, self.stats.adaptive = self.block.size, self.block.adaptive
+
+    @property
+    def label(self) -> str:
+        if self.name != "dflash":
+            return self.name
+        return f"dflash auto≤{self.block.size}" if self.block.adaptive else f"dflash b={self.block.size}"
 
 
 @dataclass
@@ -58,7 +65,7 @@ def _prompt_text(tokenizer, messages: list[dict], settings: BenchSettings) -> st
 def _stream(leg: Leg, model, tokenizer, drafter, draft_model, prompt: str, settings: BenchSettings, max_tokens: int):
     if leg.name == "dflash":
         return stream_generate(
-            model, drafter, tokenizer, prompt, max_tokens=max_tokens, block_size=leg.block_size,
+            model, drafter, tokenizer, prompt, max_tokens=max_tokens, **leg.block.generation_kwargs(),
             temperature=settings.temperature, seed=settings.seed,
         )
     kwargs = {"sampler": make_sampler(settings.temperature)}
@@ -70,11 +77,12 @@ def _stream(leg: Leg, model, tokenizer, drafter, draft_model, prompt: str, setti
 
 
 def _run_conversation(leg, model, tokenizer, drafter, draft_model, turns, settings, max_tokens, record=True):
-    messages, texts, tokens, stats = [], [], [], RunStats(block_size=leg.block_size)
+    messages, texts, tokens = [], [], []
+    stats = RunStats(block_size=leg.block.size, adaptive=leg.block.adaptive)
     for turn in turns:
         messages.append({"role": "user", "content": turn})
         prompt = _prompt_text(tokenizer, messages, settings)
-        text, turn_stats = [], RunStats(block_size=leg.block_size)
+        text, turn_stats = [], RunStats(block_size=leg.block.size, adaptive=leg.block.adaptive)
         turn_stats.begin()
         for response in _stream(leg, model, tokenizer, drafter, draft_model, prompt, settings, max_tokens):
             turn_stats.add(response)
@@ -93,7 +101,7 @@ def run_benchmark(
     tokenizer,
     drafter,
     conversations: list[list[str]],
-    block_sizes: list[int],
+    blocks: list[BlockChoice],
     settings: BenchSettings,
     *,
     draft_model=None,
@@ -102,7 +110,7 @@ def run_benchmark(
     """Run every leg on every conversation; the baseline leg first in the result."""
     if not conversations:
         raise ValueError("No prompts to benchmark.")
-    legs = [Leg("baseline")] + [Leg("dflash", b) for b in block_sizes]
+    legs = [Leg("baseline")] + [Leg("dflash", b) for b in blocks]
     if draft_model is not None:
         legs.append(Leg("mlx-lm-draft"))
     for leg in legs:  # warm-up: compile kernels, touch the weights
@@ -113,7 +121,7 @@ def run_benchmark(
         baseline_tokens = None
         for leg in legs:
             if on_prompt:
-                on_prompt(i, leg.name if leg.block_size is None else f"{leg.name} b={leg.block_size}")
+                on_prompt(i, leg.label)
             if leg.name == "dflash":
                 mx.reset_peak_memory()
             texts, tokens, stats = _run_conversation(
@@ -140,7 +148,10 @@ def _run_record(baseline: Leg, leg: Leg) -> dict:
     accepted = [p["acceptance_length"] for p in leg.prompts if p["acceptance_length"] is not None]
     baseline_tps, dflash_tps = baseline.stats.tps, leg.stats.tps
     return {
-        "block_size": leg.block_size,
+        "block_size": leg.block.flag,
+        "max_block_size": leg.block.size,
+        "block_sizes": leg.stats.blocks_dict(),
+        "mean_block_size": leg.stats.mean_block_size,
         "speedup": dflash_tps / baseline_tps if baseline_tps else None,
         "acceptance_length": sum(accepted) / len(accepted) if accepted else None,
         "baseline_tps": baseline_tps,

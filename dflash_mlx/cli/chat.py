@@ -22,7 +22,7 @@ from rich.markup import escape
 from .chat_template import reasoning_kwargs, render, template_source
 from ..generation import encode_prompt, stream_generate
 from ..models.loading import dtype_name, target_float_dtype
-from ..models.resolve import choose_block_size
+from ..models.resolve import BlockChoice, choose_block_size
 from ..session import make_session
 from ..stats import RunStats
 from .common import (
@@ -34,7 +34,7 @@ from .live_panel import reply_view, stats_panel, summary_line
 HELP = """[bold]Commands[/]
   /reset        forget the conversation (keeps the system prompt)
   /stats        statistics of this session so far
-  /block N      draft/verify block size (anchor included)
+  /block N      fix the draft/verify block size (anchor included); /block auto: adaptive
   /temp T       sampling temperature (0: greedy)
   /system TEXT  set the system prompt (empty: none)
   /help         this list
@@ -46,7 +46,8 @@ Ctrl-C stops the current reply and keeps the session."""
 class ChatState:
     system: str | None
     temperature: float
-    block_size: int | None
+    block: BlockChoice
+    largest: int | None = None  # the adaptive block's maximum (/block auto)
     messages: list[dict] = field(default_factory=list)
     totals: RunStats = field(default_factory=RunStats)
 
@@ -76,10 +77,11 @@ def chat(
             fail(f"{choice.label} has no chat template; use `dflash-mlx generate --raw` instead.")
         template_kwargs = reasoning_kwargs(tokenizer, reasoning, choice.entry, choice.label)
         b = choose_block_size(block_size, choice.entry, model_, drafter)
-    state = ChatState(system=system, temperature=temperature, block_size=b)
-    state.totals.block_size = b
+    largest = choose_block_size(None, choice.entry, model_, drafter).size
+    state = ChatState(system=system, temperature=temperature, block=b, largest=largest)
+    state.totals.block_size, state.totals.adaptive = b.size, b.adaptive
     session = make_session(model_, drafter)
-    mode = f"DFlash, block {b}" if drafter is not None else "plain decoding"
+    mode = f"DFlash, {b.label}" if drafter is not None else "plain decoding"
     mode += f", {dtype_name(target_float_dtype(model_))}"
     console.print(f"[bold]{escape(choice.label)}[/] ({mode}). /help for commands, /quit to leave.")
     while True:
@@ -111,10 +113,10 @@ def chat(
 
 
 def _reply(model, drafter, tokenizer, prompt, session, state: ChatState, options: dict) -> str:
-    stats = RunStats(block_size=state.block_size if drafter is not None else None)
+    stats = RunStats(block_size=state.block.size, adaptive=state.block.adaptive)
     pieces: list[str] = []
     stream = stream_generate(
-        model, drafter, tokenizer, prompt, block_size=state.block_size, temperature=state.temperature,
+        model, drafter, tokenizer, prompt, **state.block.generation_kwargs(), temperature=state.temperature,
         session=session, **options,
     )
     with _ctrl_c_sets_flag() as interrupted:
@@ -178,11 +180,16 @@ def _command(line: str, state: ChatState, session, has_drafter: bool) -> bool:
     elif name == "/block":
         if not has_drafter:
             console.print("[red]/block needs a drafter (this chat runs with --no-dflash).[/]")
+        elif arg.lower() == "auto":
+            state.block = BlockChoice(state.largest, adaptive=True)
+            state.totals.block_size, state.totals.adaptive = state.largest, True
+            console.print(f"[dim]Adaptive block, at most {state.largest}.[/]")
         elif not arg.isdigit() or int(arg) < 1:
-            console.print(f"[red]/block: expected an integer >= 1, got {escape(arg or 'nothing')}.[/]")
+            console.print(f"[red]/block: expected auto or an integer >= 1, got {escape(arg or 'nothing')}.[/]")
         else:
-            state.block_size = state.totals.block_size = int(arg)
-            console.print(f"[dim]Block size {state.block_size}.[/]")
+            state.block = BlockChoice(int(arg))
+            state.totals.block_size, state.totals.adaptive = int(arg), False
+            console.print(f"[dim]Block size {int(arg)}.[/]")
     elif name == "/temp":
         try:
             value = float(arg)

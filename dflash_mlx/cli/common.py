@@ -41,9 +41,10 @@ DraftOpt = Annotated[
     str | None, typer.Option("--draft", help="DFlash drafter (directory or repo id); overrides the registry.")
 ]
 BlockOpt = Annotated[
-    int | None,
-    typer.Option("--block-size", "-b", min=1, help="Tokens per draft/verify cycle, anchor included "
-                 "(default: registry, else drafter; at most 5 for <=4-bit models)."),
+    str | None,
+    typer.Option("--block-size", "-b", metavar="auto|N", help="Tokens per draft/verify cycle, anchor included: "
+                 "auto (default) chooses per cycle, up to the registry's or the drafter's block (at most 5 for "
+                 "<=4-bit models), plain decoding included; N fixes it."),
 ]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", "--temp", min=0.0, help="0: greedy.")]
 TopPOpt = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)]

@@ -54,12 +54,12 @@ def generate(
         elif reasoning is not None or system is not None:
             fail("--reasoning and --system need the chat template (drop --raw).")
         b = choose_block_size(block_size, choice.entry, model_, drafter)
-    stats = RunStats(block_size=b)
+    stats = RunStats(block_size=b.size, adaptive=b.adaptive)
     pieces = []
     stats.begin()
     try:
         for response in stream_generate(
-            model_, drafter, tokenizer, text, max_tokens=max_tokens, block_size=b,
+            model_, drafter, tokenizer, text, max_tokens=max_tokens, **b.generation_kwargs(),
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         ):
             stats.add(response)
@@ -81,13 +81,18 @@ def generate(
             "peak_memory_gb": stats.peak_memory_gb,
             "prompt_tokens": stats.prompt_tokens,
             "prefill_tps": stats.prefill_tps,
-            "block_size": b,
+            "block_size": b.flag,
+            "max_block_size": b.size,
+            "block_sizes": stats.blocks_dict(),
+            "mean_block_size": stats.mean_block_size,
             "model": choice.label,
         }
         sys.stdout.write(json.dumps(out) + "\n")
     else:
         sys.stdout.write("\n")
         accept = f", {stats.acceptance_length:.2f} tokens/cycle" if stats.acceptance_length else ""
+        if stats.mean_block_size is not None and b.adaptive:
+            accept += f", mean block {stats.mean_block_size:.1f} of {b.size}"
         err_console.print(
             f"[dim]{stats.tokens} tokens, {stats.tps:.1f} tok/s{accept}, "
             f"peak memory {stats.peak_memory_gb:.2f} GB[/]"

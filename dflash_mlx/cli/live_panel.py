@@ -2,7 +2,7 @@
 
 `reply_view` renders the text so far plus a panel with tok/s, mean tokens per
 cycle and the acceptance histogram (cycles that committed 1..block size
-tokens), redrawn by rich's `Live` while tokens arrive. `summary_line` is the
+tokens), and for an adaptive block the blocks it chose; redrawn by rich's `Live` while tokens arrive. `summary_line` is the
 one line printed after each turn.
 """
 
@@ -35,13 +35,27 @@ def stats_title(stats: RunStats) -> str:
     parts = [f"{stats.tps:.1f} tok/s", f"{stats.tokens} tokens"]
     if stats.acceptance_length is not None:
         parts.append(f"{stats.acceptance_length:.2f} tokens/cycle")
-    if stats.block_size:
+    if stats.block_size and stats.adaptive:
+        mean = stats.mean_block_size
+        parts.append(f"block auto ≤{stats.block_size}" + (f", mean {mean:.1f}" if mean is not None else ""))
+    elif stats.block_size:
         parts.append(f"block {stats.block_size}")
     return " · ".join(parts)
 
 
+def blocks_line(stats: RunStats) -> Text:
+    """The blocks an adaptive run chose: `block:cycles` pairs."""
+    chosen = "  ".join(f"{k}:{v}" for k, v in stats.blocks_dict().items()) or "-"
+    return Text(f"blocks chosen  {chosen}", style="dim")
+
+
 def stats_panel(stats: RunStats) -> Panel:
-    body = histogram_table(stats) if stats.block_size else Text("plain decoding (no drafter)", style="dim")
+    if not stats.block_size:
+        body = Text("plain decoding (no drafter)", style="dim")
+    elif stats.adaptive:
+        body = Group(histogram_table(stats), blocks_line(stats))
+    else:
+        body = histogram_table(stats)
     return Panel(body, title=stats_title(stats), title_align="left", subtitle="tokens per cycle",
                  subtitle_align="left", border_style="blue", expand=False)  # fmt: skip
 
@@ -52,6 +66,8 @@ def reply_view(text: str, stats: RunStats) -> Group:
 
 def summary_line(stats: RunStats) -> str:
     accept = f", mean acceptance {stats.acceptance_length:.2f}" if stats.acceptance_length is not None else ""
+    if stats.adaptive and stats.mean_block_size is not None:
+        accept += f", mean block {stats.mean_block_size:.1f}"
     return (
         f"{stats.tokens} tokens, {stats.tps:.1f} tok/s{accept}, peak memory {stats.peak_memory_gb:.2f} GB"
     )

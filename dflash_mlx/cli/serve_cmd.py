@@ -30,9 +30,10 @@ def serve(
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).", min=0, max=65535)] = 8080,
     max_tokens: Annotated[int, typer.Option(
         "--max-tokens", min=1, help="Default max_tokens of requests that give none.")] = 512,
-    block_size: Annotated[Optional[int], typer.Option(
-        "--block-size", min=1, help="Default block size (anchor included); requests' num_draft_tokens override "
-                                    "it (default: registry, else drafter; at most 5 for <=4-bit models).")] = None,
+    block_size: Annotated[Optional[str], typer.Option(
+        "--block-size", metavar="auto|N", help="Default block (anchor included): auto (default) chooses per "
+        "cycle up to the registry's or the drafter's block (at most 5 for <=4-bit models); N fixes it. "
+        "Requests' num_draft_tokens fix it for that request.")] = None,
     chat_template_args: Annotated[Optional[str], typer.Option(
         "--chat-template-args", help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'.'
     )] = None,
@@ -50,10 +51,11 @@ def serve(
             raise typer.BadParameter("expected a JSON object", param_hint="--chat-template-args")
     choice, target, tokenizer, drafter = load_models(model, draft, draft_bits=draft_bits)
     with user_errors():
-        block_size = choose_block_size(block_size, choice.entry, target, drafter)
+        block = choose_block_size(block_size, choice.entry, target, drafter)
     server = make_server(
         target, tokenizer, drafter, host=host, port=port, model_id=choice.label,
-        draft_id=getattr(drafter, "source", draft), max_tokens=max_tokens, block_size=block_size,
+        draft_id=getattr(drafter, "source", draft), max_tokens=max_tokens, block_size=block.size,
+        adaptive=block.adaptive,
         chat_template_args=template_args, log_requests=log_requests,
     )
     previous = signal.signal(signal.SIGTERM, _interrupt)

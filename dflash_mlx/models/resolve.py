@@ -5,9 +5,9 @@ into a `ModelChoice` (what to load, which drafter, the registry entry), with
 errors that say what to do: close registry names for a typo, `--draft` (or
 ``draft=``) for a target the registry does not know, a missing config.json, a
 family this version cannot run. `models.loading` loads a choice.
-`choose_block_size` applies the one precedence: an explicit block size >
-registry default > drafter config, capping only defaults at 5 for targets or
-drafters of 4 bits or fewer.
+`choose_block_size` applies the one precedence: an explicit block size (fixed)
+> registry default > drafter config (the adaptive policy's largest block),
+capping only defaults at 5 for targets or drafters of 4 bits or fewer.
 """
 
 from __future__ import annotations
@@ -139,12 +139,51 @@ def choose_model(model: str | None, draft: str | None = None, *, use_draft: bool
     return ModelChoice(target, str(draft), entry, entry.name if entry else model, is_default)
 
 
-def choose_block_size(flag: int | None, entry: RegistryEntry | None, model, drafter) -> int | None:
-    """Block size for a run: the flag as is; else the registry's or the drafter's, capped when low-bit."""
-    if drafter is None:
+@dataclass(frozen=True)
+class BlockChoice:
+    """A run's block: adaptive up to `size`, or fixed at `size` (None: no drafter, plain decoding)."""
+
+    size: int | None
+    adaptive: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.size is None:
+            return "plain decoding"
+        return f"adaptive block (at most {self.size})" if self.adaptive else f"block {self.size}"
+
+    @property
+    def flag(self) -> str | int | None:
+        """As reports give it: "auto", the fixed block, or None."""
+        return "auto" if self.adaptive and self.size is not None else self.size
+
+    def generation_kwargs(self) -> dict:
+        """`stream_generate`'s block arguments."""
+        if self.adaptive:
+            return {"block_size": None, "max_block_size": self.size}
+        return {"block_size": self.size}
+
+
+def parse_block_flag(flag: int | str | None, name: str = "--block-size") -> int | None:
+    """"auto" or None -> None (adaptive); an integer >= 1 (or its text) -> that integer."""
+    if flag is None or (isinstance(flag, str) and flag.strip().lower() == "auto"):
         return None
-    if flag is not None:
-        if flag < 1:
-            raise ModelChoiceError(f"--block-size: expected an integer >= 1, got {flag}.")
-        return flag
-    return capped_block_size(entry.block_size if entry is not None else drafter.config.block_size, model, drafter)
+    try:
+        value = int(flag)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value < 1 or isinstance(flag, bool):
+        raise ModelChoiceError(f"{name}: expected 'auto' or an integer >= 1, got {flag!r}.")
+    return value
+
+
+def choose_block_size(flag: int | str | None, entry: RegistryEntry | None, model, drafter) -> BlockChoice:
+    """A run's block: a fixed flag as is; else adaptive up to the registry's or the drafter's block,
+    capped when low-bit."""
+    if drafter is None:
+        return BlockChoice(None)
+    fixed = parse_block_flag(flag)
+    if fixed is not None:
+        return BlockChoice(fixed)
+    return BlockChoice(capped_block_size(entry.block_size if entry is not None else drafter.config.block_size,
+                                         model, drafter), adaptive=True)  # fmt: skip

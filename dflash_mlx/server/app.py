@@ -45,10 +45,12 @@ class DFlashServer(ThreadingHTTPServer):
         return f"http://{host}:{port}"
 
     def model_card(self) -> dict:
-        """`/v1/models`' entry, with what this server computes: drafter, default block size, dtype."""
+        """`/v1/models`' entry, with what this server computes: drafter, default block (and whether it
+        is adaptive, up to block_size), dtype."""
+        has_draft = self.worker.draft is not None
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "dflash-mlx",
-                "draft": self.draft_id, "block_size": self.worker.block_size if self.worker.draft is not None else None,
-                "dtype": dtype_name(target_float_dtype(self.worker.model))}  # fmt: skip
+                "draft": self.draft_id, "block_size": self.worker.block_size if has_draft else None,
+                "adaptive_block": self.worker.adaptive, "dtype": dtype_name(target_float_dtype(self.worker.model))}  # fmt: skip
 
     def start(self) -> "DFlashServer":
         """Serve from a background thread; returns at once."""
@@ -84,12 +86,13 @@ def vocab_size(model, tokenizer) -> int:
 def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: int = 8080,
                 model_id: str = "default", draft_id: str | None = None, max_tokens: int = 512,
                 block_size: int | None = None, chat_template_args: dict | None = None,
-                log_requests: bool = False) -> DFlashServer:  # fmt: skip
+                log_requests: bool = False, adaptive: bool | None = None) -> DFlashServer:  # fmt: skip
     """A server for a loaded pair (`draft=None`: plain decoding), bound but not yet serving.
 
     `port=0` picks a free port (see `server.url`). `max_tokens` is the default
     for requests that give none; `block_size` the default block (requests'
-    ``num_draft_tokens`` override it); `chat_template_args` are passed to the
+    ``num_draft_tokens`` override it): adaptive up to it when `adaptive` (by
+    default when no block_size is given), else fixed; `chat_template_args` are passed to the
     chat template of every chat request (``chat_template_kwargs`` add to them).
     """
     if block_size is not None and block_size < 1:
@@ -101,7 +104,8 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
         has_chat_template=bool(tokenizer.has_chat_template), model_id=model_id, max_tokens=max_tokens,
         chat_template_args=dict(chat_template_args or {}),
     )
-    worker = GenerationWorker(model, tokenizer, draft, block_size=block_size, context_length=context_length(model))
+    worker = GenerationWorker(model, tokenizer, draft, block_size=block_size, context_length=context_length(model),
+                              adaptive=block_size is None if adaptive is None else adaptive)  # fmt: skip
     server = DFlashServer((host, port), worker, info, model_id=model_id, draft_id=draft_id,
                           log_requests=log_requests)  # fmt: skip
     worker.start()

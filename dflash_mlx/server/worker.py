@@ -85,7 +85,9 @@ def dflash_object(stats: RunStats) -> dict:
     """A reply's acceptance statistics (the response's ``dflash`` object)."""
     acceptance = stats.acceptance_length
     return {
-        "block_size": stats.block_size,
+        "block_size": "auto" if stats.adaptive and stats.block_size else stats.block_size,
+        "max_block_size": stats.block_size,
+        "block_sizes": stats.blocks_dict(),
         "cycles": stats.cycles,
         "mean_acceptance_length": round(acceptance, 4) if acceptance is not None else None,
         "drafted_tokens": stats.drafted,
@@ -98,10 +100,11 @@ class GenerationWorker:
     generation stops there (finish_reason "length")."""
 
     def __init__(self, model, tokenizer, draft=None, *, block_size: int | None = None,
-                 context_length: int | None = None):  # fmt: skip
+                 context_length: int | None = None, adaptive: bool = True):  # fmt: skip
         self.model, self.tokenizer, self.draft = model, tokenizer, draft
         self.context_length = context_length
         self.block_size = block_size or (default_block_size(model, draft) if draft is not None else 1)
+        self.adaptive = adaptive and draft is not None  # up to block_size, unless a request fixes it
         self.session = make_session(model, draft)
         self._jobs: queue.Queue = queue.Queue()
         self._current: Job | None = None
@@ -180,13 +183,15 @@ class GenerationWorker:
                            field))  # fmt: skip
                 return
             max_tokens = min(max_tokens, room)
+        adaptive = self.adaptive and req.num_draft_tokens is None
         block_size = self.block_size if req.num_draft_tokens is None else req.num_draft_tokens + 1
-        stats = RunStats(block_size=block_size)
+        stats = RunStats(block_size=block_size, adaptive=adaptive)
+        blocks = {"block_size": None, "max_block_size": block_size} if adaptive else {"block_size": block_size}
         stopper = StopText(req.stop)
         started, count, finish = False, 0, "length"
         responses = stream_generate(
             self.model, self.draft, self.tokenizer, prompt, max_tokens=max_tokens,
-            block_size=block_size if self.draft is not None else None,
+            **(blocks if self.draft is not None else {}),
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
             xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
             logits_processors=make_logits_processors(**req.processors) or None, session=self.session,
