@@ -1,7 +1,7 @@
 """The ``dflash-mlx`` Typer app: one command per module, registered here.
 
-Commands: ``chat``, ``generate``, ``bench``, ``models``, ``doctor``,
-``serve``, and ``train`` from its own package.
+Commands: ``chat``, ``generate``, ``bench``, ``calibrate``, ``models``,
+``doctor``, ``serve``, and ``train`` from its own package.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import typer
 
 from .. import __version__
 from .bench_cmd import bench
+from .calibrate_cmd import calibrate
 from .chat import chat
 from .generate_cmd import generate
 from .info import doctor, models
@@ -45,6 +46,7 @@ def _root(
 app.command()(chat)
 app.command()(generate)
 app.command()(bench)
+app.command()(calibrate)
 app.command()(models)
 app.command()(doctor)
 app.command()(train)

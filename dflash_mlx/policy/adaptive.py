@@ -3,10 +3,10 @@
 E(b) comes from the live acceptance estimate (`estimate`), T(b) from the
 calibrated, online-refined cost curve (`cost`). At b = 1 nothing is learnt
 about acceptance, so the policy probes a small block now and then: first
-after PROBE_GAP cycles, and after each probe that does not pay, twice as
-long (up to MAX_PROBE_GAP); a probe that pays resets the gap. Before a probe
-the probed positions' history is halved, so acceptance that recovered (code,
-a repeated list) is noticed at once.
+after PROBE_GAP cycles at b = 1, and after each probe that accepts nothing
+twice as long (up to MAX_PROBE_GAP); any cycle that accepts a draft resets
+the gap. Before a probe the acceptance history is halved, so acceptance that
+recovered (code, a repeated list) is noticed at once.
 
 The loop's own cycle times refine the curve only when `refine` is set (the
 library sets it for greedy decoding): under sampling the blocks decide which
@@ -36,7 +36,7 @@ class AdaptiveBlock:
         self.estimate = estimate or AcceptanceEstimate(max_block - 1)
         self._idle = 0  # cycles chosen at b = 1 since the last larger block
         self._gap = PROBE_GAP
-        self._probed = False  # the last choice was a probe
+        self._probing = False  # a probe was chosen and not observed yet
 
     def best(self, limit: int) -> int:
         """argmax over b <= limit of E(b) / T(b) (the smaller block on a tie)."""
@@ -53,25 +53,27 @@ class AdaptiveBlock:
         if limit <= 1:
             return 1
         b = self.best(limit)
-        if b > 1:  # acceptance pays for a block (a probe that paid, too): probe soon if it stops paying
-            self._gap, self._idle, self._probed = PROBE_GAP, 0, False
+        if b > 1:
+            self._idle = 0
             return b
-        if self._probed:  # the last probe did not pay: wait longer before the next
-            self._gap = min(2 * self._gap, MAX_PROBE_GAP)
-        self._probed = False
         self._idle += 1
         if self._idle < self._gap:
             return 1
-        self._idle, self._probed = 0, True
-        probe = min(limit, PROBE_BLOCK)
-        self.estimate.soften(probe - 1, PROBE_SOFTEN)
-        return probe
+        self._idle, self._probing = 0, True
+        self.estimate.soften(PROBE_SOFTEN)
+        return min(limit, PROBE_BLOCK)
 
     def observe(self, block_size: int, accepted: int | None, seconds: float) -> None:
         if self.refine and seconds > 0:
             self.curve.observe(block_size, seconds)
-        if accepted is not None and block_size > 1:
-            self.estimate.observe(block_size - 1, accepted)
+        if block_size > 1:  # (b = 1 cycles are observed late when pipelined: they say nothing of a probe)
+            if accepted is not None:
+                self.estimate.observe(block_size - 1, accepted)
+                if accepted > 0:
+                    self._gap = PROBE_GAP
+                elif self._probing:
+                    self._gap = min(2 * self._gap, MAX_PROBE_GAP)
+            self._probing = False
 
 
 def adaptive_policy(target, proposer, max_block: int, refine: bool = True) -> AdaptiveBlock:

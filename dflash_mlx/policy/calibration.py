@@ -23,6 +23,7 @@ import platform
 import statistics
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -163,15 +164,26 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS) -> list[flo
     return [statistics.median(samples[b]) for b in grid]
 
 
-def cost_curve(target, proposer, max_block: int) -> CostCurve:
-    """This setup's calibrated curve up to `max_block` (measured at first use, then cached)."""
+def calibration_file(target, proposer, max_block: int) -> Path:
+    """Where this setup's calibration is cached."""
+    return calibration_dir() / f"{_digest(calibration_key(target, proposer, max_block))}.json"
+
+
+def cached_curve(target, proposer, max_block: int) -> CostCurve | None:
+    """This setup's valid cached calibration, or None (nothing is measured)."""
+    return _read(calibration_file(target, proposer, max_block), calibration_key(target, proposer, max_block))
+
+
+def cost_curve(target, proposer, max_block: int, *, force: bool = False) -> CostCurve:
+    """This setup's calibrated curve up to `max_block` (measured at first use, then cached;
+    `force`: measure again and replace the cached one)."""
     key = calibration_key(target, proposer, max_block)
     digest = _digest(key)
     with _lock:
-        if digest in _memo:
+        if digest in _memo and not force:
             return _memo[digest]
         path = calibration_dir() / f"{digest}.json"
-        curve = _read(path, key)
+        curve = None if force else _read(path, key)
         if curve is None:
             tic = time.perf_counter()
             seconds = measure(target, proposer, key["grid"])
@@ -181,7 +193,7 @@ def cost_curve(target, proposer, max_block: int) -> CostCurve:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_json_atomic(path, json.loads(json.dumps(doc, default=str)))
-            except OSError:
-                pass  # a read-only cache directory: keep the curve for this process only
+            except OSError as e:  # e.g. a read-only cache directory: keep the curve for this process only
+                warnings.warn(f"Cannot cache the block-size calibration in {path.parent}: {e}", stacklevel=2)
         _memo[digest] = curve
         return curve

@@ -5,15 +5,17 @@ Draft position k (0-based) is accepted with probability a_k given that drafts
 0..n-1 as accepted and position n as rejected (if n < b - 1); deeper ones are
 not observed. Each position keeps exponentially discounted counts (recent
 cycles weigh most) plus a weak prior, so a fresh estimate starts optimistic
-and a few cycles override it. E(b) = 1 + sum_{k=1}^{b-1} prod_{j<k} a_j is
+and a few cycles override it. A position's prior is never above the estimate
+of the position before it (deeper drafts are no better than shallower ones),
+so a drafter rejected at its first position is not credited with a deep run. E(b) = 1 + sum_{k=1}^{b-1} prod_{j<k} a_j is
 what a cycle at block b is expected to commit.
 """
 
 from __future__ import annotations
 
 PRIOR_RATE = 0.8  # DFlash drafters accept ~5 of 15 drafts in distribution: optimistic, quickly corrected
-PRIOR_WEIGHT = 1.0  # pseudo-observations behind the prior
-DISCOUNT = 0.9  # weight of older observations per new one (about 10 cycles of memory)
+PRIOR_WEIGHT = 0.5  # pseudo-observations behind the prior (a useless drafter's floor: 0.4 / 20.5, 2%)
+DISCOUNT = 0.95  # weight of older observations per new one (about 20 cycles of memory)
 
 
 class AcceptanceEstimate:
@@ -35,23 +37,29 @@ class AcceptanceEstimate:
             self.seen[k] = self.seen[k] * self.discount + 1.0
             self.accepted[k] = self.accepted[k] * self.discount + (1.0 if k < accepted else 0.0)
 
-    def soften(self, positions: int, factor: float) -> None:
-        """Weigh the first `positions` positions' history by `factor` (a probe after a long pause)."""
-        for k in range(min(positions, self.positions)):
+    def soften(self, factor: float) -> None:
+        """Weigh the whole history by `factor` (before a probe, after a long pause)."""
+        for k in range(self.positions):
             self.seen[k] *= factor
             self.accepted[k] *= factor
 
+    def rates(self) -> list[float]:
+        """The estimated a_k of every position."""
+        out, prior = [], self.prior
+        for k in range(self.positions):
+            out.append((self.accepted[k] + self.weight * prior) / (self.seen[k] + self.weight))
+            prior = min(prior, out[-1])
+        return out
+
     def rate(self, k: int) -> float:
-        return (self.accepted[k] + self.weight * self.prior) / (self.seen[k] + self.weight)
+        return self.rates()[k]
 
     def expected_tokens(self, max_block: int) -> list[float]:
         """[E(1), E(2), ..., E(max_block)]."""
+        rates = self.rates()
         out, reach, total = [], 1.0, 1.0
         for b in range(1, max_block + 1):
             out.append(total)
-            if b - 1 < self.positions:
-                reach *= self.rate(b - 1)
-            else:
-                reach = 0.0
+            reach = reach * rates[b - 1] if b - 1 < len(rates) else 0.0
             total += reach
         return out

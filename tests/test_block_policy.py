@@ -1,0 +1,149 @@
+"""The block-size policy on its own: acceptance estimates, the cost curve, the adaptive choice.
+
+No model runs here: cycles are simulated by telling the policy what a cycle
+at block b would have accepted (a fixed per-position acceptance pattern) and
+how long it took (a cost curve).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dflash_mlx.policy import AdaptiveBlock, FixedBlock
+from dflash_mlx.policy.adaptive import MAX_PROBE_GAP, PROBE_BLOCK
+from dflash_mlx.policy.base import BlockPolicy, ScheduledBlocks
+from dflash_mlx.policy.cost import CostCurve
+from dflash_mlx.policy.estimate import PRIOR_RATE, AcceptanceEstimate
+
+FLAT = CostCurve([1, 2, 4, 8, 16], [0.010, 0.0105, 0.011, 0.012, 0.014])  # memory-bound: rows are cheap
+MODERATE = CostCurve([1, 2, 4, 8, 16], [0.010, 0.0125, 0.0175, 0.0275, 0.0475])  # each row: a quarter forward
+STEEP = CostCurve([1, 2, 4, 8, 16], [0.010, 0.019, 0.037, 0.073, 0.145])  # compute-bound: rows cost ~linearly
+
+
+def simulate(policy, rates, cycles: int, seed: int = 0, limit: int = 10**9):
+    """Run `cycles` simulated cycles where draft k is accepted with probability rates[k]
+    (given the earlier ones were); return the blocks chosen."""
+    rng = random.Random(seed)
+    chosen = []
+    for _ in range(cycles):
+        b = policy.choose(limit)
+        accepted = 0
+        while accepted < b - 1 and rng.random() < rates[min(accepted, len(rates) - 1)]:
+            accepted += 1
+        policy.observe(b, accepted, policy.curve.calibrated(b) if hasattr(policy, "curve") else 0.01)
+        chosen.append(b)
+    return chosen
+
+
+def test_policies_have_the_engine_interface():
+    for policy in (FixedBlock(4), ScheduledBlocks([1, 2]), AdaptiveBlock(FLAT, 16)):
+        assert isinstance(policy, BlockPolicy)
+
+
+def test_fixed_block_is_capped_by_the_limit_and_checks_its_value():
+    assert FixedBlock(8).choose(100) == 8 and FixedBlock(8).choose(3) == 3 and FixedBlock(8).choose(0) == 1
+    for bad in (0, -1, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="block_size must be >= 1"):
+            FixedBlock(bad)
+
+
+def test_expected_tokens_follow_the_product_formula():
+    est = AcceptanceEstimate(3, prior=0.5, weight=1.0)
+    assert est.expected_tokens(4) == pytest.approx([1, 1.5, 1.75, 1.875])
+    for _ in range(200):  # position 0 always accepted, position 1 never
+        est.observe(drafted=3, accepted=1)
+    e = est.expected_tokens(4)
+    assert est.rate(0) > 0.95 and est.rate(1) < 0.05
+    assert est.rate(2) == pytest.approx(est.rate(1))  # never observed: its prior is no better than position 1
+    assert e[1] == pytest.approx(1 + est.rate(0)) and e[3] - e[2] < 0.02
+    assert est.expected_tokens(10)[4:] == [e[3]] * 6  # no positions past the drafter's block
+
+
+def test_recent_cycles_weigh_most():
+    est = AcceptanceEstimate(1)
+    for _ in range(50):
+        est.observe(1, 1)
+    for _ in range(40):
+        est.observe(1, 0)
+    assert est.rate(0) < 0.2  # forty recent rejections outweigh fifty older acceptances
+
+
+def test_cost_curve_interpolates_extrapolates_and_refuses_nonsense():
+    curve = CostCurve([1, 2, 4], [1.0, 2.0, 3.0])
+    assert [curve.calibrated(b) for b in (1, 2, 3, 4, 6)] == [1.0, 2.0, 2.5, 3.0, 4.0]
+    for grid, seconds in (([2, 4], [1, 2]), ([1, 1], [1, 2]), ([1, 2], [1, 0]), ([1], [])):
+        with pytest.raises(ValueError):
+            CostCurve(grid, seconds)
+
+
+def test_cost_curve_refines_online():
+    curve = CostCurve([1, 8], [1.0, 2.0])
+    for _ in range(10):
+        curve.observe(8, 4.0)  # block 8 runs twice as slow as calibrated
+    assert curve(8) == pytest.approx(4.0, rel=0.05)
+    assert curve(1) == pytest.approx(2.0, rel=0.05)  # not run yet: the overall ratio
+    curve.observe(1, 1.0)
+    assert curve.fresh()(8) == 2.0  # a fresh copy forgets the refinements
+
+
+def test_a_perfect_drafter_gets_a_large_block():
+    assert set(simulate(AdaptiveBlock(FLAT.fresh(), 16), [1.0], 100)[10:]) == {16}
+    assert min(simulate(AdaptiveBlock(MODERATE.fresh(), 16), [1.0], 100)[10:]) >= 8
+
+
+def test_plain_decoding_wins_when_rows_cost_a_forward_each():
+    chosen = simulate(AdaptiveBlock(STEEP.fresh(), 16), [0.6], 300)
+    assert chosen[-100:].count(1) > 90
+
+
+def test_a_useless_drafter_falls_back_to_plain_decoding_and_probes_rarely():
+    policy = AdaptiveBlock(FLAT.fresh(), 16)
+    chosen = simulate(policy, [0.0], 2000)
+    first_plain = chosen.index(1)
+    assert first_plain <= 16  # a handful of cycles to learn it (rows are almost free on this curve)
+    later = chosen[first_plain:]
+    probes = [b for b in later if b == PROBE_BLOCK]
+    assert len(probes) <= len(later) / MAX_PROBE_GAP + 6  # the gap doubles up to MAX_PROBE_GAP
+    extra = sum(FLAT(b) - FLAT(1) for b in later) / (len(later) * FLAT(1))
+    assert extra < 0.02  # probing costs under 2% over plain decoding
+
+
+def test_recovered_acceptance_is_noticed_from_plain_decoding():
+    policy = AdaptiveBlock(FLAT.fresh(), 16)
+    simulate(policy, [0.0], 500)
+    assert policy.choose(100) in (1, PROBE_BLOCK)
+    chosen = simulate(policy, [0.95], 200, seed=1)
+    switch = next(i for i, b in enumerate(chosen) if b > PROBE_BLOCK)
+    assert switch <= MAX_PROBE_GAP + 2  # at most one probe gap
+    assert sum(b == 16 for b in chosen[switch + 20 :]) > 0.8 * len(chosen[switch + 20 :])
+
+
+def test_medium_acceptance_picks_a_medium_block_when_rows_cost():
+    policy = AdaptiveBlock(MODERATE.fresh(), 16)
+    chosen = simulate(policy, [0.7], 400)
+    middle = sorted(chosen[50:])[len(chosen[50:]) // 2]
+    assert 2 <= middle <= 6  # E(b)/T(b) peaks early when each row costs almost a full forward
+
+
+def test_the_limit_and_the_maximum_bound_every_choice():
+    policy = AdaptiveBlock(FLAT.fresh(), 6)
+    assert max(simulate(policy, [1.0], 50)) == 6
+    assert max(simulate(policy, [1.0], 50, limit=3)) == 3
+    assert AdaptiveBlock(FLAT.fresh(), 6).choose(1) == 1
+
+
+def test_timing_moves_the_choice_only_when_refining():
+    chosen = {}
+    for refine in (False, True):
+        policy = AdaptiveBlock(FLAT.fresh(), 16, refine=refine)
+        for _ in range(3):  # each row turns out to cost a quarter of a forward more than calibrated
+            for b in range(1, 17):
+                policy.observe(b, None, FLAT.calibrated(b) * (1 + b / 4))
+        chosen[refine] = policy.choose(100)
+    assert chosen[True] < chosen[False] == AdaptiveBlock(FLAT.fresh(), 16).choose(100)
+
+
+def test_the_prior_is_optimistic():
+    assert AdaptiveBlock(FLAT.fresh(), 16).choose(100) > 8 and PRIOR_RATE >= 0.5
