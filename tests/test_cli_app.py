@@ -184,6 +184,20 @@ def test_chat_reuses_the_conversation_prefix(pair_dirs):
     assert cached[0] == 0 and cached[1] > 10
 
 
+def test_bench_default_legs_are_adaptive_then_the_drafters_block(pair_dirs, tmp_path):
+    target, draft = pair_dirs
+    out = tmp_path / "report.json"
+    r = invoke("bench", "--model", target, "--draft", draft, "--num-prompts", 1, "--max-tokens", 12, "--out", out)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    assert [(run["block_size"], run["max_block_size"]) for run in doc["runs"]] == [("auto", 16), (16, 16)]
+    adaptive, fixed = doc["runs"]
+    assert sum(adaptive["block_sizes"].values()) == sum(adaptive["histogram"].values()) > 0
+    assert adaptive["mean_block_size"] is not None and list(fixed["block_sizes"]) <= [str(b) for b in range(1, 17)]
+    assert all(run["greedy_matches"] for run in doc["runs"])
+    assert "DFlash auto" in r.stdout and "DFlash b=16" in r.stdout and "blocks" in r.stdout
+
+
 def test_bench_report_is_consistent(pair_dirs, tmp_path):
     target, draft = pair_dirs
     out = tmp_path / "report.json"

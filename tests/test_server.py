@@ -209,6 +209,12 @@ def test_num_draft_tokens_sets_the_block(server, expected):
     stats = reply["dflash"]
     assert status == 200 and reply["choices"][0]["text"] == expected["text0"][0]
     assert stats["block_size"] == 3 and len(stats["acceptance_histogram"]) == 3 and stats["acceptance_histogram"][2]
+    assert set(stats["block_sizes"]) == {"3"} or set(stats["block_sizes"]) <= {"1", "2", "3"}  # the last may be cut
+    status, reply = request(server, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 40})
+    stats = reply["dflash"]  # without num_draft_tokens: adaptive, up to the server's block
+    assert status == 200 and reply["choices"][0]["text"] == expected["text0"][0]
+    assert stats["block_size"] == "auto" and stats["max_block_size"] >= 2
+    assert sum(stats["block_sizes"].values()) == stats["cycles"] > 0
 
 
 def test_seeded_sampling_is_reproducible(server):

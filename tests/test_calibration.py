@@ -1,0 +1,133 @@
+"""The cost-curve calibration: measured once, cached on disk, reused, rewritten when unusable.
+
+Every test points DFLASH_MLX_CACHE_DIR at its own directory and forgets the
+in-memory curves, so what is on disk decides.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from dflash_mlx import make_session, stream_generate
+from dflash_mlx.policy import calibration
+from dflash_mlx.policy.calibration import (
+    GRID, cached_curve, calibration_file, calibration_key, clear_calibrations, cost_curve, grid_for,
+)
+from helpers import prompt_ids, without_eos
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))
+    calibration._memo.clear()
+    yield tmp_path / "calibration"
+    calibration._memo.clear()
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_pair):
+    model, tokenizer, draft = tiny_pair("qwen3")
+    session = make_session(model, draft)
+    return model, tokenizer, draft, session.target, session.proposer
+
+
+def test_first_use_measures_and_writes_the_curve(cache_dir, setup):
+    model, tokenizer, draft, target, proposer = setup
+    with without_eos(tokenizer) as tok:
+        out = list(stream_generate(model, draft, tok, prompt_ids(8), max_tokens=10))  # adaptive: calibrates
+    assert len(out) == 10
+    files = list(cache_dir.glob("*.json"))
+    assert len(files) == 1 and files[0] == calibration_file(target, proposer, draft.config.block_size)
+    doc = json.loads(files[0].read_text())
+    assert doc["grid"] == grid_for(draft.config.block_size) == [b for b in GRID if b < 16] + [16]
+    assert all(t > 0 for t in doc["seconds"]) and doc["calibration_seconds"] > 0
+    assert doc["key"]["mlx"] and doc["key"]["target"]["parameters"] > 0 and doc["key"]["draft"]["block_size"] == 16
+
+
+def test_a_cached_curve_is_reused_without_measuring(cache_dir, setup, monkeypatch):
+    _, _, draft, target, proposer = setup
+    first = cost_curve(target, proposer, 8)
+    calibration._memo.clear()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(calibration, "measure", refuse)
+    again = cost_curve(target, proposer, 8)
+    assert again.seconds == first.seconds and again.grid == first.grid == grid_for(8)
+    assert cached_curve(target, proposer, 8).seconds == first.seconds
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "other key", "bad numbers", "empty"])
+def test_a_corrupt_or_stale_file_is_ignored_and_rewritten(cache_dir, setup, damage):
+    _, _, _, target, proposer = setup
+    path = calibration_file(target, proposer, 4)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = calibration_key(target, proposer, 4)
+    good = {"key": key, "grid": grid_for(4), "seconds": [0.01, 0.02, 0.03, 0.04]}
+    text = {
+        "garbage": "not json at all {",
+        "truncated": json.dumps(good)[:40],
+        "other key": json.dumps(dict(good, key=dict(key, mlx="0.0.1"))),
+        "bad numbers": json.dumps(dict(good, seconds=[0.01, -1, 0.03, 0.04])),
+        "empty": "",
+    }[damage]
+    path.write_text(text)
+    assert cached_curve(target, proposer, 4) is None
+    curve = cost_curve(target, proposer, 4)  # measured, not fatal
+    assert curve.seconds != good["seconds"]
+    doc = json.loads(path.read_text())  # rewritten, whole
+    assert doc["key"] == json.loads(json.dumps(key)) and doc["seconds"] == curve.seconds
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+def test_the_key_tells_setups_apart(setup, tiny_pair):
+    _, _, _, target, proposer = setup
+    bf16, _, bf16_draft = tiny_pair("qwen3", dtype="bfloat16")
+    other = make_session(bf16, bf16_draft)
+    keys = [calibration_key(target, proposer, 8), calibration_key(target, proposer, 16),
+            calibration_key(other.target, other.proposer, 8), calibration_key(target, None, 8)]  # fmt: skip
+    assert len({json.dumps(k, sort_keys=True, default=str) for k in keys}) == 4
+    assert {"device", "chip", "mlx", "blas", "format"} <= set(keys[0])
+
+
+def test_clear_and_force(cache_dir, setup, monkeypatch):
+    _, _, _, target, proposer = setup
+    cost_curve(target, proposer, 4)
+    assert clear_calibrations() == 1 and not list(cache_dir.glob("*.json"))
+    calls = []
+    real = calibration.measure
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cost_curve(target, proposer, 4)
+    cost_curve(target, proposer, 4)
+    cost_curve(target, proposer, 4, force=True)
+    assert len(calls) == 2
+
+
+def test_the_calibrate_command_on_the_bundled_pair(tmp_path):
+    """The real console script: measure, then read from the cache, then clear."""
+    env_dir = tmp_path / "cache"
+    import os
+
+    env = dict(os.environ, DFLASH_MLX_CACHE_DIR=str(env_dir))
+    exe = shutil.which("dflash-mlx")
+    first = subprocess.run([exe, "calibrate", "--json"], capture_output=True, text=True, env=env, timeout=600,
+                           stdin=subprocess.DEVNULL)  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    doc = json.loads(first.stdout.strip().splitlines()[-1])
+    assert doc["model"] == "demo" and doc["cached"] is False and doc["max_block_size"] == 8
+    assert [r["block"] for r in doc["curve"]] == grid_for(8) and doc["curve"][0]["break_even_tokens_per_cycle"] == 1
+    table = subprocess.run([exe, "calibrate"], capture_output=True, text=True, env=env, timeout=600,
+                           stdin=subprocess.DEVNULL)  # fmt: skip
+    assert table.returncode == 0 and "read from the cache" in table.stdout and "tokens/cycle to beat" in table.stdout
+    cleared = subprocess.run([exe, "calibrate", "--clear"], capture_output=True, text=True, env=env, timeout=600,
+                             stdin=subprocess.DEVNULL)  # fmt: skip
+    assert cleared.returncode == 0 and "Removed 1 cached calibration" in " ".join(cleared.stdout.split())
+    assert not list((env_dir / "calibration").glob("*.json"))
+    bad = subprocess.run([exe, "calibrate", "--clear", "--force"], capture_output=True, text=True, env=env,
+                         timeout=600, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert bad.returncode != 0 and "--clear" in bad.stderr + bad.stdout
