@@ -120,9 +120,9 @@ def _print_table(doc: dict, legs) -> None:
                       "yes" if d["greedy_matches"] else "no")  # fmt: skip
     console.print(table)
     for run in doc["runs"]:
-        console.print(f"[dim]b={run['block_size']}: tokens per cycle "
-                      + "  ".join(f"{k}:{v}" for k, v in run["histogram"].items())
-                      + " · blocks " + "  ".join(f"{k}:{v}" for k, v in run["block_sizes"].items()) + "[/]")  # fmt: skip
+        tokens = "  ".join(f"{k}:{v}" for k, v in run["histogram"].items())
+        blocks = "  ".join(f"{k}:{v}" for k, v in run["block_sizes"].items())
+        console.print(f"[dim]b={run['block_size']}: tokens per cycle {tokens} · blocks {blocks}[/]")
     if doc["temperature"] == 0 and not all(r["greedy_matches"] for r in doc["runs"]):
         console.print("[yellow]Some greedy DFlash replies differ from the baseline's (see the JSON "
                       "'prompts'): near-tie logits in low precision can flip a token.[/]")  # fmt: skip

@@ -3,8 +3,9 @@
 For every prompt (a conversation: MT-Bench has two turns, each later turn fed
 the leg's own earlier reply) each leg runs in turn: the baseline is
 `mlx_lm.stream_generate` (what users compare against), then DFlash with each
-block choice (by default the adaptive block, then the drafter's fixed block), then optionally mlx-lm's speculative decoding with an
-autoregressive draft model. Every leg is warmed up first. Speeds are decode
+block choice (by default the adaptive block, then the drafter's fixed block),
+then optionally mlx-lm's speculative decoding with an autoregressive draft
+model. Every leg is warmed up first. Speeds are decode
 speeds (prefill excluded): total tokens after each reply's first over the total
 time after it, measured with one clock for all legs. `report` builds the JSON
 record (`speedup` = `dflash_tps` / `baseline_tps` for the first block choice,

@@ -48,7 +48,8 @@ def calibrate(
         curve = cost_curve(target, proposer, largest, force=force)
     took = time.perf_counter() - tic
     path = calibration_file(target, proposer, largest)
-    rows = [{"block": b, "ms_per_cycle": round(1000 * t, 3), "break_even_tokens_per_cycle": round(t / curve.seconds[0], 3)}
+    rows = [{"block": b, "ms_per_cycle": round(1000 * t, 3),
+             "break_even_tokens_per_cycle": round(t / curve.seconds[0], 3)}
             for b, t in zip(curve.grid, curve.seconds)]  # fmt: skip
     if as_json:
         typer.echo(json.dumps({"model": choice.label, "max_block_size": largest, "cached": was_cached,

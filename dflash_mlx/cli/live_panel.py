@@ -2,8 +2,9 @@
 
 `reply_view` renders the text so far plus a panel with tok/s, mean tokens per
 cycle and the acceptance histogram (cycles that committed 1..block size
-tokens), and for an adaptive block the blocks it chose; redrawn by rich's `Live` while tokens arrive. `summary_line` is the
-one line printed after each turn.
+tokens), and for an adaptive block the blocks it chose; redrawn by rich's
+`Live` while tokens arrive. `summary_line` is the one line printed after each
+turn.
 """
 
 from __future__ import annotations

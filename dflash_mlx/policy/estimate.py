@@ -7,8 +7,9 @@ not observed. Each position keeps exponentially discounted counts (recent
 cycles weigh most) plus a weak prior, so a fresh estimate starts optimistic
 and a few cycles override it. A position's prior is never above the estimate
 of the position before it (deeper drafts are no better than shallower ones),
-so a drafter rejected at its first position is not credited with a deep run. E(b) = 1 + sum_{k=1}^{b-1} prod_{j<k} a_j is
-what a cycle at block b is expected to commit.
+so a drafter rejected at its first position is not credited with a deep run.
+E(b) = 1 + sum_{k=1}^{b-1} prod_{j<k} a_j is what a cycle at block b is
+expected to commit.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ class DFlashServer(ThreadingHTTPServer):
         has_draft = self.worker.draft is not None
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "dflash-mlx",
                 "draft": self.draft_id, "block_size": self.worker.block_size if has_draft else None,
-                "adaptive_block": self.worker.adaptive, "dtype": dtype_name(target_float_dtype(self.worker.model))}  # fmt: skip
+                "adaptive_block": self.worker.adaptive,
+                "dtype": dtype_name(target_float_dtype(self.worker.model))}  # fmt: skip
 
     def start(self) -> "DFlashServer":
         """Serve from a background thread; returns at once."""
