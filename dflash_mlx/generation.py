@@ -123,8 +123,9 @@ def stream_generate(
         raise ValueError(f"max_block_size must be an integer >= 1, got {max_block_size!r}.")
     if block_size is None or block_size == "auto":
         largest = max_block_size or (default_block_size(model, draft) if proposer else 1)
-        # timing refines the blocks only where they cannot change the output (greedy)
-        block_size = adaptive_policy(target, proposer, largest, refine=settings.greedy) if proposer else 1
+        # the calibrated curve alone: the loop's cycle times mix in the caller's per-token work and,
+        # with pipelined plain steps, the next step's launch (see dflash_mlx.policy.adaptive)
+        block_size = adaptive_policy(target, proposer, largest) if proposer else 1
     elif max_block_size is not None:
         raise ValueError("max_block_size is for the adaptive block (block_size=None), not a fixed one.")
     elif isinstance(block_size, str):
