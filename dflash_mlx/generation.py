@@ -125,7 +125,9 @@ def stream_generate(
         largest = max_block_size or (default_block_size(model, draft) if proposer else 1)
         # the calibrated curve alone: the loop's cycle times mix in the caller's per-token work and,
         # with pipelined plain steps, the next step's launch (see dflash_mlx.policy.adaptive)
-        block_size = adaptive_policy(target, proposer, largest) if proposer else 1
+        # greedy runs carry the drafter's acceptance history from one call to the next (their
+        # output cannot change); sampled runs start from the prior, so a seed reproduces them
+        block_size = adaptive_policy(target, proposer, largest, carry=settings.greedy) if proposer else 1
     elif max_block_size is not None:
         raise ValueError("max_block_size is for the adaptive block (block_size=None), not a fixed one.")
     elif isinstance(block_size, str):

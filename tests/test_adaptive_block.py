@@ -205,3 +205,28 @@ def test_sampled_tokens_follow_the_target_across_a_block_change(pair):
     c = np.append(counts[~small], counts[small].sum())
     p = np.append(probs[~small], probs[small].sum())
     assert chi_square_p(c, p) > 1e-3
+
+
+def test_greedy_calls_carry_the_drafters_acceptance_sampled_calls_do_not(pair, monkeypatch):
+    from dflash_mlx.policy import calibration
+
+    curve = CostCurve([1, 2, 4, 8, 16], [0.010, 0.0125, 0.0175, 0.0275, 0.0475])  # rows cost: the choice is clear
+    monkeypatch.setattr(calibration, "cost_curve", lambda *a, **k: curve)
+    model, tokenizer, _ = pair("qwen3")
+    prompt = prompt_ids(12, seed=34)
+    with without_eos(tokenizer) as tok:
+        want = reference(model, tok, prompt, 40)
+        useless = oracle_for(want, [0])  # rejects every draft
+
+        def first_block(**kw):
+            out = list(stream_generate(model, useless, tok, prompt, max_tokens=40, **kw))
+            return next(r.cycle_block_size for r in out if r.cycle_tokens is not None), out
+
+        fresh, out = first_block()
+        assert_same_stream(out, want, logprob_atol=1e-3)
+        carried, out = first_block()
+        assert_same_stream(out, want, logprob_atol=1e-3)
+        assert carried < fresh  # the second greedy call starts from what the first learnt
+        sampled = [first_block(temperature=1.0, seed=5) for _ in range(2)]
+        assert sampled[0][0] == sampled[1][0] == fresh  # sampled calls start from the prior
+        assert [r.token for r in sampled[0][1]] == [r.token for r in sampled[1][1]]

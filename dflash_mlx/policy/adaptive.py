@@ -2,7 +2,7 @@
 
 E(b) comes from the live acceptance estimate (`estimate`), T(b) from the
 calibrated, online-refined cost curve (`cost`). At b = 1 nothing is learnt
-about acceptance, so the policy probes a small block now and then: first
+about acceptance, so the policy probes a block of PROBE_BLOCK now and then: first
 after PROBE_GAP cycles at b = 1, and after each probe that accepts nothing
 twice as long (up to MAX_PROBE_GAP); any cycle that accepts a draft resets
 the gap. Before a probe the acceptance history is halved, so acceptance that
@@ -19,10 +19,13 @@ a machine with the same calibration.
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 from .cost import CostCurve
 from .estimate import AcceptanceEstimate
 
-PROBE_BLOCK = 4
+PROBE_BLOCK = 2
 PROBE_GAP = 8
 MAX_PROBE_GAP = 64
 PROBE_SOFTEN = 0.5
@@ -79,8 +82,32 @@ class AdaptiveBlock:
             self._probing = False
 
 
-def adaptive_policy(target, proposer, max_block: int, refine: bool = False) -> AdaptiveBlock:
-    """A fresh adaptive policy for one generation, on this machine's (cached) cost curve."""
+CARRY = 0.25  # weight of the previous generation's acceptance history in the next one
+_last: dict[int, AdaptiveBlock] = {}  # id(drafter) -> its last policy, while the drafter lives
+_last_lock = threading.Lock()
+
+
+def adaptive_policy(target, proposer, max_block: int, refine: bool = False, carry: bool = False) -> AdaptiveBlock:
+    """An adaptive policy for one generation, on this machine's (cached) cost curve.
+
+    `carry`: start from the acceptance history (weighed by CARRY) and probe gap of the
+    drafter's previous generation instead of the prior, so a poor drafter
+    starts at b = 1 and a good one at a large block. The library carries only
+    for greedy decoding, whose output no block choice can change.
+    """
     from .calibration import cost_curve
 
-    return AdaptiveBlock(cost_curve(target, proposer, max_block).fresh(), max_block, refine=refine)
+    policy = AdaptiveBlock(cost_curve(target, proposer, max_block).fresh(), max_block, refine=refine)
+    drafter = getattr(proposer, "drafter", proposer)  # (modules are dicts: not hashable, keyed by id)
+    with _last_lock:
+        last = _last.get(id(drafter)) if carry else None
+        if last is not None and last.max_block == max_block:
+            policy.estimate = last.estimate.carried(CARRY)
+            policy._gap = last._gap
+        if id(drafter) not in _last:
+            try:
+                weakref.finalize(drafter, _last.pop, id(drafter), None)
+            except TypeError:  # not weakly referenceable: nothing is carried
+                return policy
+        _last[id(drafter)] = policy
+    return policy

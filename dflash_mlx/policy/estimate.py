@@ -38,6 +38,13 @@ class AcceptanceEstimate:
             self.seen[k] = self.seen[k] * self.discount + 1.0
             self.accepted[k] = self.accepted[k] * self.discount + (1.0 if k < accepted else 0.0)
 
+    def carried(self, factor: float) -> AcceptanceEstimate:
+        """A copy with the history weighed by `factor`: the start of the next generation."""
+        other = AcceptanceEstimate(self.positions, self.prior, self.weight, self.discount)
+        other.accepted = [x * factor for x in self.accepted]
+        other.seen = [x * factor for x in self.seen]
+        return other
+
     def soften(self, factor: float) -> None:
         """Weigh the whole history by `factor` (before a probe, after a long pause)."""
         for k in range(self.positions):
