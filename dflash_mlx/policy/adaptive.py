@@ -90,9 +90,10 @@ _last_lock = threading.Lock()
 def adaptive_policy(target, proposer, max_block: int, refine: bool = False, carry: bool = False) -> AdaptiveBlock:
     """An adaptive policy for one generation, on this machine's (cached) cost curve.
 
-    `carry`: start from the acceptance history (weighed by CARRY) and probe gap of the
+    `carry`: start from the acceptance history (weighed by CARRY) of the
     drafter's previous generation instead of the prior, so a poor drafter
-    starts at b = 1 and a good one at a large block. The library carries only
+    starts at b = 1 and a good one at a large block; the probe gap starts
+    afresh (a new request may suit the drafter better). The library carries only
     for greedy decoding, whose output no block choice can change.
     """
     from .calibration import cost_curve
@@ -102,8 +103,7 @@ def adaptive_policy(target, proposer, max_block: int, refine: bool = False, carr
     with _last_lock:
         last = _last.get(id(drafter)) if carry else None
         if last is not None and last.max_block == max_block:
-            policy.estimate = last.estimate.carried(CARRY)
-            policy._gap = last._gap
+            policy.estimate = last.estimate.carried(CARRY)  # (not its probe gap: new content, first probe soon)
         if id(drafter) not in _last:
             try:
                 weakref.finalize(drafter, _last.pop, id(drafter), None)
