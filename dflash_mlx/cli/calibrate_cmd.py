@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 from typing import Annotated
 
 import typer
@@ -44,7 +45,7 @@ def calibrate(
     target, proposer = session.target, session.proposer
     was_cached = not force and cached_curve(target, proposer, largest) is not None
     tic = time.perf_counter()
-    with console.status("Calibrating…", spinner="dots") if not as_json else _nothing():
+    with console.status("Calibrating…", spinner="dots") if not as_json else nullcontext():
         curve = cost_curve(target, proposer, largest, force=force)
     took = time.perf_counter() - tic
     path = calibration_file(target, proposer, largest)
@@ -64,10 +65,3 @@ def calibrate(
     how = "read from the cache" if was_cached else f"measured in {took:.2f} s"
     console.print(f"[dim]{how}: {path}[/]")
 
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

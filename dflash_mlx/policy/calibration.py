@@ -16,6 +16,7 @@ $XDG_CACHE_HOME/dflash-mlx, else ~/.cache/dflash-mlx; `clear_calibrations()`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -93,13 +94,15 @@ def calibration_key(target, proposer, max_block: int) -> dict:
         "proposer": type(proposer).__name__,
         "grid": grid_for(max_block),
         "device": str(mx.default_device()),
-        "machine": platform.machine(),
-        "system": platform.system(),
-        "chip": chip(),
-        "cpu_count": os.cpu_count(),
-        "blas": loaded_blas(),
-        "mlx": mx.__version__,
+        **_machine_facts(),
     }
+
+
+@functools.lru_cache(maxsize=1)
+def _machine_facts() -> dict:
+    """What cannot change within a process (read once: every adaptive generation builds a key)."""
+    return {"machine": platform.machine(), "system": platform.system(), "chip": chip(),
+            "cpu_count": os.cpu_count(), "blas": loaded_blas(), "mlx": mx.__version__}  # fmt: skip
 
 
 def _digest(key: dict) -> str:
