@@ -6,8 +6,13 @@ drafter, dtype, quantization, device and MLX version: from memory, else from
 (`engine.speculative_cycles`) on a short synthetic prompt with a scheduled
 block per cycle, on private caches and a private copy of the proposer
 (`Proposer.fork()`; a proposer without one is timed with free dummy drafts),
-so the caller's session is untouched. Rounds alternate the blocks; the first
-is a warm-up; each block's time is the median of the others. A cache file
+so the caller's session is untouched. Each block runs as a stretch of
+consecutive cycles of which only the second is timed, as a steady run of
+that block costs: the engine queues the cycle after a b = 1 step before
+reading that step, so a stretch's first cycle overlaps the previous block,
+and a b = 1 step's time includes queueing the next cycle (hence b = 1
+stretches of 3: the timed step queues another b = 1). Rounds alternate the blocks; the first is a warm-up; each
+block's time is the median of the others. A cache file
 that cannot be read, is of another format or describes another setup is
 ignored and rewritten (atomically). `<cache>` is $DFLASH_MLX_CACHE_DIR, else
 $XDG_CACHE_HOME/dflash-mlx, else ~/.cache/dflash-mlx; `clear_calibrations()`
@@ -38,10 +43,10 @@ from ..utils.machine import chip, loaded_blas
 from .base import ScheduledBlocks
 from .cost import CostCurve
 
-FORMAT = 1  # bump when what is measured changes
+FORMAT = 2  # bump when what is measured changes
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 ROUNDS = 4  # the first is a warm-up
-SINGLE_ROWS_PER_ROUND = 3  # b = 1 runs in stretches (as the adaptive loop runs it)
+STRETCH = {1: 3}  # cycles per block in a stretch (2 unless given); the second is timed
 PROMPT_TOKENS = 16
 
 _memo: dict[str, CostCurve] = {}
@@ -148,7 +153,9 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS) -> list[flo
 
     fork = getattr(proposer, "fork", None)
     private = fork() if callable(fork) else _DummyDrafts(max(grid))
-    one_round = [1] * SINGLE_ROWS_PER_ROUND + [b for b in grid if b > 1]
+    stretches = [(b, STRETCH.get(b, 2)) for b in grid]
+    one_round = [b for b, n in stretches for _ in range(n)]
+    timed = [i == 1 for _, n in stretches for i in range(n)]
     policy = ScheduledBlocks(one_round * rounds)
     vocab = target.vocab_size
     prompt = mx.array([(7919 * i + 13) % vocab for i in range(PROMPT_TOKENS)], mx.int32)
@@ -162,7 +169,7 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS) -> list[flo
         cycles.close()
     samples: dict[int, list[float]] = {b: [] for b in grid}
     for i, (b, seconds) in enumerate(policy.seconds):
-        if i >= len(one_round):  # the first round warms up
+        if i >= len(one_round) and timed[i % len(one_round)]:  # the first round warms up
             samples[b].append(seconds)
     return [statistics.median(samples[b]) for b in grid]
 
