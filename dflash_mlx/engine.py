@@ -5,10 +5,10 @@ committed), with no I/O and no detokenizing; a cycle holding a stop token ends
 the generation. Acceptance is computed on the device and the next cycle's
 graph is queued with `mx.async_eval` before the current cycle is handed out,
 so there is one host sync per cycle. A block-size policy (`policy.base`)
-chooses each cycle's block; b = 1 is plain decoding, and consecutive b = 1
-cycles are pipelined like mlx-lm's `generate_step` (the next step is queued
+chooses each cycle's block; b = 1 is plain decoding, and the cycle after a
+b = 1 cycle (of any block) is pipelined like mlx-lm's `generate_step` (queued
 on the lazy token before the current one is read) where the caches can undo
-a single row. At b = 1 the drafter's context still receives every committed
+it whole. At b = 1 the drafter's context still receives every committed
 position, batched until the next larger block. What a verify commits (greedy
 or exact sampling, logits processors) is the `Acceptor`'s. Log-probabilities
 are left lazy (a full-vocabulary log-softmax over every verified row costs
@@ -184,7 +184,6 @@ def speculative_cycles(
     synced = time.perf_counter()
     if committed != max_tokens and anchor_id not in stop_tokens:
         queue.append(launch(anchor, position, committed, choose(committed)))
-    chosen = None  # a block chosen ahead for the next launch
     try:
         while queue:
             queued = queue.popleft()
@@ -192,10 +191,8 @@ def speculative_cycles(
                 context.add(queued.features, wait=True)  # its one row is the anchor, committed
             remaining = max_tokens < 0 or committed + 1 < max_tokens
             if chains and queued.block_size == 1 and remaining and not queue:
-                chosen = choose(committed + 1)
-                if chosen == 1:
-                    queue.append(launch(queued.verdict[1:2], position + 1, committed + 1, 1))
-                    chosen = None
+                # a b = 1 cycle commits exactly one token: the next cycle (any block) can be built on it unread
+                queue.append(launch(queued.verdict[1:2], position + 1, committed + 1, choose(committed + 1)))
             values = queued.verdict.tolist()
             now = time.perf_counter()
             seconds, synced = now - synced, now
@@ -217,9 +214,7 @@ def speculative_cycles(
             position += len(tokens)
             anchor_id = tokens[-1]
             if not queue and stop is None and (committed < max_tokens or max_tokens < 0):
-                b = chosen if chosen is not None else choose(committed)
-                queue.append(launch(mx.array([anchor_id], mx.int32), position, committed, b))
-            chosen = None
+                queue.append(launch(mx.array([anchor_id], mx.int32), position, committed, choose(committed)))
             # Log-probabilities stay lazy: only a caller that reads them pays for them.
             logprobs = log_softmax(queued.rows[:kept])
             yield Cycle(tokens=tokens, logprobs=logprobs, drafted=min(accepted, kept), block_size=queued.block_size,

@@ -53,7 +53,7 @@ class CacheKind:
     trimmable: bool  # can later be cut back to any shorter prefix (a session's prefix reuse)
     rollback: Callable  # (cache, layer index, record, keep) -> None
     linear_only: bool = False  # only valid in Gated DeltaNet layers
-    undoes_single_row: bool = True  # a one-row update can be undone entirely (keep=0)
+    undoes_single_row: bool = True  # a verify right after a one-row update can be undone entirely (keep=0)
 
 
 CACHE_KINDS: dict[type, CacheKind] = {
