@@ -4,7 +4,8 @@
 committed), with no I/O and no detokenizing; a cycle holding a stop token ends
 the generation. Acceptance is computed on the device and the next cycle's
 graph is queued with `mx.async_eval` before the current cycle is handed out,
-so there is one host sync per cycle. A block-size policy (`policy.base`)
+so there is one host sync per cycle (the first cycle is queued before the
+prefill's token is handed out, as mlx-lm queues its second step). A block-size policy (`policy.base`)
 chooses each cycle's block; b = 1 is plain decoding, and the cycle after a
 b = 1 cycle (of any block) is pipelined like mlx-lm's `generate_step` (queued
 on the lazy token before the current one is read) where the caches can undo
@@ -151,7 +152,7 @@ def speculative_cycles(
     session.prefilled(prompt_ids)
     acceptor.commit(anchor.tolist())
     anchor_id = anchor.tolist()[0]
-    yield Cycle(tokens=[anchor_id], logprobs=logprobs, drafted=0, block_size=0, stopped=anchor_id in stop_tokens)
+    first = Cycle(tokens=[anchor_id], logprobs=logprobs, drafted=0, block_size=0, stopped=anchor_id in stop_tokens)
 
     committed, position = 1, total
     # b = 1 steps are chained on the lazy token when nothing needs it on the host first
@@ -182,9 +183,10 @@ def speculative_cycles(
 
     queue: deque[_Pending] = deque()
     synced = time.perf_counter()
-    if committed != max_tokens and anchor_id not in stop_tokens:
+    if committed != max_tokens and anchor_id not in stop_tokens:  # queued before the first token is handed out
         queue.append(launch(anchor, position, committed, choose(committed)))
     try:
+        yield first
         while queue:
             queued = queue.popleft()
             if queued.block_size == 1:
