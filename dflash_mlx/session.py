@@ -24,10 +24,13 @@ place and never replaces.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
+
 from .proposers import Proposer, as_proposer
 from .targets.adapter import TargetAdapter
 from .targets.rollback import VerifyRecord, rollback, trimmable
@@ -75,12 +78,13 @@ class Session:
         self.tokens: list[int] = []  # what the caches hold, in order
         self._checkpoint: _Checkpoint | None = None
         self.reused = 0  # prompt tokens the last `begin` kept
+        self.prompt_length = 0  # tokens of the last generation's prompt (what the caches held after its prefill)
 
     def reset(self) -> None:
         """Forget everything (the next generation prefills its whole prompt)."""
         if self._given:
             raise RuntimeError("A session over a caller's cache list cannot drop it.")
-        self.cache, self.tokens, self._checkpoint = None, [], None
+        self.cache, self.tokens, self._checkpoint, self.prompt_length = None, [], None, 0
 
     def begin(self, prompt: list[int]) -> int:
         """Make the caches hold a prefix of `prompt` (never all of it); return its length."""
@@ -102,21 +106,32 @@ class Session:
             mx.eval([c.state for c in self.cache if c is not None], self.proposer.state() if feeds else [])
         self.tokens = list(tokens)
 
+    def usable_prefix(self, prompt: list[int]) -> int:
+        """How many leading tokens of `prompt` `begin` would keep (nothing changes)."""
+        return self._plan(prompt[:-1])[0]
+
+    def _plan(self, wanted: list[int]) -> tuple[int, str | None]:
+        """(tokens to keep, how: "extend", "trim", "checkpoint" or None for fresh caches)."""
+        if self.cache is None:
+            return 0, None
+        common = common_prefix(self.tokens, wanted)
+        if common == len(self.tokens):
+            return common, "extend"
+        if (common or self._given) and all(trimmable(c) for c in self.cache):
+            return common, "trim"
+        if self._checkpoint and 0 < self._checkpoint.position <= common:
+            return self._checkpoint.position, "checkpoint"
+        return 0, None
+
     def _keep_prefix(self, wanted: list[int]) -> int:
         """Cut the caches back to the longest prefix of `wanted` they can keep (fresh caches if none)."""
-        keep = 0
-        if self.cache is not None:
-            common = common_prefix(self.tokens, wanted)
-            if common == len(self.tokens):
-                keep = common
-            elif (common or self._given) and all(trimmable(c) for c in self.cache):
-                for c in self.cache:
-                    if c is not None:
-                        c.trim(len(self.tokens) - common)
-                keep = common
-            elif self._checkpoint and 0 < self._checkpoint.position <= common:
-                self._restore(self._checkpoint)
-                keep = self._checkpoint.position
+        keep, how = self._plan(wanted)
+        if how == "trim":
+            for c in self.cache:
+                if c is not None:
+                    c.trim(len(self.tokens) - keep)
+        elif how == "checkpoint":
+            self._restore(self._checkpoint)
         if keep == 0 and self.tokens and self._given:
             raise RuntimeError("A caller's cache list cannot be emptied: its caches cannot be trimmed.")
         if keep == 0 and not self._given:
@@ -135,6 +150,7 @@ class Session:
     def prefilled(self, prompt: list[int]) -> None:
         """The whole prompt is in the caches: remember it, checkpoint untrimmable state."""
         self.tokens = list(prompt)
+        self.prompt_length = len(prompt)
         if all(trimmable(c) for c in self.cache):
             self._checkpoint = None
             return
@@ -156,6 +172,50 @@ class Session:
         if features is not None and self.proposer is not None and self.proposer.layer_ids:
             self.proposer.add_context(features[:, :1])
         self.tokens.append(anchor)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays this session holds: target caches, drafter context, checkpoint."""
+        arrays = [c.state for c in self.cache or [] if c is not None]
+        arrays += self.proposer.state() if self.proposer is not None else []
+        arrays += self._checkpoint.states if self._checkpoint else []
+        return sum(a.nbytes for _, a in tree_flatten(arrays) if isinstance(a, mx.array))
+
+    def copy(self) -> Session:
+        """An independent session holding the same tokens (its own caches, drafter context and
+        checkpoint; the proposer must have `fork(context=True)`)."""
+        if self._given:
+            raise RuntimeError("A session over a caller's cache list cannot be copied.")
+        proposer = None
+        if self.proposer is not None:
+            fork = getattr(self.proposer, "fork", None)
+            if not callable(fork):
+                raise RuntimeError(f"{type(self.proposer).__name__} has no fork(): its context cannot be copied.")
+            proposer = fork(context=True)
+        other = Session(self.target, proposer, self.draft, draft_sampling=self.draft_sampling)
+        other.cache = copy.deepcopy(self.cache)
+        other.tokens, other._checkpoint = list(self.tokens), copy.deepcopy(self._checkpoint)
+        other.prompt_length = self.prompt_length
+        return other
+
+    def saved(self) -> dict:
+        """What a saved session holds (`session_store`): tokens, target caches, checkpoint, drafter context."""
+        saved_context = getattr(self.proposer, "saved_context", None)
+        checkpoint = self._checkpoint
+        return {"tokens": list(self.tokens), "prompt_length": self.prompt_length, "cache": self.cache,
+                "checkpoint": (checkpoint.position, checkpoint.states) if checkpoint else None,
+                "draft": saved_context() if callable(saved_context) else None}  # fmt: skip
+
+    def restore(self, tokens: list[int], cache: list, checkpoint: tuple | None, draft, prompt_length: int = 0) -> None:
+        """Hold a saved session's state (the caches must be this target's)."""
+        if self._given:
+            raise RuntimeError("A session over a caller's cache list cannot take another.")
+        if self.proposer is not None and self.proposer.layer_ids:
+            if draft is None:
+                raise ValueError("the saved session has no drafter context")
+            self.proposer.restore_context(self.target, draft)
+        self.cache, self.tokens, self.prompt_length = cache, list(tokens), prompt_length
+        self._checkpoint = _Checkpoint(*checkpoint) if checkpoint else None
 
     def _restore(self, checkpoint: _Checkpoint) -> None:
         for c, state in zip(self.cache, checkpoint.states):

@@ -107,6 +107,22 @@ class DraftContextCache:
     def state(self):
         return [a for a in (self.keys, self.values) if a is not None]
 
+    def saved(self) -> tuple[list[mx.array], dict]:
+        """The held rows and the positions, for saving (`restored` reads them back)."""
+        held = self.keys is not None and self._rows > 0
+        arrays = [self.keys[..., : self._rows, :], self.values[..., : self._rows, :]] if held else []
+        return arrays, {"end": self.end, "rows": self._rows, "max_rows": self.max_rows}
+
+    @classmethod
+    def restored(cls, arrays: list[mx.array], meta: dict) -> DraftContextCache:
+        cache = cls(meta["max_rows"])
+        if arrays:
+            cache.keys, cache.values = arrays
+        cache._rows, cache.end = int(meta["rows"]), int(meta["end"])
+        if (cache.keys.shape[2] if arrays else 0) != cache._rows:
+            raise ValueError(f"a saved drafter context holds {cache._rows} rows but its arrays do not")
+        return cache
+
 
 class DraftAttention(nn.Module):
     def __init__(self, config: DraftConfig, layer: int):

@@ -78,7 +78,7 @@ def grid_for(max_block: int) -> list[int]:
     return sorted({b for b in GRID if b < max_block} | {max_block})
 
 
-def _model_facts(model) -> dict:
+def model_facts(model) -> dict:
     if not isinstance(model, nn.Module):
         return {"type": type(model).__name__}
     params = tree_flatten(model.parameters())
@@ -94,8 +94,8 @@ def calibration_key(target, proposer, max_block: int) -> dict:
     """Everything T(b) depends on: the models, the device, the software."""
     return {
         "format": FORMAT,
-        "target": _model_facts(target.model),
-        "draft": _model_facts(getattr(proposer, "drafter", proposer)) if proposer is not None else None,
+        "target": model_facts(target.model),
+        "draft": model_facts(getattr(proposer, "drafter", proposer)) if proposer is not None else None,
         "proposer": type(proposer).__name__,
         "grid": grid_for(max_block),
         "device": str(mx.default_device()),

@@ -6,9 +6,10 @@ positions from the previous generation, see `dflash_mlx.session`), fed the targe
 position (`add_context`, in order, only if it asked for `layer_ids`), asked for
 the arrays to evaluate after each prefill chunk (`state`), and asked for
 `count` tokens to follow an anchor at an absolute position (`propose`).
-Optionally `fork()` returns an independent copy on the same weights (the
-block-size calibration times it on private state; without one it times the
-verify alone).
+Optionally `fork(context=False)` returns an independent copy on the same
+weights, with an empty context (the block-size calibration times it on
+private state; without one it times the verify alone) or with a copy of the
+context (`Session.copy`: the server's prompt cache branches a conversation).
 `proposers.dflash` wraps DFlash (v1) and DFlash 2 drafters (and `as_proposer`
 turns what a caller passes as `draft` into a proposer); `proposers.oracle`
 knows the answer (tests, benchmarks).

@@ -8,9 +8,11 @@ Whether drafts are sampled is the call's choice (`sampling`), never state.
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 
-from ..draft.model import DFlashDraftModel
+from ..draft.model import DFlashDraftModel, DraftContextCache
 from ..draft.pairing import check_pair
 from ..sampling import dense_from_candidates, distribution
 from .base import Proposal, Proposer
@@ -29,9 +31,13 @@ class DFlashProposer:
         self.target = None
         self.cache = None
 
-    def fork(self) -> DFlashProposer:
-        """An independent proposer on the same drafter (its own context; for calibration)."""
-        return type(self)(self.drafter, self.max_context)
+    def fork(self, context: bool = False) -> DFlashProposer:
+        """An independent proposer on the same drafter: an empty context (the calibration's), or
+        with `context` a copy of this one's (a copied session's)."""
+        other = type(self)(self.drafter, self.max_context)
+        if context and self.cache is not None:
+            other.target, other.cache = self.target, copy.deepcopy(self.cache)
+        return other
 
     def start(self, target, prompt: mx.array, reused: int = 0) -> None:
         self.target = target
@@ -40,6 +46,16 @@ class DFlashProposer:
         self.cache = self.drafter.make_cache(self.max_context)
         for c in self.cache:
             c.skip(reused)  # context the drafter never saw: drafts get worse, output does not change
+
+    def saved_context(self) -> list[tuple[list, dict]] | None:
+        """The context per drafter layer, for saving a session (None before the first start)."""
+        return None if self.cache is None else [c.saved() for c in self.cache]
+
+    def restore_context(self, target, saved: list[tuple[list, dict]]) -> None:
+        """Take back a `saved_context` (the session's target adapter is `target`)."""
+        if len(saved) != len(self.drafter.layers):
+            raise ValueError(f"a saved drafter context has {len(saved)} layers, this drafter has another count")
+        self.target, self.cache = target, [DraftContextCache.restored(a, m) for a, m in saved]
 
     def _rewind(self, position: int) -> bool:
         drop = self.context_end - position
@@ -53,7 +69,7 @@ class DFlashProposer:
         self.drafter.extend_context(features, self.cache)
 
     def state(self) -> list:
-        return [c.state for c in self.cache]
+        return [c.state for c in self.cache or []]
 
     @property
     def context_end(self) -> int:
