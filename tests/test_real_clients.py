@@ -15,21 +15,18 @@ line), never by fixed sleeps, and stopped as a user stops them (SIGINT).
 from __future__ import annotations
 
 import json
-import queue
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 
 import mlx.core as mx
 import mlx_lm
 import pytest
 
 from dflash_mlx.models.registry import lookup
+from helpers.servers import ServeProcess
 from dflash_mlx.models.loading import on_cpu
 
 openai = pytest.importorskip("openai")
@@ -37,59 +34,6 @@ openai = pytest.importorskip("openai")
 DEMO_TARGET = lookup("demo").target_path()
 QUESTION = "Tom has 3 boxes with 12 apples each. How many apples?"
 MESSAGES = [{"role": "user", "content": QUESTION}]
-READY_TIMEOUT = 240  # a loaded 2-core machine may take long to import MLX and load
-
-
-class ServeProcess:
-    """`dflash-mlx serve ...` in a subprocess; stderr is read by a thread (lines in `lines`)."""
-
-    def __init__(self, *args: str):
-        exe = shutil.which("dflash-mlx")
-        assert exe, "the dflash-mlx console script is not installed (pip install -e '.[test]')"
-        self.proc = subprocess.Popen([exe, "serve", "--port", "0", *args], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        self.lines: list[str] = []
-        self._queue: queue.Queue = queue.Queue()
-        self._reader = threading.Thread(target=self._read, name="serve-stderr", daemon=True)
-        self._reader.start()
-        self.url = self._wait_ready()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            self._queue.put(line)
-        self._queue.put(None)
-
-    def _wait_ready(self) -> str:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            try:
-                line = self._queue.get(timeout=1)
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            if "serving" in line and " at http://" in line:
-                return line.split(" at ")[1].split()[0].removesuffix("/v1")
-        self.stop()
-        pytest.fail("dflash-mlx serve did not become ready:\n" + "".join(self.lines))
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.lines)
-
-    def stop(self) -> int:
-        """SIGINT, as Ctrl-C; returns the exit status (killed after 60 s)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-        try:
-            status = self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            status = self.proc.wait()
-        self._reader.join(10)
-        self.proc.stderr.close()
-        return status
 
 
 @pytest.fixture(scope="module")

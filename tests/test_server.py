@@ -250,7 +250,7 @@ def test_seeded_sampling_is_reproducible(server):
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"xtc_probability": 0.5}, "xtc_probability"),
         ("/v1/chat/completions", {"n": 2}, "n"),
-        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools[0].function"),
         ("/v1/chat/completions", {"draft_model": "other"}, "draft_model"),
         ("/v1/chat/completions", {"stream": "yes"}, "stream"),
         ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),

@@ -10,17 +10,29 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from mlx_lm.utils import _parse_size
 
 from ..models.resolve import choose_block_size
 from ..server.app import make_server
-from .common import DraftOpt, ModelOpt, load_models, user_errors
+from .chat_template import reasoning_kwargs
+from .common import DraftOpt, ModelOpt, ReasoningOpt, load_models, user_errors
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+def _size(text: str) -> int:
+    """mlx_lm.server's sizes: a number with an optional M, MB, G or GB."""
+    try:
+        return _parse_size(text)
+    except (KeyError, ArithmeticError, ValueError):
+        raise typer.BadParameter(f"expected a size such as 8GB or 500MB, got {text!r}",
+                                 param_hint="--prompt-cache-bytes") from None
 
 
 def serve(
@@ -35,12 +47,22 @@ def serve(
         "cycle up to the registry's or the drafter's block (at most 5 for <=4-bit models); N fixes it. "
         "Requests' num_draft_tokens fix it for that request.")] = None,
     chat_template_args: Annotated[Optional[str], typer.Option(
-        "--chat-template-args", help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'.'
-    )] = None,
+        "--chat-template-args", help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\' '
+        "(over --reasoning; requests' chat_template_kwargs go over both).")] = None,
+    reasoning: ReasoningOpt = None,
     draft_bits: Annotated[Optional[int], typer.Option("--draft-bits", help="Quantize the drafter (4 or 8).")] = None,
     log_requests: Annotated[bool, typer.Option("--log-requests", help="Log each HTTP request.")] = False,
+    prompt_cache_size: Annotated[int, typer.Option(
+        "--prompt-cache-size", min=0, help="Conversations whose caches are kept (least recently used go first).")] = 10,
+    prompt_cache_bytes: Annotated[Optional[str], typer.Option(
+        "--prompt-cache-bytes", metavar="SIZE", help="Bound on the kept caches' memory, e.g. 8GB or 500MB "
+        "(default: none).")] = None,
+    prompt_cache_dir: Annotated[Optional[Path], typer.Option(
+        "--prompt-cache-dir", help="Keep the prompt cache in this directory too, for use after a restart.",
+        file_okay=False)] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API with DFlash speculative decoding."""
+    cache_bytes = _size(prompt_cache_bytes) if prompt_cache_bytes is not None else None
     template_args = {}
     if chat_template_args is not None:
         try:
@@ -52,11 +74,15 @@ def serve(
     choice, target, tokenizer, drafter = load_models(model, draft, draft_bits=draft_bits)
     with user_errors():
         block = choose_block_size(block_size, choice.entry, target, drafter)
+        if tokenizer.has_chat_template:  # the registry's reasoning default applies as in chat and generate
+            template_args = {**reasoning_kwargs(tokenizer, reasoning, choice.entry, choice.label), **template_args}
+        elif reasoning is not None:
+            raise typer.BadParameter("the model has no chat template to switch reasoning in", param_hint="--reasoning")
     server = make_server(
         target, tokenizer, drafter, host=host, port=port, model_id=choice.label,
         draft_id=getattr(drafter, "source", draft), max_tokens=max_tokens, block_size=block.size,
-        adaptive=block.adaptive,
-        chat_template_args=template_args, log_requests=log_requests,
+        adaptive=block.adaptive, chat_template_args=template_args, log_requests=log_requests,
+        prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, prompt_cache_dir=prompt_cache_dir,
     )
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:

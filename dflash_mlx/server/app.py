@@ -18,6 +18,7 @@ from http.server import ThreadingHTTPServer
 from ..models.loading import dtype_name, target_float_dtype
 from ..targets.families import context_length, text_model
 from .handler import Handler
+from .prompt_cache import DEFAULT_SESSIONS
 from .request import ServerInfo
 from .worker import GenerationWorker
 
@@ -87,7 +88,9 @@ def vocab_size(model, tokenizer) -> int:
 def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: int = 8080,
                 model_id: str = "default", draft_id: str | None = None, max_tokens: int = 512,
                 block_size: int | None = None, chat_template_args: dict | None = None,
-                log_requests: bool = False, adaptive: bool | None = None) -> DFlashServer:  # fmt: skip
+                log_requests: bool = False, adaptive: bool | None = None,
+                prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
+                prompt_cache_dir=None) -> DFlashServer:  # fmt: skip
     """A server for a loaded pair (`draft=None`: plain decoding), bound but not yet serving.
 
     `port=0` picks a free port (see `server.url`). `max_tokens` is the default
@@ -95,6 +98,9 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
     ``num_draft_tokens`` override it): adaptive up to it when `adaptive` (by
     default when no block_size is given), else fixed; `chat_template_args` are passed to the
     chat template of every chat request (``chat_template_kwargs`` add to them).
+    The prompt cache keeps up to `prompt_cache_size` conversations (and at most
+    `prompt_cache_bytes` of them, None: no bound), on disk too in
+    `prompt_cache_dir` (None: in memory only), see `prompt_cache`.
     """
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}.")
@@ -106,7 +112,9 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
         chat_template_args=dict(chat_template_args or {}),
     )
     worker = GenerationWorker(model, tokenizer, draft, block_size=block_size, context_length=context_length(model),
-                              adaptive=block_size is None if adaptive is None else adaptive)  # fmt: skip
+                              adaptive=block_size is None if adaptive is None else adaptive,
+                              prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
+                              prompt_cache_dir=prompt_cache_dir)  # fmt: skip
     server = DFlashServer((host, port), worker, info, model_id=model_id, draft_id=draft_id,
                           log_requests=log_requests)  # fmt: skip
     worker.start()

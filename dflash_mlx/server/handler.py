@@ -4,7 +4,9 @@ POST ``/v1/chat/completions`` and ``/v1/completions`` (also without ``/v1``),
 GET ``/v1/models`` and ``/health``. A completion request is validated
 (`request.parse_request`: HTTP 400 naming the field), queued on the worker,
 and answered once its first token exists, so errors found before generation
-starts still get a proper status. Streamed replies are SSE ``data:`` lines
+starts still get a proper status. Chat replies go through `channels.Channels`
+(content, reasoning, tool calls; a streamed tool call is sent once its block
+closes, as mlx_lm.server sends it). Streamed replies are SSE ``data:`` lines
 ending with ``data: [DONE]``; a client that goes away cancels its job.
 """
 
@@ -12,10 +14,12 @@ from __future__ import annotations
 
 import json
 import queue
+import time
 from http.server import BaseHTTPRequestHandler
 
+from .channels import Channels, Delta
 from .request import RequestError, parse_request
-from .responses import Reply, error_body, usage
+from .responses import Reply, error_body, meta_info, usage
 from .worker import Failed, Finished, Started, Token
 
 MAX_BODY = 32 * 2**20
@@ -94,6 +98,7 @@ class Handler(BaseHTTPRequestHandler):
             self._error(404, f"no such endpoint: GET {self.path}")
 
     def do_POST(self):
+        self._received = time.perf_counter()
         kind = ROUTES.get(self.path.split("?")[0].rstrip("/"))
         if kind is None:
             self._error(404, f"no such endpoint: POST {self.path}")
@@ -113,46 +118,77 @@ class Handler(BaseHTTPRequestHandler):
             return
         assert isinstance(first, Started)
         reply = Reply(kind, self.server.model_id)
+        channels = None
+        if kind == "chat":
+            channels = Channels(self.server.worker.tokenizer, req.tools, first.initial_state, streaming=req.stream)
         try:
-            (self._stream if req.stream else self._whole)(job, req, first, reply)
+            (self._stream if req.stream else self._whole)(job, req, first, reply, channels)
         except (BrokenPipeError, ConnectionResetError):
             job.cancel()
 
-    def _whole(self, job, req, started: Started, reply: Reply) -> None:
-        text, tokens = [], []
+    def _meta(self, req, reply: Reply, finish_reason: str, use: dict, dflash: dict) -> dict | None:
+        if not req.return_meta_info:
+            return None
+        return meta_info(reply.id, finish_reason, use, dflash, time.perf_counter() - self._received)
+
+    def _whole(self, job, req, started: Started, reply: Reply, channels: Channels | None) -> None:
+        parts, tokens = Delta(), []
+
+        def add(delta: Delta) -> None:
+            parts.content += delta.content
+            parts.reasoning += delta.reasoning
+            parts.tool_calls.extend(delta.tool_calls)
+
         while True:
             event = self._next_event(job)
             if isinstance(event, Token):
-                text.append(event.text)
+                add(channels.feed(event.text) if channels else Delta(event.text))
                 if event.token is not None:
                     tokens.append(event)
             elif isinstance(event, Finished):
+                finish = event.finish_reason
+                if channels:
+                    add(channels.finish(finish))
+                    finish = channels.finish_reason(finish)
                 use = usage(started.prompt_tokens, event.completion_tokens, started.cached_tokens)
-                self._send_json(200, reply.whole("".join(text), tokens, event.finish_reason, use, event.dflash))
+                self._send_json(200, reply.whole(parts.content, tokens, finish, use, event.dflash,
+                                                 reasoning=parts.reasoning, tool_calls=parts.tool_calls,
+                                                 meta=self._meta(req, reply, finish, use, event.dflash)))  # fmt: skip
                 return
             else:
                 self._error(event.status, event.message, event.field)
                 return
 
-    def _stream(self, job, req, started: Started, reply: Reply) -> None:
+    def _stream(self, job, req, started: Started, reply: Reply, channels: Channels | None) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self._cors()
         self.end_headers()
-        first = True
+        first, tokens = True, []  # tokens: events whose logprobs are not sent yet (held inside a tool call)
         while True:
             event = self._next_event(job)
             if isinstance(event, Token):
-                tokens = [event] if event.token is not None else []
-                if event.text or first or (req.logprobs and tokens):
-                    self._sse(reply.chunk(event.text, tokens, first=first))
-                    first = False
+                if event.token is not None:
+                    tokens.append(event)
+                delta = channels.feed(event.text) if channels else Delta(event.text)
+                if channels and channels.in_tool_call:
+                    continue
+                if delta or first or (req.logprobs and tokens):
+                    self._sse(reply.chunk(delta.content, tokens, first=first, reasoning=delta.reasoning,
+                                          tool_calls=delta.tool_calls))  # fmt: skip
+                    first, tokens = False, []
             elif isinstance(event, Finished):
-                self._sse(reply.chunk("", [], event.finish_reason, first=first, dflash=event.dflash))
+                finish, delta = event.finish_reason, Delta()
+                if channels:
+                    delta = channels.finish(finish)
+                    finish = channels.finish_reason(finish)
+                use = usage(started.prompt_tokens, event.completion_tokens, started.cached_tokens)
+                self._sse(reply.chunk(delta.content, tokens, finish, first=first, dflash=event.dflash,
+                                      reasoning=delta.reasoning, tool_calls=delta.tool_calls,
+                                      meta=self._meta(req, reply, finish, use, event.dflash)))  # fmt: skip
                 if req.include_usage:
-                    self._sse(reply.usage_chunk(usage(started.prompt_tokens, event.completion_tokens,
-                                                      started.cached_tokens)))  # fmt: skip
+                    self._sse(reply.usage_chunk(use))
                 break
             else:
                 self._sse(error_body(event.message, event.field, event.status))

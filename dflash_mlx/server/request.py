@@ -6,9 +6,18 @@ know. Sampling values follow mlx-lm's meaning (`dflash_mlx.sampling`), and the
 penalties are mlx-lm's logits processors (``make_logits_processors``: presence
 and frequency penalties count the last ``*_context_size`` tokens, prompt
 included). Refused: ``n``/``best_of`` other than 1, ``echo``, ``suffix``,
-``tools``, ``adapters``, another ``draft_model``, and XTC when the server has a
-drafter (XTC has no fixed distribution to verify drafts against). ``model``
-must be the served model's id (GET /v1/models) or mlx-lm's "default_model".
+``adapters``, another ``draft_model``, and XTC when the server has a drafter
+(XTC has no fixed distribution to verify drafts against). ``model`` must be
+the served model's id (GET /v1/models) or mlx-lm's "default_model".
+
+Tools (`tools`, `tool_choice`, assistant messages with ``tool_calls``,
+``role: "tool"`` messages) are checked here: function definitions need a
+name and an object of parameters; a tool message must answer a call made
+before it; ``tool_choice`` is "auto", "none", "required" or a function of
+`tools`. Like mlx_lm.server, the server leaves the choice to the model and
+its template (the tools are rendered whatever `tool_choice` says). Call
+arguments given as JSON strings are parsed for the template, as mlx_lm.server
+does. ``return_meta_info`` asks for SGLang's ``meta_info`` object.
 """
 
 from __future__ import annotations
@@ -16,24 +25,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from . import messages
+from .errors import RequestError
+
 COMMON = {
     "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "min_p", "seed", "stop", "repetition_penalty", "repetition_context_size", "presence_penalty",
     "presence_context_size", "frequency_penalty", "frequency_context_size", "logit_bias", "logprobs",
     "top_logprobs", "xtc_probability", "xtc_threshold", "num_draft_tokens", "draft_model", "adapters", "n", "user",
+    "return_meta_info",
 }
 CHAT = COMMON | {"messages", "tools", "tool_choice", "role_mapping", "chat_template_kwargs"}
 TEXT = COMMON | {"prompt", "echo", "suffix", "best_of"}
 MAX_TOP_LOGPROBS = 20
-
-
-class RequestError(ValueError):
-    """A request field that cannot be served; `field` names it."""
-
-    def __init__(self, field: str | None, message: str, status: int = 400):
-        super().__init__(f"{field}: {message}" if field else message)
-        self.field = field
-        self.status = status
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,9 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    return_meta_info: bool = False
 
 
 def _is_int(value) -> bool:
@@ -136,7 +143,9 @@ def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
     req = GenerationRequest(kind=kind)
     _refusals(b, kind, info)
     if kind == "chat":
-        req.messages = _messages(body.get("messages"))
+        req.tools = messages.tools(body.get("tools"))
+        req.tool_choice = messages.tool_choice(body.get("tool_choice"), req.tools)
+        req.messages = messages.messages(body.get("messages"))
         req.role_mapping = _role_mapping(b, info)
         req.chat_template_kwargs = {**info.chat_template_args, **b.mapping("chat_template_kwargs")}
     else:
@@ -151,6 +160,7 @@ def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
     req.stop = _stop(body.get("stop"))
     _logprobs(b, req, kind)
     req.stream = b.boolean("stream")
+    req.return_meta_info = b.boolean("return_meta_info")
     options = b.mapping("stream_options")
     if options and not req.stream:
         raise RequestError("stream_options", "only allowed with stream: true")
@@ -169,43 +179,13 @@ def _refusals(b: _Body, kind: str, info: ServerInfo) -> None:
         raise RequestError("adapters", "LoRA adapters are not supported by this server")
     if b.get("user") is not None and not isinstance(b.get("user"), str):
         raise RequestError("user", f"expected a string, got {b.get('user')!r}")
-    if kind == "chat":
-        if b.get("tools"):
-            raise RequestError("tools", "tool calling is not supported by this server")
-        if b.get("tool_choice", "none") != "none":
-            raise RequestError("tool_choice", "tool calling is not supported by this server")
-    else:
+    if kind != "chat":
         if b.get("best_of", 1) != 1:
             raise RequestError("best_of", f"only 1 is supported, got {b.get('best_of')!r}")
         if b.get("echo", False) is not False:
             raise RequestError("echo", "echoing the prompt is not supported")
         if b.get("suffix") is not None:
             raise RequestError("suffix", "insertion (a suffix) is not supported")
-
-
-def _messages(messages) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages", "expected a non-empty list of messages")
-    out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RequestError(where, "expected an object with a string 'role'")
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise RequestError(f"{where}.content[{j}]", "only text parts ({'type': 'text', 'text': ...}) "
-                                                                 "are supported")  # fmt: skip
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise RequestError(f"{where}.content", f"expected a string or a list of text parts, got {content!r}")
-        out.append({**message, "content": content})
-    return out
 
 
 def _role_mapping(b: _Body, info: ServerInfo) -> dict | None:

@@ -5,8 +5,13 @@ Shapes follow OpenAI's API: ``chat.completion`` / ``chat.completion.chunk``
 ``top_logprobs``) and ``text_completion`` (legacy ``logprobs`` with
 ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``), ``usage``
 with ``prompt_tokens_details.cached_tokens``, and errors as
-``{"error": {"message", "type", "param", "code"}}``. Each reply also carries a
-``dflash`` object with its acceptance statistics (`worker.dflash_object`).
+``{"error": {"message", "type", "param", "code"}}``. Chat messages and deltas
+carry what `channels.Channels` split off: ``content`` (null in a whole
+message without text, as mlx_lm.server sends it), ``reasoning`` (mlx_lm.server's
+name) and the same text as ``reasoning_content`` (vLLM's and SGLang's), and
+``tool_calls``. Each reply also carries a ``dflash`` object with its
+acceptance statistics (`worker.dflash_object`), and on request SGLang's
+``meta_info`` (`meta_info`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,26 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def meta_info(reply_id: str, finish_reason: str, use: dict, dflash: dict, seconds: float) -> dict:
+    """SGLang's ``meta_info`` (``"return_meta_info": true``): token counts, and the speculative
+    statistics when a drafter ran (verify forwards, mean tokens committed per verify)."""
+    out = {"id": reply_id, "finish_reason": {"type": finish_reason}, "prompt_tokens": use["prompt_tokens"],
+           "completion_tokens": use["completion_tokens"],
+           "cached_tokens": use["prompt_tokens_details"]["cached_tokens"], "e2e_latency": round(seconds, 6)}
+    if dflash:
+        out["spec_verify_ct"] = dflash["cycles"]
+        out["spec_accept_length"] = dflash["mean_acceptance_length"] or 0.0
+    return out
+
+
+def _channels(message: dict, reasoning: str, tool_calls: list | None) -> dict:
+    if reasoning:
+        message["reasoning"] = message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message
 
 
 @dataclass
@@ -72,32 +97,39 @@ class Reply:
         }
 
     def chunk(self, text: str, tokens: list[Token], finish_reason: str | None = None, *,
-              first: bool = False, dflash: dict | None = None) -> dict:  # fmt: skip
-        """One stream chunk: new text (and its tokens' logprobs), or the final one with the finish reason."""
+              first: bool = False, dflash: dict | None = None, reasoning: str = "",
+              tool_calls: list | None = None, meta: dict | None = None) -> dict:  # fmt: skip
+        """One stream chunk: new text, reasoning or tool calls (and its tokens' logprobs), or the
+        final one with the finish reason."""
         choice = {"index": 0, "logprobs": self.logprobs(tokens), "finish_reason": finish_reason}
         if self.kind == "chat":
             delta = {"role": "assistant"} if first else {}
             if text or first:
                 delta["content"] = text
-            choice["delta"] = delta
+            choice["delta"] = _channels(delta, reasoning, tool_calls)
         else:
             choice["text"] = text
         out = {**self._object(".chunk"), "choices": [choice]}
         if dflash:
             out["dflash"] = dflash
+        if meta:
+            out["meta_info"] = meta
         return out
 
     def usage_chunk(self, usage_: dict) -> dict:
         return {**self._object(".chunk"), "choices": [], "usage": usage_}
 
-    def whole(self, text: str, tokens: list[Token], finish_reason: str, usage_: dict, dflash: dict) -> dict:
+    def whole(self, text: str, tokens: list[Token], finish_reason: str, usage_: dict, dflash: dict, *,
+              reasoning: str = "", tool_calls: list | None = None, meta: dict | None = None) -> dict:  # fmt: skip
         """The complete (non-streamed) response."""
         choice = {"index": 0, "logprobs": self.logprobs(tokens), "finish_reason": finish_reason}
         if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = _channels({"role": "assistant", "content": text or None}, reasoning, tool_calls)
         else:
             choice["text"] = text
         out = {**self._object(), "choices": [choice], "usage": usage_}
         if dflash:
             out["dflash"] = dflash
+        if meta:
+            out["meta_info"] = meta
         return out

@@ -6,16 +6,19 @@ events (`Started`, then `Token`s, then `Finished`; or `Failed` at any point).
 Everything MLX computes (tokens, log-probabilities, top entries) is turned
 into plain Python in this thread before it is put on a job's queue.
 
-The worker keeps one `dflash_mlx.session.Session`: a request whose prompt
-extends what the caches hold (a chat's next turn) only prefills what is new,
-and any other prompt reuses the common prefix the session can keep. Output is
-unchanged by this (the session tests check it). A cancelled job (its client
+The worker keeps a prompt cache (`prompt_cache.PromptCache`): an LRU of
+sessions, one per conversation, so a request whose prompt extends a cached
+conversation (its next turn, even after other conversations ran) only
+prefills what is new, and a prompt that shares a long prefix with another
+(a system prompt, tools) starts from a copy of it. Output is unchanged by
+this (the session and server tests check it). A cancelled job (its client
 went away) stops at its next token; `stop` cancels the running job, fails the
 queued ones with 503 and ends the thread.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -28,6 +31,9 @@ from ..models.block_size import default_block_size
 from ..generation import stream_generate
 from ..session import make_session
 from ..stats import RunStats
+from .channels import initial_state
+from .prompt_cache import DEFAULT_SESSIONS, PromptCache
+from .session_store import SessionStore, identity
 from .request import GenerationRequest
 from .stops import StopText
 
@@ -40,6 +46,7 @@ GENERATION_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, 
 class Started:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens the session's caches already held
+    initial_state: str = "normal"  # the reply's first channel ("reasoning": the prompt opened a think block)
 
 
 @dataclass
@@ -100,12 +107,16 @@ class GenerationWorker:
     generation stops there (finish_reason "length")."""
 
     def __init__(self, model, tokenizer, draft=None, *, block_size: int | None = None,
-                 context_length: int | None = None, adaptive: bool = True):  # fmt: skip
+                 context_length: int | None = None, adaptive: bool = True,
+                 prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
+                 prompt_cache_dir=None):  # fmt: skip
         self.model, self.tokenizer, self.draft = model, tokenizer, draft
         self.context_length = context_length
         self.block_size = block_size or (default_block_size(model, draft) if draft is not None else 1)
         self.adaptive = adaptive and draft is not None  # up to block_size, unless a request fixes it
-        self.session = make_session(model, draft)
+        store = SessionStore(prompt_cache_dir, identity(model, draft)) if prompt_cache_dir is not None else None
+        self.sessions = PromptCache(lambda: make_session(model, draft), max_sessions=prompt_cache_size,
+                                    max_bytes=prompt_cache_bytes, store=store)  # fmt: skip
         self._jobs: queue.Queue = queue.Queue()
         self._current: Job | None = None
         self._lock = threading.Lock()
@@ -189,12 +200,13 @@ class GenerationWorker:
         blocks = {"block_size": None, "max_block_size": block_size} if adaptive else {"block_size": block_size}
         stopper = StopText(req.stop)
         started, count, finish = False, 0, "length"
+        session, healthy = self.sessions.take(prompt), False
         responses = stream_generate(
             self.model, self.draft, self.tokenizer, prompt, max_tokens=max_tokens,
             **(blocks if self.draft is not None else {}),
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
             xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
-            logits_processors=make_logits_processors(**req.processors) or None, session=self.session,
+            logits_processors=make_logits_processors(**req.processors) or None, session=session,
         )
         end = Failed(500, "generation was interrupted")  # the last event, sent once the generator is closed
         try:
@@ -203,7 +215,8 @@ class GenerationWorker:
                     end = Failed(503, "the request was cancelled (the client went away or the server is stopping)")
                     return
                 if not started:
-                    put(Started(len(prompt), self.session.reused))
+                    state = initial_state(self.tokenizer, prompt) if req.kind == "chat" else "normal"
+                    put(Started(len(prompt), session.reused, state))
                     started = True
                 count += 1
                 stats.add(r)
@@ -218,6 +231,7 @@ class GenerationWorker:
             if tail:
                 put(Token(tail, None))
             end = Finished(finish, count, dflash_object(stats) if self.draft is not None else {})
+            healthy = True
         except ValueError as e:
             end = Failed(400 if not started else 500, str(e))
         except GENERATION_ERRORS as e:  # report it as a 500 and keep serving the next requests
@@ -225,6 +239,8 @@ class GenerationWorker:
         finally:
             responses.close()  # an early stop: the session undoes its queued verify
             put(end)
+            if healthy or isinstance(end, Failed) and end.status == 503:  # a cancelled job's caches are sound
+                self.sessions.put(session)  # (after the reply: writing it to disk never delays the client)
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         tokenizer = self.tokenizer
@@ -234,8 +250,11 @@ class GenerationWorker:
             from mlx_lm.server import convert_chat
 
             return tokenizer.encode(convert_chat(req.messages, req.role_mapping))
+        if req.tools and not tokenizer.has_tool_calling:
+            logging.warning("Received tools, but the model's tokenizer has no tool-call markers: "
+                            "its tool calls come back as text.")  # fmt: skip
         text = tokenizer.apply_chat_template(
-            req.messages, tokenize=False, add_generation_prompt=True, **req.chat_template_kwargs
+            req.messages, tools=req.tools, tokenize=False, add_generation_prompt=True, **req.chat_template_kwargs
         )
         return tokenizer.encode(text, add_special_tokens=False)
 
