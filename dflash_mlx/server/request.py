@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from . import messages
+from .messages import messages as chat_messages, tool_choice, tools
 from .errors import RequestError
 
 COMMON = {
@@ -143,9 +143,9 @@ def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
     req = GenerationRequest(kind=kind)
     _refusals(b, kind, info)
     if kind == "chat":
-        req.tools = messages.tools(body.get("tools"))
-        req.tool_choice = messages.tool_choice(body.get("tool_choice"), req.tools)
-        req.messages = messages.messages(body.get("messages"))
+        req.tools = tools(body.get("tools"))
+        req.tool_choice = tool_choice(body.get("tool_choice"), req.tools)
+        req.messages = chat_messages(body.get("messages"))
         req.role_mapping = _role_mapping(b, info)
         req.chat_template_kwargs = {**info.chat_template_args, **b.mapping("chat_template_kwargs")}
     else:
