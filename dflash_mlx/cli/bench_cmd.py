@@ -1,7 +1,11 @@
-"""`dflash-mlx bench`: mlx-lm's decoding vs DFlash on a packaged dataset, one process.
+"""`dflash-mlx bench`: mlx-lm's decoding vs DFlash on a packaged dataset.
 
-Progress over prompts while it runs, then a rich table; `--out FILE` writes the
-JSON report (see `dflash_mlx.cli.benchmark.report`) atomically.
+``--backend local`` (the default) runs both in this process
+(`cli.benchmark`); ``--backend openai`` sends the same prompts to
+OpenAI-compatible servers (`cli.openai_bench`: ``--base-url`` with DFlash,
+``--baseline-url`` without). Progress over prompts while it runs, then a rich
+table; `--out FILE` writes the JSON report atomically, only once every leg
+finished.
 """
 
 from __future__ import annotations
@@ -45,17 +49,43 @@ def bench(
     ] = None,
     num_draft_tokens: Annotated[int, typer.Option("--num-draft-tokens", min=1)] = 3,
     reasoning: ReasoningOpt = None,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling (1: off).")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Top-k sampling (0: off).")] = 0,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the JSON report here.")] = None,
+    backend: Annotated[str, typer.Option("--backend", help="local (this process) or openai (servers).")] = "local",
+    base_url: Annotated[str | None, typer.Option("--base-url", help="openai: the DFlash server (with or without "
+                                                 "/v1).")] = None,
+    baseline_url: Annotated[str | None, typer.Option("--baseline-url", help="openai: the same model served "
+                                                     "without speculation.")] = None,
+    concurrency: Annotated[int, typer.Option("--concurrency", min=1, help="openai: requests in flight.")] = 1,
+    api_key: Annotated[str, typer.Option("--api-key", envvar="OPENAI_API_KEY", help="openai: the servers' key.",
+                                         show_envvar=True)] = "unused",
+    timeout_s: Annotated[float, typer.Option("--timeout-s", min=1.0, help="openai: seconds per request.")] = 600.0,
 ) -> None:
     """Benchmark DFlash against mlx-lm's plain decoding on the same prompts."""
     if dataset not in DATASETS:
         fail(f"--dataset: expected one of {', '.join(DATASETS)}, got {dataset!r}.")
+    if out is not None and out.is_dir():
+        fail(f"--out {out}: is a directory; expected a file name.")
+    if backend not in ("local", "openai"):
+        fail(f"--backend: expected local or openai, got {backend!r}.")
+    if backend == "openai":
+        if draft is not None or block_size or baseline != "mlx-lm" or draft_model is not None:
+            fail("--draft, --block-size, --baseline and --draft-model are for --backend local: a server "
+                 "runs the drafter and blocks it was started with.")
+        if base_url is None:
+            fail("--backend openai needs --base-url URL (the DFlash server).")
+        from .bench_openai_cmd import bench_openai
+
+        bench_openai(base_url, baseline_url, model, dataset, num_prompts, max_tokens, temperature, top_p, top_k,
+                     reasoning, concurrency, api_key, timeout_s, out)  # fmt: skip
+        return
+    if base_url is not None or baseline_url is not None or concurrency != 1:
+        fail("--base-url, --baseline-url and --concurrency are for --backend openai.")
     if baseline not in ("mlx-lm", "mlx-lm-draft"):
         fail(f"--baseline: expected mlx-lm or mlx-lm-draft, got {baseline!r}.")
     if (baseline == "mlx-lm-draft") != (draft_model is not None):
         fail("--baseline mlx-lm-draft and --draft-model PATH go together.")
-    if out is not None and out.is_dir():
-        fail(f"--out {out}: is a directory; expected a file name.")
     choice, model_, tokenizer, drafter = load_models(model, draft)
     with user_errors():
         template_kwargs = reasoning_kwargs(tokenizer, reasoning, choice.entry, choice.label)
@@ -70,7 +100,7 @@ def bench(
             from mlx_lm import load as mlx_lm_load
 
             assistant = mlx_lm_load(draft_model)[0]
-    settings = BenchSettings(max_tokens=max_tokens, temperature=temperature, seed=seed,
+    settings = BenchSettings(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                              template_kwargs=template_kwargs, num_draft_tokens=num_draft_tokens)  # fmt: skip
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -89,7 +119,7 @@ def bench(
     doc = report(legs, describe(dtype=dtype), {
         "model": choice.label, "target": choice.target, "draft": choice.draft, "dataset": dataset,
         "num_prompts": len(conversations), "max_tokens": max_tokens, "temperature": temperature,
-        "seed": seed, "baseline": "mlx_lm.stream_generate",
+        "top_p": top_p, "top_k": top_k, "seed": seed, "baseline": "mlx_lm.stream_generate", "backend": "local",
     })
     _print_table(doc, legs)
     if out is not None:

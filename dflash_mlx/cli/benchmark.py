@@ -51,6 +51,8 @@ class Leg:
 class BenchSettings:
     max_tokens: int = 256
     temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
     seed: int = 0
     template_kwargs: dict = field(default_factory=dict)
     raw: bool = False  # prompts as text, no chat template
@@ -67,9 +69,9 @@ def _stream(leg: Leg, model, tokenizer, drafter, draft_model, prompt: str, setti
     if leg.name == "dflash":
         return stream_generate(
             model, drafter, tokenizer, prompt, max_tokens=max_tokens, **leg.block.generation_kwargs(),
-            temperature=settings.temperature, seed=settings.seed,
+            temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
         )
-    kwargs = {"sampler": make_sampler(settings.temperature)}
+    kwargs = {"sampler": make_sampler(settings.temperature, top_p=settings.top_p, top_k=settings.top_k)}
     if settings.temperature > 0:
         mx.random.seed(settings.seed)
     if leg.name == "mlx-lm-draft":
