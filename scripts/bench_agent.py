@@ -36,7 +36,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import openai
-from mlx.utils import tree_flatten
 
 from dflash_mlx.models.registry import lookup
 from dflash_mlx.utils.io import write_json_atomic
@@ -51,19 +50,19 @@ TOOL_NAMES = ["search_files", "read_file", "write_file", "run_tests", "list_dire
               "git_commit", "open_url", "ask_user", "create_issue", "run_shell"]  # fmt: skip
 
 
-def system_prompt(repeats: int) -> str:
-    """Tool descriptions as an agent's system prompt lists them (JSON schemas, `repeats` rounds)."""
+def system_prompt(count: int) -> str:
+    """`count` tool descriptions as an agent's system prompt lists them (JSON schemas, ~250 tokens each)."""
     tools = []
-    for r in range(repeats):
-        for name in TOOL_NAMES:
-            tools.append({"type": "function", "function": {
-                "name": f"{name}_{r}", "description": f"{name.replace('_', ' ')} in the workspace (variant {r}); "
-                "returns the result as text and never changes files it was not asked to change.",
-                "parameters": {"type": "object", "properties": {
-                    "path": {"type": "string", "description": "a path relative to the workspace root"},
-                    "pattern": {"type": "string", "description": "a glob or regular expression"},
-                    "limit": {"type": "integer", "description": "the most results to return"}},
-                    "required": ["path"]}}})  # fmt: skip
+    for i in range(count):
+        name, r = TOOL_NAMES[i % len(TOOL_NAMES)], i // len(TOOL_NAMES)
+        parameters = {"type": "object", "required": ["path"], "properties": {
+            "path": {"type": "string", "description": "a path relative to the workspace root"},
+            "pattern": {"type": "string", "description": "a glob or regular expression"},
+            "limit": {"type": "integer", "description": "the most results to return"}}}  # fmt: skip
+        description = (f"{name.replace('_', ' ')} in the workspace (variant {r}); returns the result as text "
+                       "and never changes files it was not asked to change.")  # fmt: skip
+        tools.append({"type": "function", "function": {"name": f"{name}_{r}", "description": description,
+                                                        "parameters": parameters}})  # fmt: skip
     return "You are a careful assistant with these tools:\n" + "\n".join(json.dumps(t) for t in tools)
 
 
@@ -103,9 +102,10 @@ class Server:
 
 def float32_copy(src: Path, dst: Path) -> Path:
     """The bundled target in float32, for mlx_lm.server (bfloat16 matmuls are slow on a CPU)."""
+    src = Path(src)
     shutil.copytree(src, dst, dirs_exist_ok=True)
     weights = {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
-               for k, v in tree_flatten(mx.load(str(src / "model.safetensors")))}  # fmt: skip
+               for k, v in mx.load(str(src / "model.safetensors")).items()}  # fmt: skip
     mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
     config = json.loads((src / "config.json").read_text())
     config["torch_dtype"] = "float32"
@@ -142,11 +142,12 @@ def converse(url: str, system: str, max_tokens: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tool-repeats", type=int, default=4, help="rounds of the 12 tool descriptions")
+    ap.add_argument("--tools", type=int, default=6, help="tool descriptions in the system prompt (the bundled "
+                    "target's context is 2048 tokens)")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    system = system_prompt(args.tool_repeats)
+    system = system_prompt(args.tools)
     exe = shutil.which("dflash-mlx")
     with tempfile.TemporaryDirectory() as tmp:
         target = float32_copy(lookup("demo").target_path(), Path(tmp) / "target-f32")

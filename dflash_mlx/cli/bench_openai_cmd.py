@@ -79,12 +79,12 @@ def _print_table(doc: dict) -> None:
     table = Table(title=f"{doc['dataset']} · {doc['num_prompts']} prompts · concurrency {doc['concurrency']}",
                   box=box.SIMPLE_HEAD)  # fmt: skip
     for col in ("leg", "server", "tok/s", "speedup", "TTFT p50", "latency p50", "decode tok/s p50", "accept len"):
-        table.add_column(col, justify="left" if col in ("leg", "server") else "right")
+        table.add_column(col, justify="left" if col in ("leg", "server") else "right", no_wrap=col == "leg")
     for name, rec in doc["legs"].items():
         acc = rec["acceptance_length"]
         speedup = rec.get("speedup")
         table.add_row(
-            name, f"{rec['model']} @ {rec['url']}", f"{rec['throughput_tps']:.1f}",
+            name, rec["url"], f"{rec['throughput_tps']:.1f}",
             f"{speedup:.2f}x" if speedup else ("1.00x" if name == "baseline" else "-"),
             f"{rec['ttft_s']['p50']:.2f}s", f"{rec['latency_s']['p50']:.2f}s",
             f"{rec['decode_tps']['p50']:.1f}" if rec["decode_tps"]["p50"] is not None else "-",
