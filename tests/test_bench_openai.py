@@ -95,3 +95,16 @@ def test_errors_name_the_url_and_write_no_report(servers, tmp_path, args, says):
     message = " ".join(run.stderr.split())
     assert says in message and "http://127.0.0.1:" in message
     assert not out.exists()
+
+
+def test_a_server_that_never_answers_times_out_clearly(tmp_path):
+    import socket
+
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        out = tmp_path / "report.json"
+        run = bench("--base-url", url, "--timeout-s", "1", "--num-prompts", "1", "--out", str(out), timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"{url}: no answer within the timeout" in " ".join(run.stderr.split()) and not out.exists()
