@@ -29,7 +29,7 @@ from .common import (
     BlockOpt, DraftOpt, ModelOpt, ReasoningOpt, SeedOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
 )
 from .common import console, fail, load_models, user_errors
-from .live_panel import reply_view, stats_panel, summary_line
+from .live_panel import LiveReply, reply_view, stats_panel, summary_line
 
 HELP = """[bold]Commands[/]
   /reset        forget the conversation (keeps the system prompt)
@@ -151,15 +151,14 @@ def _ctrl_c_sets_flag():
 
 
 def _stream_into_live(stream, stats: RunStats, pieces: list[str], interrupted: list) -> None:
-    with Live(reply_view("", stats), console=console, refresh_per_second=8, vertical_overflow="visible") as live:
+    view = LiveReply(stats, pieces)
+    with Live(view, console=console, refresh_per_second=8, vertical_overflow="visible") as live:
         for response in stream:
-            stats.add(response)
-            pieces.append(response.text)
-            live.update(reply_view("".join(pieces), stats))
+            view.add(response)
             if interrupted:
                 break
         stream.close()  # after a break: undoes the queued verify, so the caches stay usable
-        live.update(reply_view("".join(pieces), stats))
+        live.update(reply_view("".join(pieces), stats), refresh=True)
 
 
 def _command(line: str, state: ChatState, session, has_drafter: bool) -> bool:

@@ -2,12 +2,15 @@
 
 `reply_view` renders the text so far plus a panel with tok/s, mean tokens per
 cycle and the acceptance histogram (cycles that committed 1..block size
-tokens), and for an adaptive block the blocks it chose; redrawn by rich's
-`Live` while tokens arrive. `summary_line` is the one line printed after each
+tokens), and for an adaptive block the blocks it chose; `LiveReply` is the
+renderable rich's `Live` redraws while tokens arrive (built at each redraw,
+not per token). `summary_line` is the one line printed after each
 turn.
 """
 
 from __future__ import annotations
+
+import threading
 
 from rich.console import Group
 from rich.panel import Panel
@@ -63,6 +66,25 @@ def stats_panel(stats: RunStats) -> Panel:
 
 def reply_view(text: str, stats: RunStats) -> Group:
     return Group(Text(text), stats_panel(stats))
+
+
+class LiveReply:
+    """The view of a reply still arriving: tokens only append to it (`add`, under `lock`); the text
+    and the panel are built when `Live` redraws from its own thread (a few times a second), not
+    once per token, from what the lock guards."""
+
+    def __init__(self, stats: RunStats, pieces: list[str]):
+        self.stats, self.pieces = stats, pieces
+        self.lock = threading.Lock()
+
+    def add(self, response) -> None:
+        with self.lock:
+            self.stats.add(response)
+            self.pieces.append(response.text)
+
+    def __rich__(self) -> Group:
+        with self.lock:
+            return reply_view("".join(self.pieces), self.stats)
 
 
 def summary_line(stats: RunStats) -> str:
