@@ -382,3 +382,11 @@ def test_serve_command_serves_and_stops_on_sigint(pair):
             proc.kill()
         proc.wait()
         proc.stderr.close()
+
+
+def test_a_plain_hugging_face_tokenizer_is_wrapped(pair, expected):
+    _, (model, tokenizer, draft) = pair
+    with make_server(model, tokenizer._tokenizer, draft, port=0).start() as srv:  # not mlx-lm's wrapper
+        status, reply = request(srv, "POST", "/v1/chat/completions", {"messages": CHATS[0], "max_tokens": 40})
+        assert status == 200 and reply["choices"][0]["message"]["content"] == expected["chat0"][0]
+    assert not srv.worker.alive

@@ -15,6 +15,8 @@ import threading
 import time
 from http.server import ThreadingHTTPServer
 
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 from ..models.loading import dtype_name, target_float_dtype
 from ..targets.families import context_length, text_model
 from .handler import Handler
@@ -106,6 +108,8 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
         raise ValueError(f"block_size must be >= 1, got {block_size}.")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
+    if not isinstance(tokenizer, TokenizerWrapper):  # its think / tool-call markers split the replies
+        tokenizer = TokenizerWrapper(tokenizer)
     info = ServerInfo(
         vocab_size=vocab_size(model, tokenizer), has_draft=draft is not None,
         has_chat_template=bool(tokenizer.has_chat_template), model_id=model_id, max_tokens=max_tokens,
