@@ -57,6 +57,7 @@ class Request:
     latency_s: float
     completion_tokens: int
     acceptance: float | None  # tokens per verify, as the server reports it
+    acceptance_source: str | None  # where it reported it ("dflash", "meta_info")
 
 
 @dataclass
@@ -67,9 +68,14 @@ class LegResult:
     card: dict
     wall_s: float = 0.0
     requests: list[Request] = field(default_factory=list)
-    acceptance_source: str | None = None
-    vllm_acceptance: float | None = None
-    replies: list[list[str]] = field(default_factory=list)
+    vllm_acceptance: float | None = None  # from /metrics around the leg (servers that report none per reply)
+
+    @property
+    def acceptance_source(self) -> str | None:
+        sources = {r.acceptance_source for r in self.requests if r.acceptance_source}
+        if self.vllm_acceptance is not None:
+            sources.add("vllm /metrics")
+        return ", ".join(sorted(sources)) or None
 
 
 def _client(url: str, settings: RemoteSettings):
@@ -105,9 +111,7 @@ def describe_server(url: str, model: str | None, settings: RemoteSettings,
     try:
         with _client(url, settings) as client:
             cards = [m.model_dump() for m in client.models.list().data]
-    except openai.APIStatusError as e:
-        raise _explain(url, e) from None
-    except openai.APIConnectionError as e:
+    except (openai.APIStatusError, openai.APIConnectionError) as e:
         raise _explain(url, e) from None
     except (ValueError, TypeError, AttributeError, openai.OpenAIError) as e:
         warn(f"{api_url(url)}/models did not answer with a model list ({type(e).__name__}); "
@@ -141,7 +145,7 @@ def _vllm_counters(url: str) -> tuple[float, float] | None:
 
 
 def _one_request(client, model: str, messages: list[dict], settings: RemoteSettings, max_tokens: int):
-    """Stream one chat completion; returns (text, Request)."""
+    """Stream one chat completion; returns (its text, its Request)."""
     extra = {"return_meta_info": True}
     if settings.top_k:
         extra["top_k"] = settings.top_k
@@ -171,9 +175,9 @@ def _one_request(client, model: str, messages: list[dict], settings: RemoteSetti
             text += delta.content or ""
     done = time.perf_counter()
     tokens = usage.completion_tokens if usage is not None else 0
-    request = Request(ttft_s=(first or done) - tic, latency_s=done - tic, completion_tokens=tokens,
-                      acceptance=acceptance[1] if acceptance else None)  # fmt: skip
-    return text, request, acceptance[0] if acceptance else None
+    source, value = acceptance or (None, None)
+    return text, Request(ttft_s=(first or done) - tic, latency_s=done - tic, completion_tokens=tokens,
+                         acceptance=value, acceptance_source=source)  # fmt: skip
 
 
 def run_leg(name: str, url: str, model: str, card: dict, conversations: list[list[str]], settings: RemoteSettings,
@@ -181,21 +185,17 @@ def run_leg(name: str, url: str, model: str, card: dict, conversations: list[lis
     """Warm up, then every conversation with `settings.concurrency` in flight."""
     import openai
 
-    leg = LegResult(name, url, model, card, replies=[[] for _ in conversations])
+    leg = LegResult(name, url, model, card)
     done, lock = 0, threading.Lock()
-    sources: set[str] = set()
 
     def converse(i: int, client) -> list[Request]:
         nonlocal done
         messages, out = [], []
         for turn in conversations[i]:
             messages.append({"role": "user", "content": turn})
-            text, request, source = _one_request(client, model, messages, settings, settings.max_tokens)
+            text, request = _one_request(client, model, messages, settings, settings.max_tokens)
             messages.append({"role": "assistant", "content": text})
-            leg.replies[i].append(text)
             out.append(request)
-            if source:
-                sources.add(source)
         with lock:
             done += 1
             if on_request:
@@ -219,8 +219,6 @@ def run_leg(name: str, url: str, model: str, card: dict, conversations: list[lis
         raise _explain(url, e) from None
     if before is not None and after is not None and after[1] > before[1]:
         leg.vllm_acceptance = 1.0 + (after[0] - before[0]) / (after[1] - before[1])
-        sources.add("vllm /metrics")
-    leg.acceptance_source = ", ".join(sorted(sources)) or None
     return leg
 
 

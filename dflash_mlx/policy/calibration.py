@@ -11,12 +11,12 @@ consecutive cycles of which only the second is timed, as a steady run of
 that block costs: the engine queues the cycle after a b = 1 step before
 reading that step, so a stretch's first cycle overlaps the previous block,
 and a b = 1 step's time includes queueing the next cycle (hence b = 1
-stretches of 3: the timed step queues another b = 1). Rounds alternate the blocks; the first is a warm-up; each
-block's time is the median of the others. A cache file
-that cannot be read, is of another format or describes another setup is
-ignored and rewritten (atomically). `<cache>` is $DFLASH_MLX_CACHE_DIR, else
-$XDG_CACHE_HOME/dflash-mlx, else ~/.cache/dflash-mlx; `clear_calibrations()`
-(or `dflash-mlx calibrate --clear`) empties it.
+stretches of 3: the timed step queues another b = 1). Rounds alternate the
+blocks; the first is a warm-up; each block's time is the median of the
+others. A cache file that cannot be read, is of another format or describes
+another setup is ignored and rewritten (atomically). `<cache>` is
+$DFLASH_MLX_CACHE_DIR, else $XDG_CACHE_HOME/dflash-mlx, else ~/.cache/dflash-mlx;
+`clear_calibrations()` (or `dflash-mlx calibrate --clear`) empties it.
 """
 
 from __future__ import annotations

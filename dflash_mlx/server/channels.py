@@ -47,6 +47,12 @@ class Delta:
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
 
+    def add(self, other: Delta) -> None:
+        """Append `other`'s pieces (a whole reply gathers its deltas)."""
+        self.content += other.content
+        self.reasoning += other.reasoning
+        self.tool_calls.extend(other.tool_calls)
+
 
 class Channels:
     """Feeds released reply text through the state machine; `finish` ends the reply."""

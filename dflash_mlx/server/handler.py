@@ -133,22 +133,16 @@ class Handler(BaseHTTPRequestHandler):
 
     def _whole(self, job, req, started: Started, reply: Reply, channels: Channels | None) -> None:
         parts, tokens = Delta(), []
-
-        def add(delta: Delta) -> None:
-            parts.content += delta.content
-            parts.reasoning += delta.reasoning
-            parts.tool_calls.extend(delta.tool_calls)
-
         while True:
             event = self._next_event(job)
             if isinstance(event, Token):
-                add(channels.feed(event.text) if channels else Delta(event.text))
+                parts.add(channels.feed(event.text) if channels else Delta(event.text))
                 if event.token is not None:
                     tokens.append(event)
             elif isinstance(event, Finished):
                 finish = event.finish_reason
                 if channels:
-                    add(channels.finish(finish))
+                    parts.add(channels.finish(finish))
                     finish = channels.finish_reason(finish)
                 use = usage(started.prompt_tokens, event.completion_tokens, started.cached_tokens)
                 self._send_json(200, reply.whole(parts.content, tokens, finish, use, event.dflash,

@@ -66,7 +66,7 @@ class PromptCache:
         if best is None:
             return self.make()
         session = self._sessions[best]
-        if keep == len(session.tokens) or keep >= session.prompt_length:  # this conversation's next turn
+        if keep >= session.prompt_length:  # this conversation's next turn (it held at least that prompt)
             del self._sessions[best]
             return session
         if keep >= MIN_SHARED:
@@ -89,10 +89,6 @@ class PromptCache:
             self._names[session] = self.store.save(session, self._names.get(session))
         self._sessions[id(session)] = session
         self._evict()
-
-    def clear(self) -> None:
-        while self._sessions:
-            self._forget(self._sessions.popitem()[1])
 
     def _add(self, session: Session, name: str) -> None:
         self._sessions[id(session)] = session

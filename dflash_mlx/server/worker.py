@@ -200,7 +200,7 @@ class GenerationWorker:
         blocks = {"block_size": None, "max_block_size": block_size} if adaptive else {"block_size": block_size}
         stopper = StopText(req.stop)
         started, count, finish = False, 0, "length"
-        session, healthy = self.sessions.take(prompt), False
+        session = self.sessions.take(prompt)
         responses = stream_generate(
             self.model, self.draft, self.tokenizer, prompt, max_tokens=max_tokens,
             **(blocks if self.draft is not None else {}),
@@ -231,7 +231,6 @@ class GenerationWorker:
             if tail:
                 put(Token(tail, None))
             end = Finished(finish, count, dflash_object(stats) if self.draft is not None else {})
-            healthy = True
         except ValueError as e:
             end = Failed(400 if not started else 500, str(e))
         except GENERATION_ERRORS as e:  # report it as a 500 and keep serving the next requests
@@ -239,7 +238,7 @@ class GenerationWorker:
         finally:
             responses.close()  # an early stop: the session undoes its queued verify
             put(end)
-            if healthy or isinstance(end, Failed) and end.status == 503:  # a cancelled job's caches are sound
+            if isinstance(end, Finished) or end.status == 503:  # a cancelled job's caches are sound too
                 self.sessions.put(session)  # (after the reply: writing it to disk never delays the client)
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
