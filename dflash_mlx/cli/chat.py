@@ -29,7 +29,7 @@ from .common import (
     BlockOpt, DraftOpt, ModelOpt, ReasoningOpt, SeedOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
 )
 from .common import console, fail, load_models, user_errors
-from .live_panel import LiveReply, reply_view, stats_panel, summary_line
+from .live_panel import LiveReply, stats_panel, summary_line
 
 HELP = """[bold]Commands[/]
   /reset        forget the conversation (keeps the system prompt)
@@ -158,7 +158,7 @@ def _stream_into_live(stream, stats: RunStats, pieces: list[str], interrupted: l
             if interrupted:
                 break
         stream.close()  # after a break: undoes the queued verify, so the caches stay usable
-        live.update(reply_view("".join(pieces), stats), refresh=True)
+        live.refresh()  # the last tokens, whatever the redraw rate
 
 
 def _command(line: str, state: ChatState, session, has_drafter: bool) -> bool:
