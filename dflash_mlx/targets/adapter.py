@@ -7,12 +7,20 @@ the drafter reads, concatenated along the hidden axis. `verify` also returns a
 be undone), which `rollback.rollback(cache, record, keep)` consumes to keep the
 accepted prefix in every cache. It also lends the drafter the target's
 embedding and output head. Family differences live in `families`.
+
+Tensor-sharded targets (mlx-lm's `shard()`, see `dflash_mlx.sharding`) run
+as they are: their layers exchange partial sums themselves, so the captured
+hidden states are the full residual stream on every rank; the adapter adds
+what mlx-lm does outside the layers (gathering a vocabulary-sharded head)
+and `group` names the ranks, None when the target is not sharded.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
+from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.cache import make_prompt_cache
 
 from .families import FAMILIES, model_family, text_model
@@ -50,6 +58,7 @@ class TargetAdapter:
                 f"{len(self.layers)} layers."
             )
         self.layer_ids = tuple(layer_ids)
+        self.group = tensor_group(self.text)
         self._capture_slots: dict[int, list[int]] = {}
         for slot, layer in enumerate(self.layer_ids):
             self._capture_slots.setdefault(layer, []).append(slot)
@@ -74,7 +83,9 @@ class TargetAdapter:
     def head(self, hidden: mx.array) -> mx.array:
         """The raw output head (tied embedding or lm_head), as the drafter uses it."""
         if hasattr(self.text, "lm_head"):
-            return self.text.lm_head(hidden)
+            logits = self.text.lm_head(hidden)
+            group = getattr(self.text, "sharding_group", None)  # a vocabulary-sharded head (mlx-lm's qwen3_5)
+            return logits if group is None else gather_last_axis(logits, group)
         return self.inner.embed_tokens.as_linear(hidden)
 
     def forward(self, ids: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
@@ -121,3 +132,19 @@ class TargetAdapter:
                 h = layer(h, mask, c)
             on_layer(i, h)
         return h
+
+
+def tensor_group(text: nn.Module):
+    """The group a tensor-sharded target (mlx-lm's `shard()`) is split over, or None.
+
+    Every family's `shard()` splits the first layer: its sharded linears carry
+    the group, and the modules mlx-lm shards in place carry `sharding_group`.
+    """
+    if getattr(text, "sharding_group", None) is not None:
+        return text.sharding_group
+    for module in text.model.layers[0].modules() if len(text.model.layers) else ():
+        if isinstance(module, (AllToShardedLinear, QuantizedAllToShardedLinear)):
+            return module.group
+        if getattr(module, "sharding_group", None) is not None:
+            return module.sharding_group
+    return None

@@ -7,7 +7,8 @@ family here for: the per-layer masks (from the layer pattern and the caches),
 the input embedding (with the family's own scaling), which layers are
 linear-attention (Gated DeltaNet) layers, any transform the target applies to
 its logits, or, for stacks that thread extra state between layers (Gemma 4),
-the whole layer loop.
+the whole layer loop; and, for tensor sharding (`dflash_mlx.sharding`), what
+a family's mlx-lm `shard()` splits across ranks (`shard_problem`).
 """
 
 from __future__ import annotations
@@ -161,3 +162,35 @@ def context_length(model) -> int | None:
             lengths.append(int(factor * original))
     lengths = [n for n in lengths if isinstance(n, int) and n > 0]
     return max(lengths) if lengths else None
+
+
+# Config fields a tensor shard splits across ranks: each must be a multiple of the group size
+# (mlx-lm's shard() floors head counts, which would silently compute with the wrong shapes).
+SHARDED_FIELDS = (
+    "num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+)
+REPEATS_KV_HEADS = {"qwen3_5", "qwen3_5_moe"}  # their shard() repeats KV heads when there are fewer than ranks
+
+
+def shard_problem(model: nn.Module, ranks: int) -> str | None:
+    """Why `model` cannot be tensor-sharded over `ranks` ranks by mlx-lm, or None."""
+    family = model_family(model)
+    if not callable(getattr(model, "shard", None)):
+        return f"mlx-lm cannot tensor-shard the '{family}' family (its model has no shard())."
+    args = getattr(text_model(model), "args", None)
+    problems = []
+    for name in SHARDED_FIELDS:
+        value = getattr(args, name, None)
+        if not isinstance(value, int) or value <= 0 or value % ranks == 0:
+            continue
+        if name == "num_key_value_heads" and family in REPEATS_KV_HEADS and ranks % value == 0:
+            continue
+        problems.append(f"{name} = {value}")
+    if family in REPEATS_KV_HEADS and not getattr(args, "tie_word_embeddings", True):
+        vocab = getattr(args, "vocab_size", 0)
+        if vocab % ranks:
+            problems.append(f"vocab_size = {vocab}")
+    if problems:
+        return f"{', '.join(problems)} not divisible by the {ranks} ranks of the group."
+    return None

@@ -10,6 +10,9 @@ the per-step q/k/v/a/b. `GDNRecord.restore` then rebuilds the cache as if
 only the first `n` rows had been fed: the conv state is a slice of the conv
 input and the recurrent state is the recurrence replayed over `n` steps,
 which is cheap next to the layer's projections (no matmul is redone).
+A tensor-sharded layer (mlx-lm's qwen3_5 `shard()`) holds its rank's heads:
+the record and the replay are per rank, and the output is summed over the
+ranks as mlx-lm's layer does.
 """
 
 from __future__ import annotations
@@ -62,8 +65,6 @@ def _project(layer: nn.Module, x: mx.array):
 
 def gated_delta_forward(layer: nn.Module, x: mx.array, mask, cache, records: list | None) -> mx.array:
     """mlx-lm's GatedDeltaNet forward for one unpadded sequence, optionally recorded."""
-    if getattr(layer, "sharding_group", None) is not None:
-        raise NotImplementedError("Sharded GatedDeltaNet layers are not supported.")
     if cache is not None and cache.lengths is not None:
         raise NotImplementedError("Batched (length-tracked) GatedDeltaNet caches are not supported.")
     B, S, _ = x.shape
@@ -96,5 +97,6 @@ def gated_delta_forward(layer: nn.Module, x: mx.array, mask, cache, records: lis
     if cache is not None:
         cache[1] = state
         cache.advance(S)
-    out = layer.norm(out, z)
-    return layer.out_proj(out.reshape(B, S, -1))
+    out = layer.out_proj(layer.norm(out, z).reshape(B, S, -1))
+    group = getattr(layer, "sharding_group", None)  # tensor-sharded heads: sum the ranks' parts, as mlx-lm does
+    return out if group is None else mx.distributed.all_sum(out, group=group)
