@@ -26,6 +26,7 @@ from .engine import speculative_cycles
 from .policy import adaptive_policy
 from .sampling import SamplingSettings
 from .session import Session, check_draft_sampling, make_session
+from .sharding.lockstep import check_lockstep
 
 
 @dataclass
@@ -91,6 +92,9 @@ def stream_generate(
     `session` (from `make_session(model, draft)`) keeps the target and drafter
     caches across calls: a prompt that extends the previous prompt and reply
     (a chat's next turn) only prefills what is new. Output is unchanged.
+    A tensor-sharded target (`load(..., shard="tensor")`) needs the same call on
+    every rank; at the end the ranks check they generated the same tokens
+    (`sharding.lockstep.LockstepError` otherwise).
     """
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     if max_tokens == 0:
@@ -133,6 +137,35 @@ def stream_generate(
     elif isinstance(block_size, str):
         raise ValueError(f"block_size must be an integer >= 1, None or 'auto', got {block_size!r}.")
 
+    responses = _responses(
+        session, prompt, tokenizer, max_tokens, block_size, prefill_step_size, prompt_progress_callback,
+        Acceptor(
+            settings, prompt, logits_processors, seed,
+            xtc=(xtc_probability, xtc_threshold, sorted(tokenizer.eos_token_ids)) if xtc_probability else None,
+            sample_drafts=draft_sampling == "sample",
+        ),
+    )
+    group = getattr(target, "group", None)
+    if group is None or group.size() == 1:
+        yield from responses
+        return
+    tokens = []  # a sharded target: the ranks prove they generated the same tokens
+    try:
+        for response in responses:
+            tokens.append(response.token)
+            yield response
+    except GeneratorExit:  # closed early: at the same token on every rank, as every rank runs the same calls
+        responses.close()
+        check_lockstep(group, tokens)
+        raise
+    check_lockstep(group, tokens)
+
+
+def _responses(session, prompt, tokenizer, max_tokens, block_size, prefill_step_size, prompt_progress,
+               acceptor) -> Iterator[DFlashResponse]:  # fmt: skip
+    """The responses of one generation (`stream_generate` has checked its arguments)."""
+    proposer, target = session.proposer, session.target
+    model = session.model
     counts_cycles = proposer is not None
     eos = tokenizer.eos_token_ids
     detokenizer = tokenizer.detokenizer
@@ -142,13 +175,8 @@ def stream_generate(
         cycles = speculative_cycles(
             target, prompt, proposer,
             max_tokens=max_tokens, block_size=block_size,
-            prefill_step_size=prefill_step_size, prompt_progress=prompt_progress_callback,
-            acceptor=Acceptor(
-                settings, prompt, logits_processors, seed,
-                xtc=(xtc_probability, xtc_threshold, sorted(eos)) if xtc_probability else None,
-                sample_drafts=draft_sampling == "sample",
-            ),
-            stop_tokens=eos, session=session,
+            prefill_step_size=prefill_step_size, prompt_progress=prompt_progress,
+            acceptor=acceptor, stop_tokens=eos, session=session,
         )
         n = 0
         with mx.stream(generation_stream):

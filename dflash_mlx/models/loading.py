@@ -46,12 +46,22 @@ def dtype_name(dtype: mx.Dtype | None) -> str:
 
 
 def load_choice(choice: ModelChoice, *, draft_bits: int | None = None, draft_group_size: int = 64,
-                **mlx_lm_load_kwargs):  # fmt: skip
+                shard: str | None = None, group=None, **mlx_lm_load_kwargs):  # fmt: skip
     """(model, tokenizer, drafter or None) for a choice, by the CPU dtype rule above.
 
     huggingface_hub shows download progress; extra keyword arguments go to ``mlx_lm.load``.
+    `shard="tensor"`: the target tensor-sharded over `group` (`dflash_mlx.sharding.loading`).
     """
     from mlx_lm import load as mlx_lm_load
+
+    from ..sharding.loading import check_shard_mode, load_sharded
+
+    check_shard_mode(shard)
+    if shard is not None:
+        if mlx_lm_load_kwargs:
+            raise ValueError(f"shard='tensor' loads through mlx_lm.utils.sharded_load, which takes none of "
+                             f"{', '.join(sorted(mlx_lm_load_kwargs))}.")  # fmt: skip
+        return load_sharded(choice, group, draft_bits=draft_bits, draft_group_size=draft_group_size)
 
     model, tokenizer = mlx_lm_load(choice.target, **mlx_lm_load_kwargs)[:2]
     if on_cpu():
@@ -69,6 +79,8 @@ def load(
     *,
     draft_bits: int | None = None,
     draft_group_size: int = 64,
+    shard: str | None = None,
+    group: mx.distributed.Group | None = None,
     **mlx_lm_load_kwargs,
 ) -> tuple[nn.Module, object, DFlashDraftModel]:
     """Load `(model, tokenizer, draft)`.
@@ -77,6 +89,14 @@ def load(
     from models.toml; `draft=None` takes the drafter the registry pairs with the
     target. Extra keyword arguments go to `mlx_lm.load`. On MLX's CPU backend
     the pair computes in float32 (see the module docstring).
+
+    `shard="tensor"` splits the target over `group` (default `mx.distributed.init()`,
+    the ranks `mlx.launch` started) with mlx-lm's `sharded_load`; the drafter is
+    loaded whole on every rank. Every rank must then run the same calls in
+    lockstep (same prompts, same arguments), as with mlx-lm's sharded models;
+    only rank 0 should print. `shard="pipeline"` is refused (see
+    `dflash_mlx.sharding.loading`).
     """
     choice = choose_model(str(target), None if draft is None else str(draft), api=True)
-    return load_choice(choice, draft_bits=draft_bits, draft_group_size=draft_group_size, **mlx_lm_load_kwargs)
+    return load_choice(choice, draft_bits=draft_bits, draft_group_size=draft_group_size, shard=shard, group=group,
+                       **mlx_lm_load_kwargs)  # fmt: skip

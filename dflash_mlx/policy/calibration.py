@@ -17,6 +17,9 @@ others. A cache file that cannot be read, is of another format or describes
 another setup is ignored and rewritten (atomically). `<cache>` is
 $DFLASH_MLX_CACHE_DIR, else $XDG_CACHE_HOME/dflash-mlx, else ~/.cache/dflash-mlx;
 `clear_calibrations()` (or `dflash-mlx calibrate --clear`) empties it.
+A tensor-sharded target is calibrated sharded (its key names the group
+size), by all ranks together when rank 0 has no cached curve; every rank
+then takes rank 0's curve, so they all choose the same blocks.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from mlx.utils import tree_flatten
 
 from ..models.block_size import min_quantized_bits
 from ..proposers.base import Proposal
+from ..sharding.group import broadcast_floats
 from ..utils.io import write_json_atomic
 from ..utils.machine import chip, loaded_blas
 from .base import ScheduledBlocks
@@ -100,7 +104,14 @@ def calibration_key(target, proposer, max_block: int) -> dict:
         "grid": grid_for(max_block),
         "device": str(mx.default_device()),
         **_machine_facts(),
+        **({"tensor_ranks": _group(target).size()} if _group(target) is not None else {}),
     }
+
+
+def _group(target):
+    """The group of a tensor-sharded target (more than one rank), else None."""
+    group = getattr(target, "group", None)
+    return group if group is not None and group.size() > 1 else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -193,16 +204,26 @@ def cost_curve(target, proposer, max_block: int, *, force: bool = False) -> Cost
         if digest in _memo and not force:
             return _memo[digest]
         path = calibration_dir() / f"{digest}.json"
-        curve = None if force else _read(path, key)
+        group = _group(target)
+        leader = group is None or group.rank() == 0
+        curve = None if force or not leader else _read(path, key)
+        if group is not None:  # the ranks follow rank 0: its cached curve, or one they all measure
+            found = broadcast_floats(group, [float(curve is not None)] if leader else None, 1)[0] > 0
+            if found:
+                curve = CostCurve(list(key["grid"]), broadcast_floats(group, curve.seconds if leader else None,
+                                                                      len(key["grid"])))  # fmt: skip
         if curve is None:
             tic = time.perf_counter()
             seconds = measure(target, proposer, key["grid"])
+            if group is not None:
+                seconds = broadcast_floats(group, seconds if leader else None, len(seconds))
             curve = CostCurve(list(key["grid"]), seconds)
             doc = {"key": key, "grid": curve.grid, "seconds": curve.seconds,
                    "calibration_seconds": round(time.perf_counter() - tic, 3), "measured_at": time.time()}  # fmt: skip
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_json_atomic(path, json.loads(json.dumps(doc, default=str)))
+                if leader:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    write_json_atomic(path, json.loads(json.dumps(doc, default=str)))
             except OSError as e:  # e.g. a read-only cache directory: keep the curve for this process only
                 warnings.warn(f"Cannot cache the block-size calibration in {path.parent}: {e}", stacklevel=2)
         _memo[digest] = curve
