@@ -25,7 +25,7 @@ from ..utils.machine import describe
 from ..models.loading import dtype_name, target_float_dtype
 from ..models.resolve import BlockChoice, choose_block_size
 from ..utils.io import write_json_atomic
-from .common import DraftOpt, ModelOpt, ReasoningOpt, console, fail, load_models, user_errors
+from .common import DraftOpt, ModelOpt, ReasoningOpt, ShardOpt, console, fail, load_models, sharding_group, user_errors
 
 
 def bench(
@@ -61,6 +61,7 @@ def bench(
     api_key: Annotated[str, typer.Option("--api-key", envvar="OPENAI_API_KEY", help="openai: the servers' key.",
                                          show_envvar=True)] = "unused",
     timeout_s: Annotated[float, typer.Option("--timeout-s", min=1.0, help="openai: seconds per request.")] = 600.0,
+    shard: ShardOpt = None,
 ) -> None:
     """Benchmark DFlash against mlx-lm's plain decoding on the same prompts."""
     if dataset not in DATASETS:
@@ -70,6 +71,8 @@ def bench(
     if backend not in ("local", "openai"):
         fail(f"--backend: expected local or openai, got {backend!r}.")
     if backend == "openai":
+        if shard is not None:
+            fail("--shard is for --backend local (a sharded server is started with `serve --shard tensor`).")
         if draft is not None or block_size or baseline != "mlx-lm" or draft_model is not None:
             fail("--draft, --block-size, --baseline and --draft-model are for --backend local: a server "
                  "runs the drafter and blocks it was started with.")
@@ -86,7 +89,8 @@ def bench(
         fail(f"--baseline: expected mlx-lm or mlx-lm-draft, got {baseline!r}.")
     if (baseline == "mlx-lm-draft") != (draft_model is not None):
         fail("--baseline mlx-lm-draft and --draft-model PATH go together.")
-    choice, model_, tokenizer, drafter = load_models(model, draft)
+    group = sharding_group(shard)  # both legs sharded: the baseline is mlx-lm's own sharded decoding
+    choice, model_, tokenizer, drafter = load_models(model, draft, group=group)
     with user_errors():
         template_kwargs = reasoning_kwargs(tokenizer, reasoning, choice.entry, choice.label)
         auto = choose_block_size(None, choice.entry, model_, drafter)
@@ -116,13 +120,14 @@ def bench(
                              draft_model=assistant, on_prompt=on_prompt)  # fmt: skip
         progress.update(task, completed=len(conversations))
     dtype = dtype_name(target_float_dtype(model_))
-    doc = report(legs, describe(dtype=dtype), {
+    environment = describe(dtype=dtype) | ({"tensor_ranks": group.size()} if group is not None else {})
+    doc = report(legs, environment, {
         "model": choice.label, "target": choice.target, "draft": choice.draft, "dataset": dataset,
         "num_prompts": len(conversations), "max_tokens": max_tokens, "temperature": temperature,
         "top_p": top_p, "top_k": top_k, "seed": seed, "baseline": "mlx_lm.stream_generate", "backend": "local",
     })
     _print_table(doc, legs)
-    if out is not None:
+    if out is not None and (group is None or group.rank() == 0):
         out.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out, doc)
         console.print(f"[dim]Report written to {out}[/]")

@@ -26,9 +26,9 @@ from ..models.resolve import BlockChoice, choose_block_size
 from ..session import make_session
 from ..stats import RunStats
 from .common import (
-    BlockOpt, DraftOpt, ModelOpt, ReasoningOpt, SeedOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
+    BlockOpt, DraftOpt, ModelOpt, ReasoningOpt, SeedOpt, ShardOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
 )
-from .common import console, fail, load_models, user_errors
+from .common import console, fail, load_models, sharding_group, user_errors
 from .live_panel import LiveReply, stats_panel, summary_line
 
 HELP = """[bold]Commands[/]
@@ -67,11 +67,13 @@ def chat(
     reasoning: ReasoningOpt = None,
     no_dflash: Annotated[bool, typer.Option("--no-dflash", help="Plain target decoding, for comparison.")] = False,
     seed: SeedOpt = None,
+    shard: ShardOpt = None,
 ) -> None:
     """Chat with a model; replies stream with a live acceptance histogram."""
     if max_tokens == 0 or max_tokens < -1:
         fail("--max-tokens: expected a positive integer (or -1 for no limit).")
-    choice, model_, tokenizer, drafter = load_models(model, draft, use_draft=not no_dflash)
+    group = sharding_group(shard)  # (every rank reads the same stdin: mlx.launch sends it to all)
+    choice, model_, tokenizer, drafter = load_models(model, draft, use_draft=not no_dflash, group=group)
     with user_errors():
         if template_source(tokenizer) is None:
             fail(f"{choice.label} has no chat template; use `dflash-mlx generate --raw` instead.")

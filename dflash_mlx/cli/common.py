@@ -3,11 +3,19 @@
 Errors the user can fix (a bad model name, a missing file, a reasoning level
 the template cannot take) are printed as one red line and exit with status 2;
 nothing else is caught.
+
+``--shard tensor`` (commands started on every rank by ``mlx.launch``): the
+target is tensor-sharded over the ranks (`dflash_mlx.sharding`); every rank
+runs the command in lockstep, rank 0 alone prints (the others' stdout goes
+to /dev/null, their messages are quiet), so an error is one line from rank 0
+while every rank exits with its status.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 from contextlib import contextmanager
 from typing import Annotated
 
@@ -22,6 +30,7 @@ from ..draft.pairing import PairMismatchError
 from ..models.registry import RegistryError
 from ..models.loading import load_choice
 from ..models.resolve import ModelChoice, ModelChoiceError, choose_model
+from ..sharding.group import ShardError, barrier, raised_everywhere
 from ..targets.adapter import UnsupportedTargetError
 
 console = Console(highlight=False)
@@ -29,7 +38,7 @@ err_console = Console(stderr=True, highlight=False)
 
 USER_ERRORS = (
     ModelChoiceError, ReasoningError, DraftConfigError, DraftWeightsError, PairMismatchError,
-    RegistryError, UnsupportedTargetError, FileNotFoundError, HfHubHTTPError, LocalEntryNotFoundError,
+    RegistryError, UnsupportedTargetError, FileNotFoundError, HfHubHTTPError, LocalEntryNotFoundError, ShardError,
 )
 
 ModelOpt = Annotated[
@@ -58,8 +67,18 @@ ReasoningOpt = Annotated[
 ]
 
 
-def fail(message: str, code: int = 2) -> None:
+ShardOpt = Annotated[
+    str | None,
+    typer.Option("--shard", metavar="tensor", help="Tensor-shard the target over the ranks mlx.launch started "
+                 "(`mlx.launch --hosts ... -- dflash-mlx COMMAND --shard tensor ...`); the drafter is replicated."),
+]
+
+
+def fail(message: str, code: int = 2, group=None) -> None:
+    """Print one red line and exit; `group`: every rank of it fails alike, so the others wait for
+    rank 0 to print it (mlx.launch stops the ranks left once one exits)."""
     err_console.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    barrier(group)
     raise typer.Exit(code)
 
 
@@ -69,11 +88,48 @@ def user_errors():
     try:
         yield
     except USER_ERRORS as e:
-        fail(str(e).strip("'\""))
+        fail(str(e).strip("'\""), group=raised_everywhere(e))
 
 
-def load_models(model: str | None, draft: str | None, use_draft: bool = True, draft_bits: int | None = None):
-    """(choice, model, tokenizer, drafter) with a status line while loading."""
+def sharding_group(shard: str | None):
+    """The group for ``--shard`` (None: one process); followers are silenced from here on."""
+    if shard is None:
+        return None
+    from ..sharding.loading import check_shard_mode
+    from ..sharding.group import world
+
+    try:
+        check_shard_mode(shard)
+    except ValueError as e:
+        fail(f"--shard {shard}: {str(e).removeprefix('shard: ')}")
+    group = world()
+    if group.size() == 1:
+        err_console.print("[yellow]--shard: this is a single process (start every rank with `mlx.launch -n 2 -- "
+                          "dflash-mlx ...` or `mlx.launch --hosts ...`); the target is not split.[/]")  # fmt: skip
+        return None
+    if group.rank() != 0:
+        quiet_follower()
+    return group
+
+
+def quiet_follower() -> None:
+    """Rank > 0 prints nothing: stdout to /dev/null, no console messages, warnings or progress bars."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    sys.stdout.flush()
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    err_console.quiet = True
+    console.quiet = True
+    warnings.simplefilter("ignore")
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()
+
+
+def load_models(model: str | None, draft: str | None, use_draft: bool = True, draft_bits: int | None = None,
+                group=None):  # fmt: skip
+    """(choice, model, tokenizer, drafter) with a status line while loading (`group`: sharded over it)."""
     with user_errors():
         choice: ModelChoice = choose_model(model, draft, use_draft=use_draft)
         if choice.is_default:
@@ -82,7 +138,8 @@ def load_models(model: str | None, draft: str | None, use_draft: bool = True, dr
                 "--model away (`dflash-mlx models`).[/]"
             )
         with err_console.status(f"Loading {choice.label}…", spinner="dots") if sys.stderr.isatty() else _null():
-            model_, tokenizer, drafter = load_choice(choice, draft_bits=draft_bits)
+            shard = {"shard": "tensor", "group": group} if group is not None else {}
+            model_, tokenizer, drafter = load_choice(choice, draft_bits=draft_bits, **shard)
     return choice, model_, tokenizer, drafter
 
 

@@ -13,9 +13,9 @@ from ..generation import stream_generate
 from ..models.resolve import choose_block_size
 from ..stats import RunStats
 from .common import (
-    BlockOpt, DraftOpt, ModelOpt, ReasoningOpt, SeedOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
+    BlockOpt, DraftOpt, ModelOpt, ReasoningOpt, SeedOpt, ShardOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
 )
-from .common import err_console, fail, load_models, user_errors
+from .common import err_console, fail, load_models, sharding_group, user_errors
 
 
 def generate(
@@ -33,13 +33,15 @@ def generate(
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text and statistics.")] = False,
     no_dflash: Annotated[bool, typer.Option("--no-dflash", help="Plain decoding with the target only.")] = False,
+    shard: ShardOpt = None,
 ) -> None:
     """Generate a reply to one prompt (chat-templated unless --raw)."""
     if prompt == "-":
         prompt = sys.stdin.read()
     if max_tokens == 0 or max_tokens < -1:
         fail("--max-tokens: expected a positive integer (or -1 for no limit).")
-    choice, model_, tokenizer, drafter = load_models(model, draft, use_draft=not no_dflash)
+    group = sharding_group(shard)
+    choice, model_, tokenizer, drafter = load_models(model, draft, use_draft=not no_dflash, group=group)
     with user_errors():
         text = prompt
         if not raw:

@@ -4,6 +4,8 @@ Loads the pair as the other commands do (`cli.common.load_models`: the bundled
 demo pair without ``--model``; float32 on a CPU; the registered drafter unless
 ``--draft``), binds, prints the URL and serves
 until Ctrl-C or SIGTERM, then stops cleanly (`server.app.DFlashServer.stop`).
+With ``--shard tensor`` (under ``mlx.launch``) rank 0 serves HTTP and the
+other ranks follow its worker (`server.worker.GenerationWorker.follow`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import typer
 from mlx_lm.utils import _parse_size
 
 from ..models.resolve import choose_block_size
-from ..server.app import make_server
+from ..server.app import make_server, make_worker
 from .chat_template import reasoning_kwargs
-from .common import DraftOpt, ModelOpt, ReasoningOpt, load_models, user_errors
+from .common import DraftOpt, ModelOpt, ReasoningOpt, ShardOpt, fail, load_models, sharding_group, user_errors
 
 
 def _interrupt(signum, frame):
@@ -60,6 +62,7 @@ def serve(
     prompt_cache_dir: Annotated[Optional[Path], typer.Option(
         "--prompt-cache-dir", help="Keep the prompt cache in this directory too, for use after a restart.",
         file_okay=False)] = None,
+    shard: ShardOpt = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API with DFlash speculative decoding."""
     cache_bytes = _size(prompt_cache_bytes) if prompt_cache_bytes is not None else None
@@ -71,23 +74,33 @@ def serve(
             raise typer.BadParameter(f"not valid JSON: {e}", param_hint="--chat-template-args") from None
         if not isinstance(template_args, dict):
             raise typer.BadParameter("expected a JSON object", param_hint="--chat-template-args")
-    choice, target, tokenizer, drafter = load_models(model, draft, draft_bits=draft_bits)
+    group = sharding_group(shard)
+    if group is not None and prompt_cache_dir is not None:
+        fail("--prompt-cache-dir and --shard: a sharded server keeps its prompt cache in memory only (the ranks' "
+             "caches must stay alike).")  # fmt: skip
+    choice, target, tokenizer, drafter = load_models(model, draft, draft_bits=draft_bits, group=group)
     with user_errors():
         block = choose_block_size(block_size, choice.entry, target, drafter)
         if tokenizer.has_chat_template:  # the registry's reasoning default applies as in chat and generate
             template_args = {**reasoning_kwargs(tokenizer, reasoning, choice.entry, choice.label), **template_args}
         elif reasoning is not None:
             raise typer.BadParameter("the model has no chat template to switch reasoning in", param_hint="--reasoning")
+    if group is not None and group.rank() != 0:  # a follower: rank 0 listens and sends it the requests
+        make_worker(target, tokenizer, drafter, block_size=block.size, adaptive=block.adaptive,
+                    prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, group=group).follow()
+        return
     server = make_server(
         target, tokenizer, drafter, host=host, port=port, model_id=choice.label,
         draft_id=getattr(drafter, "source", draft), max_tokens=max_tokens, block_size=block.size,
         adaptive=block.adaptive, chat_template_args=template_args, log_requests=log_requests,
         prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, prompt_cache_dir=prompt_cache_dir,
+        group=group,
     )
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        typer.echo(f"dflash-mlx serving {choice.label} (drafter {server.draft_id}) at {server.url}/v1 (Ctrl-C stops)",
-                   err=True)  # fmt: skip
+        ranks = f", tensor-sharded over {group.size()} ranks" if group is not None else ""
+        typer.echo(f"dflash-mlx serving {choice.label} (drafter {server.draft_id}{ranks}) at {server.url}/v1 "
+                   "(Ctrl-C stops)", err=True)  # fmt: skip
         server.serve_forever()
     except KeyboardInterrupt:
         pass

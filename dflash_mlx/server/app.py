@@ -92,7 +92,7 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
                 block_size: int | None = None, chat_template_args: dict | None = None,
                 log_requests: bool = False, adaptive: bool | None = None,
                 prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
-                prompt_cache_dir=None) -> DFlashServer:  # fmt: skip
+                prompt_cache_dir=None, group=None) -> DFlashServer:  # fmt: skip
     """A server for a loaded pair (`draft=None`: plain decoding), bound but not yet serving.
 
     `port=0` picks a free port (see `server.url`). `max_tokens` is the default
@@ -102,7 +102,9 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
     chat template of every chat request (``chat_template_kwargs`` add to them).
     The prompt cache keeps up to `prompt_cache_size` conversations (and at most
     `prompt_cache_bytes` of them, None: no bound), on disk too in
-    `prompt_cache_dir` (None: in memory only), see `prompt_cache`.
+    `prompt_cache_dir` (None: in memory only), see `prompt_cache`. With a
+    tensor-sharded target, rank 0 makes the server with `group` and the other
+    ranks run `make_worker(...).follow()` with the same arguments.
     """
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}.")
@@ -115,11 +117,22 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
         has_chat_template=bool(tokenizer.has_chat_template), model_id=model_id, max_tokens=max_tokens,
         chat_template_args=dict(chat_template_args or {}),
     )
-    worker = GenerationWorker(model, tokenizer, draft, block_size=block_size, context_length=context_length(model),
-                              adaptive=block_size is None if adaptive is None else adaptive,
-                              prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
-                              prompt_cache_dir=prompt_cache_dir)  # fmt: skip
+    worker = make_worker(model, tokenizer, draft, block_size=block_size, adaptive=adaptive,
+                         prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
+                         prompt_cache_dir=prompt_cache_dir, group=group)  # fmt: skip
     server = DFlashServer((host, port), worker, info, model_id=model_id, draft_id=draft_id,
                           log_requests=log_requests)  # fmt: skip
     worker.start()
     return server
+
+
+def make_worker(model, tokenizer, draft=None, *, block_size: int | None = None, adaptive: bool | None = None,
+                prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
+                prompt_cache_dir=None, group=None) -> GenerationWorker:  # fmt: skip
+    """The generation worker `make_server` puts behind its listener (not started)."""
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    return GenerationWorker(model, tokenizer, draft, block_size=block_size, context_length=context_length(model),
+                            adaptive=block_size is None if adaptive is None else adaptive,
+                            prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
+                            prompt_cache_dir=prompt_cache_dir, group=group)  # fmt: skip

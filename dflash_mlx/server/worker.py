@@ -14,12 +14,20 @@ prefills what is new, and a prompt that shares a long prefix with another
 this (the session and server tests check it). A cancelled job (its client
 went away) stops at its next token; `stop` cancels the running job, fails the
 queued ones with 503 and ends the thread.
+
+With a tensor-sharded target (`group`), rank 0's worker sends each request
+it starts to the other ranks, whose `follow()` serves the same request the
+same way (same prompt cache, same stops) and drops the events; a job is then
+not cut short when its client goes away (the ranks would part ways), and
+`stop` lets the running job finish, then tells the followers to end.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import queue
+import signal
 import threading
 from dataclasses import dataclass, field
 
@@ -30,6 +38,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from ..models.block_size import default_block_size
 from ..generation import stream_generate
 from ..session import make_session
+from ..sharding.group import broadcast
 from ..stats import RunStats
 from .channels import initial_state
 from .prompt_cache import DEFAULT_SESSIONS, PromptCache
@@ -72,6 +81,13 @@ class Failed:
     field: str | None = None
 
 
+class _Discard:
+    """A follower's events: nobody reads them."""
+
+    def put(self, event) -> None:
+        pass
+
+
 class Job:
     """One request in the worker's queue, and the events it produces."""
 
@@ -109,7 +125,11 @@ class GenerationWorker:
     def __init__(self, model, tokenizer, draft=None, *, block_size: int | None = None,
                  context_length: int | None = None, adaptive: bool = True,
                  prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
-                 prompt_cache_dir=None):  # fmt: skip
+                 prompt_cache_dir=None, group=None):  # fmt: skip
+        if group is not None and prompt_cache_dir is not None:
+            raise ValueError("prompt_cache_dir: a sharded server keeps its prompt cache in memory only (the "
+                             "ranks' caches must stay alike).")  # fmt: skip
+        self.group = group if group is not None and group.size() > 1 else None
         self.model, self.tokenizer, self.draft = model, tokenizer, draft
         self.context_length = context_length
         self.block_size = block_size or (default_block_size(model, draft) if draft is not None else 1)
@@ -143,7 +163,7 @@ class GenerationWorker:
         """Cancel the running job, fail the queued ones, end the thread."""
         with self._lock:
             self._stopping = True
-            if self._current is not None:
+            if self._current is not None and self.group is None:
                 self._current.cancel()
             self._jobs.put(None)
         if self._thread.is_alive():
@@ -175,8 +195,29 @@ class GenerationWorker:
             job = self._jobs.get_nowait()
             if job is not None:
                 job.events.put(Failed(503, "the server is shutting down"))
+        if self.group is not None:
+            broadcast(self.group, b"")  # the followers' end
+
+    def follow(self) -> None:
+        """A follower rank's loop (in its main thread): serve what rank 0 starts, until it stops.
+
+        Ctrl-C and SIGTERM are ignored from here on: they stop rank 0, which then ends this loop
+        (and a Ctrl-C reaching this rank just after would interrupt its exit); should rank 0 die,
+        the next collective fails here.
+        """
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+        while True:
+            order = broadcast(self.group, None)
+            if not order:
+                break
+            job = Job(pickle.loads(order))
+            job.events = _Discard()
+            self._serve(job)
 
     def _serve(self, job: Job) -> None:
+        if self.group is not None and self.group.rank() == 0:
+            broadcast(self.group, pickle.dumps(job.request))
         req, put = job.request, job.events.put
         try:
             prompt = self._tokenize(req)
@@ -211,7 +252,7 @@ class GenerationWorker:
         end = Failed(500, "generation was interrupted")  # the last event, sent once the generator is closed
         try:
             for r in responses:
-                if job.cancelled:
+                if job.cancelled and self.group is None:
                     end = Failed(503, "the request was cancelled (the client went away or the server is stopping)")
                     return
                 if not started:
