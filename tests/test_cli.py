@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -154,3 +155,18 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert len(commands) == 1, commands
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert re.search(rf"^{re.escape(commands[0])}( |$)", ci, flags=re.M), commands[0]
+
+
+def test_ranks_sharing_a_machine_split_its_openblas_threads(tmp_path, monkeypatch):
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"], ["10.0.0.2:5000"]]))
+    env = {"MLX_RANK": "1", "MLX_HOSTFILE": str(hostfile)}
+    assert openblas.ranks_on_this_machine(env) == 2
+    assert openblas.ranks_on_this_machine({**env, "MLX_RANK": "2"}) == 1
+    assert openblas.ranks_on_this_machine({}) == 1 and openblas.ranks_on_this_machine({**env, "MLX_RANK": "9"}) == 1
+    monkeypatch.setattr(openblas.os, "cpu_count", lambda: 8)
+    _, new_env = openblas.reexec_plan(LIB, env, EXE, ARGV)
+    assert new_env["OPENBLAS_NUM_THREADS"] == "4"
+    _, new_env = openblas.reexec_plan(LIB, {**env, "OPENBLAS_NUM_THREADS": "3"}, EXE, ARGV)
+    assert new_env["OPENBLAS_NUM_THREADS"] == "3"  # the user's choice stays
+    assert "OPENBLAS_NUM_THREADS" not in openblas.reexec_plan(LIB, {}, EXE, ARGV)[1]

@@ -7,6 +7,7 @@ is read by a thread into `lines`.
 
 from __future__ import annotations
 
+import os
 import queue
 import shutil
 import signal
@@ -30,9 +31,10 @@ def free_port() -> int:
 class _ServerProcess:
     name = "server"
 
-    def __init__(self, command: list[str]):
-        self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)  # fmt: skip
+    def __init__(self, command: list[str], **popen):
+        popen.setdefault("stdin", subprocess.DEVNULL)
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     **popen)  # fmt: skip
         self.lines: list[str] = []
         self._queue: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, name=f"{self.name}-stderr", daemon=True)
@@ -70,7 +72,7 @@ class _ServerProcess:
     def stop(self) -> int:
         """SIGINT, as Ctrl-C; returns the exit status (killed after 60 s)."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self._interrupt()
         try:
             status = self.proc.wait(60)
         except subprocess.TimeoutExpired:
@@ -79,6 +81,9 @@ class _ServerProcess:
         self._reader.join(10)
         self.proc.stderr.close()
         return status
+
+    def _interrupt(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
 
 
 class ServeProcess(_ServerProcess):
@@ -95,6 +100,39 @@ class ServeProcess(_ServerProcess):
         if "serving" in line and " at http://" in line:
             return line.split(" at ")[1].split()[0].removesuffix("/v1")
         return None
+
+
+class ShardedServeProcess(ServeProcess):
+    """`mlx.launch --backend ring -n RANKS -- dflash-mlx serve --shard tensor --port 0 ...` (loopback ranks).
+
+    `stop` sends SIGINT to the ranks (the processes of the launch's own group but mlx.launch):
+    rank 0 stops its server and ends the followers, and mlx.launch reports their exits. (Ctrl-C
+    in a terminal also interrupts mlx.launch 0.32, which then dies with a traceback.)
+    """
+
+    name = "mlx.launch dflash-mlx serve --shard tensor"
+
+    def __init__(self, *args: str, ranks: int = 2, env: dict | None = None):
+        exe, launch = shutil.which("dflash-mlx"), shutil.which("mlx.launch")
+        assert exe and launch, "dflash-mlx and mlx.launch must be installed"
+        # stdin: a pipe kept open (mlx.launch 0.32 busy-loops on a stdin at end of file, e.g. /dev/null)
+        _ServerProcess.__init__(self, [launch, "--backend", "ring", "-n", str(ranks), "--", exe, "serve", "--port",
+                                       "0", "--shard", "tensor", *args], env=env, start_new_session=True,
+                                stdin=subprocess.PIPE)  # fmt: skip
+
+    def stop(self) -> int:
+        status = super().stop()
+        self.proc.stdin.close()
+        return status
+
+    def _interrupt(self) -> None:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != self.proc.pid:
+                try:
+                    if os.getpgid(int(entry)) == self.proc.pid:
+                        os.kill(int(entry), signal.SIGINT)
+                except OSError:
+                    continue
 
 
 class MlxLmServer(_ServerProcess):

@@ -1,0 +1,56 @@
+"""One rank of a sharded run, started by ``mlx.launch`` (tests/test_sharding.py).
+
+``python sharded_rank.py SPEC.json``: SPEC gives the target and drafter
+directories (``target`` may differ per rank: ``targets`` by rank), the runs
+(prompt ids, max tokens, block size, sampling settings) and an output
+directory; every rank loads the pair with ``dflash_mlx.load(..., shard="tensor")``,
+runs every generation (``"mlx_lm": true``: mlx-lm's own ``stream_generate``
+on the sharded target, its plain sharded decoding) and writes ``rank<R>.json`` (its tokens per run, or the
+error it raised). ``reseed_rank`` reseeds that rank after loading (a test
+that the lockstep check catches diverging ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main(spec_path: str) -> int:
+    import mlx.core as mx
+
+    import dflash_mlx
+    from dflash_mlx.sharding.group import world
+
+    spec = json.loads(Path(spec_path).read_text())
+    group = world()
+    rank = group.rank()
+    out = Path(spec["out"]) / f"rank{rank}.json"
+    result = {"rank": rank, "size": group.size(), "runs": []}
+    try:
+        target = spec.get("targets", [spec.get("target")] * group.size())[rank]
+        model, tokenizer, draft = dflash_mlx.load(target, spec.get("draft"), shard="tensor")
+        if spec.get("reseed_rank") == rank:
+            mx.random.seed(12345 + rank)
+        for run in spec["runs"]:
+            kwargs = {k: v for k, v in run.items() if k not in ("prompt", "plain", "mlx_lm")}
+            if run.get("mlx_lm"):
+                from mlx_lm import stream_generate
+
+                responses = stream_generate(model, tokenizer, mx.array(run["prompt"]), **kwargs)
+            else:
+                responses = dflash_mlx.stream_generate(model, None if run.get("plain") else draft, tokenizer,
+                                                       run["prompt"], **kwargs)  # fmt: skip
+            result["runs"].append([r.token for r in responses])
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+        result["error"] = {"type": type(e).__name__, "message": str(e)}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, out)
+    return 1 if "error" in result else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
