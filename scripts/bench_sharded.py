@@ -98,8 +98,8 @@ def rank_job(path: Path) -> int:
 
 
 def _run(job: dict, ranks: int, work: Path) -> dict:
-    job_file = work / f"job-{ranks}.json"
-    out = work / f"result-{ranks}.json"
+    job_file = Path(tempfile.mkstemp(suffix=f"-job-{ranks}.json", dir=work)[1])
+    out = job_file.with_name(job_file.name.replace("-job-", "-result-"))
     job_file.write_text(json.dumps({**job, "out": str(out)}))
     command = [sys.executable, __file__, "--rank-job", str(job_file)]
     env = dict(os.environ)
