@@ -5,7 +5,8 @@ either `tests/helpers/sharded_rank.py` (the library: `dflash_mlx.load(...,
 shard="tensor")`, every rank writing its tokens) or the `dflash-mlx` console
 script. Checked: rank 0's greedy output equals single-process mlx-lm greedy
 on a dense (qwen3) and a hybrid Gated DeltaNet (qwen3_5) target at several
-blocks and the adaptive one, and equals mlx-lm's own sharded decoding; the
+blocks and the adaptive one, and equals mlx-lm's own sharded decoding (and
+on the other families mlx-lm shards: MoE, sliding-window, gpt_oss); the
 ranks produce the same tokens, seeded sampling included; ranks made to
 diverge are caught; errors are one message on rank 0 with every rank exiting
 non-zero and nothing hanging; generate, bench, chat and serve print (and
@@ -139,6 +140,23 @@ def test_sharded_greedy_equals_single_process_mlx_lm(pairs, tmp_path, family):
     first, again, unseeded = rank0["runs"][len(greedy):]
     assert first == again  # a seed reproduces a sampled sharded run
     assert len(unseeded) == n and first != want
+
+
+def test_sharded_greedy_on_every_shardable_family(tmp_path):
+    """MoE, sliding-window, attention-sink and hybrid-MoE targets (float32: unquantized MoE needs it on a CPU)."""
+    prompt, n = prompt_ids(12, seed=3), 16
+    pairs, families = [], ("qwen3_moe", "mistral", "qwen3_5_moe", "llama_sliding", "gpt_oss")
+    for family in families:
+        target = make_target(tmp_path / f"{family}-target", family)
+        draft = make_draft(tmp_path / f"{family}-draft", target, block_size=8)
+        pairs.append(dict(target=str(target), draft=str(draft), runs=[dict(prompt=prompt, max_tokens=n, block_size=b)
+                                                                      for b in (1, 4)]))  # fmt: skip
+    rank0, rank1 = run_ranks(tmp_path, pairs=pairs)
+    assert "error" not in rank0 and "error" not in rank1, (rank0.get("error"), rank1.get("error"))
+    assert rank0["runs"] == rank1["runs"]
+    for i, family in enumerate(families):
+        want = single_process_greedy(Path(pairs[i]["target"]), prompt, n)
+        assert rank0["runs"][2 * i] == rank0["runs"][2 * i + 1] == want, family
 
 
 def test_diverging_ranks_are_caught(pairs, tmp_path):

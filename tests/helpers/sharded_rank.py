@@ -1,7 +1,8 @@
 """One rank of a sharded run, started by ``mlx.launch`` (tests/test_sharding.py).
 
 ``python sharded_rank.py SPEC.json``: SPEC gives the target and drafter
-directories (``target`` may differ per rank: ``targets`` by rank), the runs
+directories (``target`` may differ per rank: ``targets`` by rank; or
+``pairs``: several {target, draft, runs}, run one after the other), the runs
 (prompt ids, max tokens, block size, sampling settings) and an output
 directory; every rank loads the pair with ``dflash_mlx.load(..., shard="tensor")``,
 runs every generation (``"mlx_lm": true``: mlx-lm's own ``stream_generate``
@@ -19,9 +20,6 @@ from pathlib import Path
 
 
 def main(spec_path: str) -> int:
-    import mlx.core as mx
-
-    import dflash_mlx
     from dflash_mlx.sharding.group import world
 
     spec = json.loads(Path(spec_path).read_text())
@@ -29,21 +27,10 @@ def main(spec_path: str) -> int:
     rank = group.rank()
     out = Path(spec["out"]) / f"rank{rank}.json"
     result = {"rank": rank, "size": group.size(), "runs": []}
+    pairs = spec.get("pairs") or [spec]
     try:
-        target = spec.get("targets", [spec.get("target")] * group.size())[rank]
-        model, tokenizer, draft = dflash_mlx.load(target, spec.get("draft"), shard="tensor")
-        if spec.get("reseed_rank") == rank:
-            mx.random.seed(12345 + rank)
-        for run in spec["runs"]:
-            kwargs = {k: v for k, v in run.items() if k not in ("prompt", "plain", "mlx_lm")}
-            if run.get("mlx_lm"):
-                from mlx_lm import stream_generate
-
-                responses = stream_generate(model, tokenizer, mx.array(run["prompt"]), **kwargs)
-            else:
-                responses = dflash_mlx.stream_generate(model, None if run.get("plain") else draft, tokenizer,
-                                                       run["prompt"], **kwargs)  # fmt: skip
-            result["runs"].append([r.token for r in responses])
+        for pair in pairs:
+            run_pair(pair, rank, group.size(), spec.get("reseed_rank"), result["runs"])
     except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
         result["error"] = {"type": type(e).__name__, "message": str(e)}
     tmp = out.with_suffix(".tmp")
@@ -51,6 +38,26 @@ def main(spec_path: str) -> int:
     os.replace(tmp, out)
     return 1 if "error" in result else 0
 
+
+def run_pair(pair: dict, rank: int, size: int, reseed_rank, results: list) -> None:
+    import mlx.core as mx
+
+    import dflash_mlx
+
+    target = pair.get("targets", [pair.get("target")] * size)[rank]
+    model, tokenizer, draft = dflash_mlx.load(target, pair.get("draft"), shard="tensor")
+    if reseed_rank == rank:
+        mx.random.seed(12345 + rank)
+    for run in pair["runs"]:
+        kwargs = {k: v for k, v in run.items() if k not in ("prompt", "plain", "mlx_lm")}
+        if run.get("mlx_lm"):
+            from mlx_lm import stream_generate
+
+            responses = stream_generate(model, tokenizer, mx.array(run["prompt"]), **kwargs)
+        else:
+            responses = dflash_mlx.stream_generate(model, None if run.get("plain") else draft, tokenizer,
+                                                   run["prompt"], **kwargs)  # fmt: skip
+        results.append([r.token for r in responses])
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1]))
