@@ -1,7 +1,8 @@
 """dflash-mlx: lossless block-diffusion speculative decoding (DFlash) for MLX.
 
 Public API: ``load``, ``load_draft``, ``stream_generate``, ``generate``,
-``make_session`` (caches kept across calls), ``DFlashResponse``. They are
+``make_session`` (caches kept across calls), ``DFlashResponse``, and for many
+prompts at once ``batch_generate`` / ``stream_batch_generate``. They are
 imported on first use, so ``import dflash_mlx`` (and every console-script
 start, which may re-execute itself once) stays cheap; see ARCHITECTURE.md for
 the layout behind them.
@@ -15,6 +16,8 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "DFlashResponse": "dflash_mlx.generation",
+    "batch_generate": "dflash_mlx.batch.generate",
+    "stream_batch_generate": "dflash_mlx.batch.generate",
     "generate": "dflash_mlx.generation",
     "stream_generate": "dflash_mlx.generation",
     "load": "dflash_mlx.models.loading",
@@ -22,7 +25,9 @@ _PUBLIC = {
     "make_session": "dflash_mlx.session",
 }
 
-__all__ = ["DFlashResponse", "generate", "load", "load_draft", "make_session", "stream_generate", "__version__"]
+__all__ = ["DFlashResponse", "batch_generate", "generate", "load", "load_draft", "make_session",
+           "stream_batch_generate",
+           "stream_generate", "__version__"]
 
 
 def __getattr__(name: str):

@@ -1,0 +1,1 @@
+"""Batched DFlash decoding: several requests verified in one target forward (see `engine`)."""

@@ -1,0 +1,149 @@
+"""`batch_generate` / `stream_batch_generate`: many prompts, decoded together with DFlash.
+
+In the spirit of mlx-lm's `batch_generate` (same prompts, `max_tokens` per
+prompt or for all, its `BatchResponse` and `BatchStats`), with continuous
+batching: up to `max_batch` prompts are in the batch at once and a finished
+row's place goes to the next prompt. Each prompt is prefilled alone, then
+verified with the others (`engine.BatchDecoder`). Every prompt may bring its
+own sampler settings, logits processors and seed (`row_settings`); each
+row's output is exactly what `stream_generate` gives for it (greedy: token
+for token; sampled: the same distribution).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Iterator
+
+import mlx.core as mx
+from mlx_lm.generate import BatchResponse
+from mlx_lm.generate_utils import BatchStats
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from ..acceptance import Acceptor
+from ..generation import DFlashResponse, encode_prompt
+from ..models.block_size import default_block_size
+from ..sampling import SamplingSettings
+from ..session import make_session
+from .engine import BatchDecoder
+
+ROW_KEYS = {"temperature", "top_p", "top_k", "min_p", "seed", "logits_processors", "max_tokens"}
+
+
+def _rows(prompts: list, max_tokens, row_settings, defaults: dict) -> list[dict]:
+    n = len(prompts)
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * n
+    if len(limits) != n:
+        raise ValueError(f"max_tokens: {len(limits)} limits for {n} prompts.")
+    extra = row_settings or [{}] * n
+    if len(extra) != n:
+        raise ValueError(f"row_settings: {len(extra)} entries for {n} prompts.")
+    rows = []
+    for i, (limit, own) in enumerate(zip(limits, extra)):
+        unknown = set(own) - ROW_KEYS
+        if unknown:
+            raise ValueError(f"row_settings[{i}]: unknown keys {sorted(unknown)}; expected some of {sorted(ROW_KEYS)}.")
+        row = {**defaults, "max_tokens": limit, **own}
+        if row["max_tokens"] == 0:
+            raise ValueError(f"max_tokens of prompt {i} must be non-zero (-1: no limit).")
+        if row["seed"] is not None and "seed" not in own:
+            row["seed"] = defaults["seed"] + i  # distinct, reproducible streams
+        rows.append(row)
+    return rows
+
+
+def stream_batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens: int | list[int] = 128,
+                          block_size: int | None = None, max_batch: int = 8, temperature: float = 0.0,
+                          top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+                          logits_processors: list | None = None, row_settings: list[dict] | None = None,
+                          prefill_step_size: int = 2048,
+                          stats: BatchStats | None = None) -> Iterator[tuple[int, DFlashResponse]]:  # fmt: skip
+    """Yield (prompt index, response) for every generated token, rows interleaved as they decode.
+
+    `block_size`: the block every cycle verifies (default: the drafter's, at most 5 for
+    <= 4-bit models; 1 without a drafter). `seed` seeds prompt i with seed + i unless
+    its `row_settings` entry gives one. `stats` (an mlx-lm `BatchStats`) is filled in.
+    """
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}.")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    if any(p.size == 0 for p in encoded):
+        raise ValueError("A prompt is empty: at least one token is needed.")
+    defaults = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                    logits_processors=logits_processors)  # fmt: skip
+    rows = _rows(encoded, max_tokens, row_settings, defaults)
+    sessions = [make_session(model, draft) for _ in encoded]
+    if draft is None:
+        block_size = 1
+    block = block_size or default_block_size(model, draft)
+    decoder = BatchDecoder(sessions[0].target, block)
+    eos = tokenizer.eos_token_ids
+    waiting = deque(range(len(encoded)))
+    index, detokenizers, counts = {}, {}, {}
+    stats = stats if stats is not None else BatchStats()
+    started = time.perf_counter()
+
+    def emit(i: int, step) -> Iterator[tuple[int, DFlashResponse]]:
+        detokenizer = detokenizers[i]
+        for k, token in enumerate(step.tokens):
+            counts[i] += 1
+            last = k == len(step.tokens) - 1
+            finish = step.finish if last else None
+            if finish == "stop" and token in eos:
+                detokenizer.finalize()
+            else:
+                detokenizer.add_token(token)
+                if finish:
+                    detokenizer.finalize()
+            closes = last and step.block_size > 0
+            yield i, DFlashResponse(
+                text=detokenizer.last_segment, token=token, logprobs=step.logprobs[k],
+                from_draft=k < step.drafted, prompt_tokens=encoded[i].size, prompt_tps=0.0,
+                generation_tokens=counts[i], generation_tps=0.0, peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish, cycle_tokens=len(step.tokens) if closes else None,
+                cycle_block_size=step.block_size if closes else None,
+            )  # fmt: skip
+
+    while waiting or decoder.rows:
+        while waiting and len(decoder.rows) < max_batch:
+            i = waiting.popleft()
+            row = rows[i]
+            acceptor = Acceptor(SamplingSettings(temperature=row["temperature"], top_p=row["top_p"],
+                                                 top_k=row["top_k"], min_p=row["min_p"]),
+                                encoded[i], row["logits_processors"], row["seed"])  # fmt: skip
+            tic = time.perf_counter()
+            first = decoder.insert(sessions[i], encoded[i], acceptor, max_tokens=row["max_tokens"], stop_tokens=eos,
+                                   prefill_step_size=prefill_step_size)  # fmt: skip
+            stats.prompt_tokens += encoded[i].size
+            stats.prompt_time += time.perf_counter() - tic
+            stats.generation_tokens += len(first.tokens)
+            index[first.uid], detokenizers[i], counts[i] = i, tokenizer.detokenizer, 0
+            yield from emit(i, first)
+        tic = time.perf_counter()
+        steps = decoder.step()
+        stats.decode_time += time.perf_counter() - tic
+        stats.generation_steps += 1 if steps else 0
+        for step in steps:
+            stats.generation_tokens += len(step.tokens)
+            yield from emit(index[step.uid], step)
+    stats.wall_time = time.perf_counter() - started
+    stats.peak_memory = mx.get_peak_memory() / 1e9
+
+
+def batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens: int | list[int] = 128,
+                   return_token_ids: bool = False, verbose: bool = False, **kwargs) -> BatchResponse:  # fmt: skip
+    """Every prompt's reply as mlx-lm's `BatchResponse` (texts in prompt order; see `stream_batch_generate`)."""
+    stats = BatchStats()
+    texts = [[] for _ in prompts]
+    ids = [[] for _ in prompts]
+    for i, r in stream_batch_generate(model, draft, tokenizer, prompts, max_tokens=max_tokens, stats=stats, **kwargs):
+        texts[i].append(r.text)
+        if r.finish_reason != "stop":
+            ids[i].append(r.token)
+    if verbose:
+        print(f"[batch_generate] Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.3f} "
+              f"tokens-per-sec; peak memory {stats.peak_memory:.3f} GB")  # fmt: skip
+    return BatchResponse(["".join(t) for t in texts], stats, None, ids if return_token_ids else None)
