@@ -119,3 +119,20 @@ def test_batch_generate_on_the_bundled_pair():
     assert got.stats.generation_tokens >= sum(len(t) for t in got.token_ids) and got.stats.generation_tps > 0
     with pytest.raises(ValueError, match="row_settings\\[0\\]: unknown keys"):
         dflash_mlx.batch_generate(model, draft, tokenizer, prompts[:1], row_settings=[{"temp": 1.0}])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_batched_drafts_equal_each_rows_own(tiny_pair, family):
+    """One drafter forward for rows of different context lengths drafts what each row drafts alone."""
+    from dflash_mlx.batch.drafting import propose_rows
+
+    model, tokenizer, draft = tiny_pair(family)
+    sessions = [make_session(model, draft) for _ in PROMPTS[:3]]
+    decoder = BatchDecoder(sessions[0].target, 8)
+    for session, prompt in zip(sessions, PROMPTS):
+        decoder.insert(session, mx.array(prompt), Acceptor(SamplingSettings(), mx.array(prompt)), max_tokens=50)
+    decoder.step()  # the rows' contexts grow by different amounts
+    batched = [p.tokens.tolist() for p in propose_rows(decoder.rows, 7)]
+    alone = [[p.tokens.tolist() for p in propose_rows([row], 7)][0] for row in decoder.rows]
+    assert batched == alone
+    assert len({row.position for row in decoder.rows}) == 3

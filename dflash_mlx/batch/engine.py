@@ -4,7 +4,8 @@
 prompt prefilled alone, through the single-request engine, which also gives
 its first token), its own `Acceptor` (sampler settings, logits processors,
 seed) and its limits; its caches then move into the batch's (`ragged_cache`).
-Each `step()`: every row's proposer drafts its block (lazily, one graph),
+Each `step()`: the rows' blocks are drafted (one drafter forward for all, see
+`drafting`),
 the target verifies all rows in one forward ([B, b] ids, per-row positions
 and masks), each row's acceptor judges its own rows, and each row keeps its
 own accepted prefix (a ragged KV row is shortened; a Gated DeltaNet row is
@@ -28,6 +29,7 @@ from ..sampling import log_softmax
 from ..session import Session
 from ..targets.gated_delta import GDNRecord
 from ..targets.rollback import VerifyRecord
+from .drafting import propose_rows
 from .ragged_cache import RaggedKVCache, batch_layer, unbatch_layer
 
 
@@ -124,20 +126,14 @@ class BatchDecoder:
             return []
         b = self.block_size
         cache = self._batch()
-        ids, drafts, probs = [], [], []
-        for row in self.rows:
-            anchor = mx.array([row.anchor], mx.int32)
-            if b > 1:
-                proposal = row.session.proposer.propose(anchor, row.position, b - 1,
-                                                        sampling=row.acceptor.draft_settings,
-                                                        key=row.acceptor.next_key())  # fmt: skip
-                drafts.append(proposal.tokens)
-                probs.append(proposal.probs)
-                ids.append(mx.concatenate([anchor, proposal.tokens]))
-            else:
-                drafts.append(None)
-                probs.append(None)
-                ids.append(anchor)
+        anchors = [mx.array([row.anchor], mx.int32) for row in self.rows]
+        if b > 1:
+            proposals = propose_rows(self.rows, b - 1)
+            drafts, probs = [p.tokens for p in proposals], [p.probs for p in proposals]
+            ids = [mx.concatenate([a, d]) for a, d in zip(anchors, drafts)]
+        else:
+            drafts = probs = [None] * len(self.rows)
+            ids = anchors
         logits, features, record = self.target.verify(mx.stack(ids), cache)
         rows, verdicts = [], []
         for i, row in enumerate(self.rows):

@@ -107,6 +107,10 @@ class DraftContextCache:
     def state(self):
         return [a for a in (self.keys, self.values) if a is not None]
 
+    def block_mask(self, block: int, ctx_len: int, causal: bool, window: int | None):
+        """What the block's queries see of [the `ctx_len` fetched context rows, the block] (`block_mask`)."""
+        return block_mask(block, ctx_len, causal, window)
+
     def saved(self) -> tuple[list[mx.array], dict]:
         """The held rows and the positions, for saving (`restored` reads them back)."""
         held = self.keys is not None and self._rows > 0
@@ -164,7 +168,7 @@ class DraftAttention(nn.Module):
             ctx_len = ctx_k.shape[2]
             k = mx.concatenate([ctx_k, k], axis=2)
             v = mx.concatenate([ctx_v, v], axis=2)
-        mask = block_mask(L, ctx_len, self.causal, self.window)
+        mask = cache.block_mask(L, ctx_len, self.causal, self.window)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
