@@ -74,6 +74,11 @@ def propose_rows(rows: list, count: int) -> list[Proposal]:
     block = mx.concatenate([anchors, mx.full((len(rows), count), drafter.config.mask_token_id, mx.int32)], axis=1)
     contexts = [BatchContext([p.cache[layer] for p in proposers]) for layer in range(len(drafter.layers))]
     logits = drafter(block, contexts, proposers[0].target)
+    if all(r.acceptor.draft_settings is None for r in rows):  # greedy drafts: one argmax for all rows
+        for r in rows:
+            r.acceptor.next_key()  # (the keys a row draws stay those of its own proposer calls)
+        best = mx.argmax(logits, axis=-1).astype(mx.int32)
+        return [Proposal(tokens=best[i]) for i in range(len(rows))]
     out = []
     for i, r in enumerate(rows):
         sampling, key = r.acceptor.draft_settings, r.acceptor.next_key()

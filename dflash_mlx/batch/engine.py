@@ -30,6 +30,7 @@ from ..session import Session
 from ..targets.gated_delta import GDNRecord
 from ..targets.rollback import VerifyRecord
 from .drafting import propose_rows
+from .prefill import prefill_together
 from .ragged_cache import RaggedKVCache, batch_layer, unbatch_layer
 
 
@@ -89,14 +90,43 @@ class BatchDecoder:
                                     stop_tokens=stop_tokens, session=session)  # fmt: skip
         first = next(cycles)
         cycles.close()
-        row = BatchRow(self._next_uid, session, acceptor, max_tokens, frozenset(stop_tokens), anchor=first.tokens[0],
-                       position=prompt.size, committed=1, tokens=list(first.tokens))  # fmt: skip
+        return self._add_row(session, prompt, acceptor, max_tokens, stop_tokens, first.tokens, first.logprobs,
+                             first.stopped)  # fmt: skip
+
+    def insert_many(self, requests: list[tuple], *, stop_tokens=(), prefill_step_size: int = 2048) -> list[RowTokens]:
+        """`insert` for several (session, prompt, acceptor, max_tokens) at once: fresh sessions are
+        prefilled together in one forward (`prefill`), the others alone; results in request order."""
+        together = [k for k, (session, prompt, _, _) in enumerate(requests)
+                    if not session.tokens and 2 <= prompt.size <= prefill_step_size]  # fmt: skip
+        if len(together) < 2:
+            return [self.insert(s, p, a, max_tokens=m, stop_tokens=stop_tokens, prefill_step_size=prefill_step_size)
+                    for s, p, a, m in requests]  # fmt: skip
+        for session, *_ in requests:
+            if session.model is not self.target.model:
+                raise ValueError("The session was made for another target model.")
+        self._unbatch()
+        chosen = [requests[k] for k in together]
+        firsts = prefill_together(self.target, [r[0] for r in chosen], [r[1].tolist() for r in chosen],
+                                  [r[2] for r in chosen])  # fmt: skip
+        results: dict[int, RowTokens] = {}
+        for k, (token, logprobs) in zip(together, firsts):
+            session, prompt, acceptor, max_tokens = requests[k]
+            results[k] = self._add_row(session, prompt, acceptor, max_tokens, stop_tokens, [token], logprobs,
+                                       token in stop_tokens)  # fmt: skip
+        for k, (session, prompt, acceptor, max_tokens) in enumerate(requests):
+            if k not in results:
+                results[k] = self.insert(session, prompt, acceptor, max_tokens=max_tokens, stop_tokens=stop_tokens,
+                                         prefill_step_size=prefill_step_size)  # fmt: skip
+        return [results[k] for k in range(len(requests))]
+
+    def _add_row(self, session, prompt, acceptor, max_tokens, stop_tokens, tokens, logprobs, stopped) -> RowTokens:
+        row = BatchRow(self._next_uid, session, acceptor, max_tokens, frozenset(stop_tokens), anchor=tokens[0],
+                       position=prompt.size, committed=1, tokens=list(tokens))  # fmt: skip
         self._next_uid += 1
-        finish = "stop" if first.stopped else ("length" if max_tokens == 1 else None)
-        row.finish = finish
-        if finish is None:
+        row.finish = "stop" if stopped else ("length" if max_tokens == 1 else None)
+        if row.finish is None:
             self.rows.append(row)
-        return RowTokens(row.uid, first.tokens, first.logprobs, 0, 0, finish)
+        return RowTokens(row.uid, list(tokens), logprobs, 0, 0, row.finish)
 
     def remove(self, uid: int) -> None:
         """Take a row out (e.g. its client went away); its session keeps the tokens committed so far."""
@@ -135,15 +165,10 @@ class BatchDecoder:
             drafts = probs = [None] * len(self.rows)
             ids = anchors
         logits, features, record = self.target.verify(mx.stack(ids), cache)
-        rows, verdicts = [], []
-        for i, row in enumerate(self.rows):
-            processed = row.acceptor.process(logits[i], drafts[i])
-            rows.append(processed)
-            verdicts.append(row.acceptor.verdict(processed, drafts[i], probs[i]))
-        mx.eval(verdicts)
+        rows, verdicts = self._verdicts(logits, drafts, probs)
         out, keep = [], []
         for i, row in enumerate(self.rows):
-            values = verdicts[i].tolist()
+            values = verdicts[i]
             accepted = values[0]
             tokens = values[1 : accepted + 2]
             room = row.max_tokens - row.committed if row.max_tokens >= 0 else len(tokens)
@@ -173,6 +198,37 @@ class BatchDecoder:
             self._unbatch()
             self.rows = [r for r in self.rows if r.finish is None]
         return out
+
+    def _verdicts(self, logits: mx.array, drafts: list, probs: list) -> tuple[list, list[list[int]]]:
+        """Each row's processed verify rows and [accepted, t_0..t_{b-1}] (one host sync for all).
+
+        Greedy rows without logits processors are judged together (argmax and the accepted
+        prefix over [B, b] at once); the others by their own acceptor."""
+        plain = [not r.acceptor.processors and r.acceptor.settings.greedy for r in self.rows]
+        rows = [logits[i] if plain[i] else r.acceptor.process(logits[i], drafts[i]) for i, r in enumerate(self.rows)]
+        judged = {}
+        together = [i for i, ok in enumerate(plain) if ok]
+        if together:
+            best = mx.argmax(logits[mx.array(together)] if len(together) < len(plain) else logits, axis=-1)
+            best = best.astype(mx.int32)
+            if drafts[together[0]] is not None:
+                match = (mx.stack([drafts[i] for i in together]) == best[:, :-1]).astype(mx.int32)
+                accepted = mx.sum(mx.cumprod(match, axis=1), axis=1, keepdims=True).astype(mx.int32)
+            else:
+                accepted = mx.zeros((len(together), 1), mx.int32)
+            judged["together"] = mx.concatenate([accepted, best], axis=1)
+        for i, r in enumerate(self.rows):
+            if not plain[i]:
+                judged[i] = r.acceptor.verdict(rows[i], drafts[i], probs[i])
+        mx.eval(list(judged.values()))
+        values = judged["together"].tolist() if together else []
+        verdicts = [None] * len(self.rows)
+        for k, i in enumerate(together):
+            verdicts[i] = values[k]
+        for i in range(len(self.rows)):
+            if verdicts[i] is None:
+                verdicts[i] = judged[i].tolist()
+        return rows, verdicts
 
     def _rollback(self, cache: list, record: VerifyRecord, keep: list[int]) -> None:
         fed = record.rows

@@ -108,20 +108,23 @@ def stream_batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens:
             )  # fmt: skip
 
     while waiting or decoder.rows:
-        while waiting and len(decoder.rows) < max_batch:
+        joining = []
+        while waiting and len(decoder.rows) + len(joining) < max_batch:
             i = waiting.popleft()
             row = rows[i]
             acceptor = Acceptor(SamplingSettings(temperature=row["temperature"], top_p=row["top_p"],
                                                  top_k=row["top_k"], min_p=row["min_p"]),
                                 encoded[i], row["logits_processors"], row["seed"])  # fmt: skip
+            joining.append((i, (sessions[i], encoded[i], acceptor, row["max_tokens"])))
+        if joining:
             tic = time.perf_counter()
-            first = decoder.insert(sessions[i], encoded[i], acceptor, max_tokens=row["max_tokens"], stop_tokens=eos,
-                                   prefill_step_size=prefill_step_size)  # fmt: skip
-            stats.prompt_tokens += encoded[i].size
+            firsts = decoder.insert_many([r for _, r in joining], stop_tokens=eos, prefill_step_size=prefill_step_size)
             stats.prompt_time += time.perf_counter() - tic
-            stats.generation_tokens += len(first.tokens)
-            index[first.uid], detokenizers[i], counts[i] = i, tokenizer.detokenizer, 0
-            yield from emit(i, first)
+            for (i, _), first in zip(joining, firsts):
+                stats.prompt_tokens += encoded[i].size
+                stats.generation_tokens += len(first.tokens)
+                index[first.uid], detokenizers[i], counts[i] = i, tokenizer.detokenizer, 0
+                yield from emit(i, first)
         tic = time.perf_counter()
         steps = decoder.step()
         stats.decode_time += time.perf_counter() - tic

@@ -60,10 +60,10 @@ class RaggedKVCache:
             start = self.lengths[0]
             self.keys[..., start : start + n, :] = keys
             self.values[..., start : start + n, :] = values
-        else:
-            for i, start in enumerate(self.lengths):
-                self.keys[i : i + 1, :, start : start + n, :] = keys[i : i + 1]
-                self.values[i : i + 1, :, start : start + n, :] = values[i : i + 1]
+        else:  # one scatter per array: row i's new keys at its own positions
+            at = (mx.array(self.lengths)[:, None] + mx.arange(n)[None])[:, None, :, None]
+            self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
+            self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
         self.lengths = [length + n for length in self.lengths]
         return self.keys[..., :end, :], self.values[..., :end, :]
 
