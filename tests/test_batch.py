@@ -80,7 +80,7 @@ def test_sampled_rows_with_different_settings_follow_the_target(tiny_pair):
     model, tokenizer, draft = tiny_pair("qwen3")
     prompt = prompt_ids(6, seed=5)
     settings = [dict(temperature=1.5), dict(temperature=1.0, top_k=20, top_p=0.95)]
-    runs = 1200
+    runs = 800
     rows = [dict(settings[i % 2], seed=i) for i in range(2 * runs)]
     with without_eos(tokenizer) as tok:
         out = [[] for _ in rows]
