@@ -123,21 +123,26 @@ def test_sharded_greedy_equals_single_process_mlx_lm(pairs, tmp_path, family):
     target, draft = pairs[family]
     prompt = prompt_ids(12, seed=3)
     n = 24
+    want = single_process_greedy(target, prompt, n)
     greedy = [dict(prompt=prompt, max_tokens=n, block_size=b) for b in (1, 2, 4, 8)] + [
         dict(prompt=prompt, max_tokens=n),  # adaptive: the ranks share rank 0's calibration
         dict(prompt=prompt, max_tokens=n, mlx_lm=True),  # mlx-lm's own sharded decoding
     ]
+    # a stop token while plain steps are pipelined: the step queued after it is still in flight
+    # when the ranks compare their tokens (their collectives must not interleave)
+    stop = next(t for k, t in enumerate(want) if k >= 6 and t not in want[:k])
+    stopped = [dict(prompt=prompt, max_tokens=n, block_size=1, eos=[stop])]
     sampled = [dict(prompt=prompt, max_tokens=n, block_size=4, temperature=1.0, seed=5)] * 2 + [
         dict(prompt=prompt, max_tokens=n, temperature=1.0, top_k=20),  # no seed: the ranks agreed on one
     ]
-    rank0, rank1 = run_ranks(tmp_path, target=str(target), draft=str(draft), runs=greedy + sampled)
+    rank0, rank1 = run_ranks(tmp_path, target=str(target), draft=str(draft), runs=greedy + sampled + stopped)
     assert "error" not in rank0 and "error" not in rank1, (rank0.get("error"), rank1.get("error"))
     assert rank0["size"] == 2
     assert rank0["runs"] == rank1["runs"]  # lockstep: every rank generated the same tokens
-    want = single_process_greedy(target, prompt, n)
     for run, tokens in zip(greedy, rank0["runs"]):
         assert tokens == want, run
-    first, again, unseeded = rank0["runs"][len(greedy):]
+    assert rank0["runs"][-1] == want[: want.index(stop) + 1]
+    first, again, unseeded = rank0["runs"][len(greedy) : len(greedy) + 3]
     assert first == again  # a seed reproduces a sampled sharded run
     assert len(unseeded) == n and first != want
 

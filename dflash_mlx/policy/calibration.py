@@ -19,7 +19,10 @@ $DFLASH_MLX_CACHE_DIR, else $XDG_CACHE_HOME/dflash-mlx, else ~/.cache/dflash-mlx
 `clear_calibrations()` (or `dflash-mlx calibrate --clear`) empties it.
 A tensor-sharded target is calibrated sharded (its key names the group
 size), by all ranks together when rank 0 has no cached curve; every rank
-then takes rank 0's curve, so they all choose the same blocks.
+then takes rank 0's curve, so they all choose the same blocks. The ranks'
+exchanges make single cycles noisy, so a sharded calibration runs
+SHARDED_ROUNDS rounds and its curve is made non-decreasing in b (a larger
+verify never costs less; pooled where the medians say otherwise).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from .cost import CostCurve
 FORMAT = 2  # bump when what is measured changes
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 ROUNDS = 4  # the first is a warm-up
+SHARDED_ROUNDS = 6
 STRETCH = {1: 3}  # cycles per block in a stretch (2 unless given); the second is timed
 PROMPT_TOKENS = 16
 
@@ -104,7 +108,7 @@ def calibration_key(target, proposer, max_block: int) -> dict:
         "grid": grid_for(max_block),
         "device": str(mx.default_device()),
         **_machine_facts(),
-        **({"tensor_ranks": _group(target).size()} if _group(target) is not None else {}),
+        **({"tensor_ranks": _group(target).size(), "rounds": SHARDED_ROUNDS} if _group(target) is not None else {}),
     }
 
 
@@ -185,6 +189,17 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS) -> list[flo
     return [statistics.median(samples[b]) for b in grid]
 
 
+def non_decreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    return [m for m, n in blocks for _ in range(n)]
+
+
 def calibration_file(target, proposer, max_block: int) -> Path:
     """Where this setup's calibration is cached."""
     return calibration_dir() / f"{_digest(calibration_key(target, proposer, max_block))}.json"
@@ -214,8 +229,10 @@ def cost_curve(target, proposer, max_block: int, *, force: bool = False) -> Cost
                                                                       len(key["grid"])))  # fmt: skip
         if curve is None:
             tic = time.perf_counter()
-            seconds = measure(target, proposer, key["grid"])
-            if group is not None:
+            if group is None:
+                seconds = measure(target, proposer, key["grid"])
+            else:
+                seconds = non_decreasing(measure(target, proposer, key["grid"], rounds=SHARDED_ROUNDS))
                 seconds = broadcast_floats(group, seconds if leader else None, len(seconds))
             curve = CostCurve(list(key["grid"]), seconds)
             doc = {"key": key, "grid": curve.grid, "seconds": curve.seconds,

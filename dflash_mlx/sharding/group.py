@@ -7,7 +7,11 @@ then exchanges whether it failed (one small all_gather), so all ranks raise
 together, the leader with the first failing rank's message. `broadcast`
 sends the leader's bytes to every rank; `same_everywhere` compares a digest
 across ranks. These control collectives run on the CPU stream, as mlx-lm's
-own synchronisation does.
+own synchronisation does, after the generation streams have finished what
+they were given (`_quiesce`): a verify still in flight (the engine queues
+the next step before it reads the current one) does its own collectives,
+and two collectives in flight on different streams could pair up
+differently on different ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def raised_everywhere(error: BaseException):
 def barrier(group) -> None:
     """Wait until every rank of `group` gets here (e.g. rank 0 printed the error all ranks exit on)."""
     if group is not None and group.size() > 1:
+        _quiesce()
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
 
 
@@ -47,12 +52,20 @@ def is_leader(group: mx.distributed.Group | None) -> bool:
     return group is None or group.rank() == 0
 
 
+def _quiesce() -> None:
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
+    mx.synchronize()
+
+
 def _as_ints(data: bytes, size: int) -> mx.array:
     values = list(data[:size]) + [0] * (size - min(len(data), size))
     return mx.array(values, dtype=mx.int32)
 
 
 def _gather(group, row: mx.array) -> list[list[int]]:
+    _quiesce()
     out = mx.distributed.all_gather(row[None], group=group, stream=mx.cpu)
     return out.tolist()
 
@@ -91,6 +104,7 @@ def broadcast(group: mx.distributed.Group | None, data: bytes | None) -> bytes:
     if group is None or group.size() == 1:
         return data or b""
     leader = group.rank() == 0
+    _quiesce()
     n = mx.array([len(data) if leader else 0], dtype=mx.int32)
     n = int(mx.distributed.all_sum(n, group=group, stream=mx.cpu).item())
     if n == 0:
@@ -105,6 +119,7 @@ def broadcast_floats(group: mx.distributed.Group | None, values: list[float] | N
     if group is None or group.size() == 1:
         return list(values or [])
     mine = values if group.rank() == 0 else [0.0] * count
+    _quiesce()
     return mx.distributed.all_sum(mx.array(mine, dtype=mx.float32), group=group, stream=mx.cpu).tolist()
 
 

@@ -3,7 +3,7 @@
 ``python sharded_rank.py SPEC.json``: SPEC gives the target and drafter
 directories (``target`` may differ per rank: ``targets`` by rank; or
 ``pairs``: several {target, draft, runs}, run one after the other), the runs
-(prompt ids, max tokens, block size, sampling settings) and an output
+(prompt ids, max tokens, block size, sampling settings, ``eos``: stop tokens) and an output
 directory; every rank loads the pair with ``dflash_mlx.load(..., shard="tensor")``,
 runs every generation (``"mlx_lm": true``: mlx-lm's own ``stream_generate``
 on the sharded target, its plain sharded decoding) and writes ``rank<R>.json`` (its tokens per run, or the
@@ -13,6 +13,7 @@ that the lockstep check catches diverging ranks).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -49,13 +50,17 @@ def run_pair(pair: dict, rank: int, size: int, reseed_rank, results: list) -> No
     if reseed_rank == rank:
         mx.random.seed(12345 + rank)
     for run in pair["runs"]:
-        kwargs = {k: v for k, v in run.items() if k not in ("prompt", "plain", "mlx_lm")}
+        kwargs = {k: v for k, v in run.items() if k not in ("prompt", "plain", "mlx_lm", "eos")}
+        tok = tokenizer
+        if "eos" in run:  # a copy stopping on these tokens only
+            tok = copy.copy(tokenizer)
+            tok.eos_token_ids = set(run["eos"])
         if run.get("mlx_lm"):
             from mlx_lm import stream_generate
 
-            responses = stream_generate(model, tokenizer, mx.array(run["prompt"]), **kwargs)
+            responses = stream_generate(model, tok, mx.array(run["prompt"]), **kwargs)
         else:
-            responses = dflash_mlx.stream_generate(model, None if run.get("plain") else draft, tokenizer,
+            responses = dflash_mlx.stream_generate(model, None if run.get("plain") else draft, tok,
                                                    run["prompt"], **kwargs)  # fmt: skip
         results.append([r.token for r in responses])
 
