@@ -19,7 +19,7 @@ needing fewer tokens takes its cut at acceptance).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -27,11 +27,9 @@ from ..acceptance import Acceptor
 from ..engine import speculative_cycles
 from ..sampling import log_softmax
 from ..session import Session
-from ..targets.gated_delta import GDNRecord
-from ..targets.rollback import VerifyRecord
 from .drafting import propose_rows
 from .prefill import prefill_together
-from .ragged_cache import RaggedKVCache, batch_layer, unbatch_layer
+from .ragged_cache import batch_layer, keep_rows, unbatch_layer
 
 
 @dataclass
@@ -46,7 +44,6 @@ class BatchRow:
     anchor: int = 0  # the last committed token, not yet fed
     position: int = 0  # the anchor's position
     committed: int = 0
-    tokens: list[int] = field(default_factory=list)
     finish: str | None = None
 
 
@@ -121,7 +118,7 @@ class BatchDecoder:
 
     def _add_row(self, session, prompt, acceptor, max_tokens, stop_tokens, tokens, logprobs, stopped) -> RowTokens:
         row = BatchRow(self._next_uid, session, acceptor, max_tokens, frozenset(stop_tokens), anchor=tokens[0],
-                       position=prompt.size, committed=1, tokens=list(tokens))  # fmt: skip
+                       position=prompt.size, committed=1)  # fmt: skip
         self._next_uid += 1
         row.finish = "stop" if stopped else ("length" if max_tokens == 1 else None)
         if row.finish is None:
@@ -185,11 +182,10 @@ class BatchDecoder:
             row.committed += len(tokens)
             row.position += len(tokens)
             row.anchor = tokens[-1]
-            row.tokens.extend(tokens)
             row.finish = finish
             out.append(RowTokens(row.uid, tokens, log_softmax(rows[i][: len(tokens)]), min(accepted, len(tokens)),
                                  b, finish))  # fmt: skip
-        self._rollback(cache, record, keep)
+        keep_rows(cache, record, keep)
         if features is not None:
             for i, row in enumerate(self.rows):
                 if row.session.proposer is not None and row.session.proposer.layer_ids:
@@ -229,28 +225,3 @@ class BatchDecoder:
             if verdicts[i] is None:
                 verdicts[i] = judged[i].tolist()
         return rows, verdicts
-
-    def _rollback(self, cache: list, record: VerifyRecord, keep: list[int]) -> None:
-        fed = record.rows
-        for j, layer in enumerate(cache):
-            if isinstance(layer, RaggedKVCache):
-                layer.keep_rows(fed, keep)
-            elif j in record.gdn:
-                restore_rows(record.gdn[j], layer, keep)
-
-
-def restore_rows(record: GDNRecord, cache, keep: list[int]) -> None:
-    """A Gated DeltaNet batch cache as if row i had been fed only its first keep[i] rows."""
-    if all(k == record.q.shape[1] for k in keep):
-        return
-    conv, state = [], []
-    for i, n in enumerate(keep):
-        row = GDNRecord(record.layer, record.conv_input[i : i + 1], record.q[i : i + 1], record.k[i : i + 1],
-                        record.v[i : i + 1], record.a[i : i + 1], record.b[i : i + 1],
-                        None if record.state is None else record.state[i : i + 1])  # fmt: skip
-        single = [None, None]
-        row.restore(single, n)
-        conv.append(single[0])
-        state.append(single[1])  # (keep >= 1: the anchor is always kept)
-    cache[0] = mx.concatenate(conv, axis=0)
-    cache[1] = mx.concatenate(state, axis=0)

@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from ..sampling import log_softmax
-from .ragged_cache import RaggedKVCache, unbatch_layer
+from .ragged_cache import RaggedKVCache, keep_rows, unbatch_layer
 
 
 def _empty_batch(like: list, rows: int) -> list:
@@ -36,17 +36,10 @@ def _empty_batch(like: list, rows: int) -> list:
 
 def _feed(target, ids: list[list[int]], cache: list) -> tuple[mx.array, mx.array | None]:
     """One forward of rows padded at the end; each row keeps only its own tokens."""
-    from .engine import restore_rows
-
     width = max(len(r) for r in ids)
     padded = mx.array([r + [r[-1]] * (width - len(r)) for r in ids], mx.int32)
     logits, features, record = target.verify(padded, cache)
-    keep = [len(r) for r in ids]
-    for j, layer in enumerate(cache):
-        if isinstance(layer, RaggedKVCache):
-            layer.keep_rows(width, keep)
-        elif j in record.gdn:
-            restore_rows(record.gdn[j], layer, keep)
+    keep_rows(cache, record, [len(r) for r in ids])
     return logits, features
 
 

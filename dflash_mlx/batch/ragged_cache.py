@@ -13,14 +13,17 @@ target's own attention layers run on it unchanged.
 A sliding-window layer's row is kept whole (its mask applies the window), so
 its memory grows with the row like a full-attention layer's; Gated DeltaNet
 rows are plain `ArraysCache` batches (every row feeds N rows: no padding).
-`RowCaches` moves one request's mlx-lm caches (`KVCache`, `RotatingKVCache`,
-the `ArraysCache` of a Gated DeltaNet layer) into a batch row and back.
+`batch_layer` / `unbatch_layer` move one request's mlx-lm caches (`KVCache`, `RotatingKVCache`,
+the `ArraysCache` of a Gated DeltaNet layer) into a batch row and back;
+`keep_rows` cuts every row back to its own kept prefix after a forward.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from ..targets.gated_delta import GDNRecord
 
 STEP = 256  # rows of key/value storage added at a time, as mlx-lm's KVCache does
 
@@ -161,3 +164,29 @@ def unbatch_layer(batch, i: int, like):
     out = ArraysCache(size=len(batch.cache))
     out.cache = [c[i : i + 1] for c in batch.cache]
     return out
+
+
+def keep_rows(cache: list, record, keep: list[int]) -> None:
+    """After a forward of `record.rows` rows, row i of every batch layer keeps only its first keep[i]."""
+    for j, layer in enumerate(cache):
+        if isinstance(layer, RaggedKVCache):
+            layer.keep_rows(record.rows, keep)
+        elif j in record.gdn:
+            restore_rows(record.gdn[j], layer, keep)
+
+
+def restore_rows(record: GDNRecord, cache, keep: list[int]) -> None:
+    """A Gated DeltaNet batch cache as if row i had been fed only its first keep[i] rows."""
+    if all(k == record.q.shape[1] for k in keep):
+        return
+    conv, state = [], []
+    for i, n in enumerate(keep):
+        row = GDNRecord(record.layer, record.conv_input[i : i + 1], record.q[i : i + 1], record.k[i : i + 1],
+                        record.v[i : i + 1], record.a[i : i + 1], record.b[i : i + 1],
+                        None if record.state is None else record.state[i : i + 1])  # fmt: skip
+        single = [None, None]
+        row.restore(single, n)
+        conv.append(single[0])
+        state.append(single[1])  # (keep >= 1: the anchor is always kept)
+    cache[0] = mx.concatenate(conv, axis=0)
+    cache[1] = mx.concatenate(state, axis=0)
