@@ -28,8 +28,10 @@ class DraftWeightsError(ValueError):
     """A draft checkpoint's safetensors do not match its config."""
 
 
-def resolve_model_dir(path_or_repo: str | Path, what: str = "draft model") -> Path:
-    """A local directory as is; otherwise a Hugging Face repo id, downloaded (json + safetensors)."""
+def resolve_model_dir(path_or_repo: str | Path, what: str = "draft model",
+                      allow_patterns: list[str] | None = None) -> Path:  # fmt: skip
+    """A local directory as is; otherwise a Hugging Face repo id, downloaded (the files matching
+    `allow_patterns`, by default json + safetensors)."""
     path = Path(path_or_repo).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -45,7 +47,7 @@ def resolve_model_dir(path_or_repo: str | Path, what: str = "draft model") -> Pa
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(repo, allow_patterns=["*.json", "*.safetensors"]))
+        return Path(snapshot_download(repo, allow_patterns=allow_patterns or ["*.json", "*.safetensors"]))
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
         raise FileNotFoundError(f"Could not download the {what} '{repo}' from Hugging Face: {e}") from e
 

@@ -100,6 +100,7 @@ def model_facts(model) -> dict:
 
 def calibration_key(target, proposer, max_block: int) -> dict:
     """Everything T(b) depends on: the models, the device, the software."""
+    group = _group(target)
     return {
         "format": FORMAT,
         "target": model_facts(target.model),
@@ -108,7 +109,7 @@ def calibration_key(target, proposer, max_block: int) -> dict:
         "grid": grid_for(max_block),
         "device": str(mx.default_device()),
         **_machine_facts(),
-        **({"tensor_ranks": _group(target).size(), "rounds": SHARDED_ROUNDS} if _group(target) is not None else {}),
+        **({"tensor_ranks": group.size(), "rounds": SHARDED_ROUNDS} if group is not None else {}),
     }
 
 

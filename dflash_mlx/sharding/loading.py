@@ -20,8 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..draft.load import load_draft
-from ..models.registry import is_repo_id
+from ..draft.load import load_draft, resolve_model_dir
 from ..targets.adapter import UnsupportedTargetError
 from ..targets.families import FAMILIES, model_family, shard_problem
 from .group import ShardError, agree, broadcast, same_everywhere, world
@@ -57,25 +56,11 @@ def fingerprint(directory: Path) -> bytes:
     return digest.digest()
 
 
-def _local_dir(source, what: str, patterns: list[str] | None) -> Path:
-    path = Path(str(source)).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise FileNotFoundError(f"The {what} path {path} is not a directory.")
-        return path
-    if not is_repo_id(str(source)):
-        raise FileNotFoundError(f"The {what} '{source}' is neither an existing directory nor a Hugging Face "
-                                "repo id of the form 'org/name'.")  # fmt: skip
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(str(source), allow_patterns=patterns))
-
-
 def _preflight(choice, ranks: int) -> bytes:
     """This rank's checks before loading; returns the fingerprint of its model files."""
     from mlx_lm.utils import load_model
 
-    target_dir = _local_dir(choice.target, "target model", METADATA)
+    target_dir = resolve_model_dir(choice.target, "target model", METADATA)
     model, _ = load_model(target_dir, lazy=True, strict=False)  # lazy: no weight is read
     family = model_family(model)
     if family not in FAMILIES:
@@ -86,7 +71,7 @@ def _preflight(choice, ranks: int) -> bytes:
         raise UnsupportedTargetError(f"{choice.target}: cannot tensor-shard over {ranks} ranks: {problem}")
     digest = fingerprint(target_dir)
     if choice.draft is not None:
-        digest += fingerprint(_local_dir(choice.draft, "draft model", ["*.json", "*.safetensors"]))
+        digest += fingerprint(resolve_model_dir(choice.draft))
     return hashlib.sha256(digest).digest()
 
 
