@@ -13,8 +13,12 @@ replayed over its kept rows). A row that stops (a stop token, its
 max_tokens) leaves: its caches go back to its session, which a prompt cache
 can keep. The output of every row is what it would be served alone.
 
-Every row of a cycle verifies the same block b (the caller's block; a row
-needing fewer tokens takes its cut at acceptance).
+Every row of a step verifies the same block b: the decoder's fixed block,
+or with a `block_choice.BatchBlockChoice` the b that maximises the batch's
+expected tokens per second (plain batched decoding, b = 1, included). A row
+may fix its own block (`max_block`): a batch of such rows verifies the
+largest, and a row's drafts past its own block are ignored; a row needing
+fewer tokens takes its cut at acceptance.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import mlx.core as mx
 
 from ..acceptance import Acceptor
 from ..engine import speculative_cycles
+from ..policy.estimate import AcceptanceEstimate
 from ..sampling import log_softmax
 from ..session import Session
+from .block_choice import BatchBlockChoice
 from .drafting import propose_rows
 from .prefill import prefill_together
 from .ragged_cache import batch_layer, keep_rows, unbatch_layer
@@ -41,6 +47,9 @@ class BatchRow:
     acceptor: Acceptor
     max_tokens: int  # -1: no limit
     stop_tokens: frozenset
+    max_block: int  # this row's largest block
+    fixed: bool  # the caller fixed it (`insert(max_block=...)`)
+    estimate: AcceptanceEstimate  # its drafts' acceptance (for the block choice)
     anchor: int = 0  # the last committed token, not yet fed
     position: int = 0  # the anchor's position
     committed: int = 0
@@ -62,7 +71,8 @@ class RowTokens:
 class BatchDecoder:
     """Rows of one target (and one drafter kind) decoded together; see the module docstring."""
 
-    def __init__(self, target, block_size: int):
+    def __init__(self, target, block_size: int, choice: BatchBlockChoice | None = None):
+        """`block_size`: every step's block, or with `choice` the largest (a row's default cap)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
         unsupported = getattr(target.family, "run", None) is not None
@@ -70,6 +80,7 @@ class BatchDecoder:
             raise ValueError(f"Batched decoding does not support the {target.family_name} family yet.")
         self.target = target
         self.block_size = block_size
+        self.choice = choice
         self.rows: list[BatchRow] = []
         self._cache: list | None = None  # the batch's caches while rows are in it
         self._next_uid = 0
@@ -77,8 +88,12 @@ class BatchDecoder:
     # -- rows joining and leaving ---------------------------------------------------------------
 
     def insert(self, session: Session, prompt: mx.array, acceptor: Acceptor, *, max_tokens: int,
-               stop_tokens=(), prefill_step_size: int = 2048) -> RowTokens:  # fmt: skip
-        """Prefill a request alone and add it to the batch; returns its first token."""
+               stop_tokens=(), prefill_step_size: int = 2048, max_block: int | None = None) -> RowTokens:  # fmt: skip
+        """Prefill a request alone and add it to the batch; returns its first token.
+
+        `max_block` fixes this row's block (default: the decoder's block, or its choice): a step
+        verifies that block when every row fixes one (the largest), else the decoder's choice, and
+        a row's drafts past its own block are ignored."""
         if session.model is not self.target.model:
             raise ValueError("The session was made for another target model.")
         self._unbatch()
@@ -88,16 +103,18 @@ class BatchDecoder:
         first = next(cycles)
         cycles.close()
         return self._add_row(session, prompt, acceptor, max_tokens, stop_tokens, first.tokens, first.logprobs,
-                             first.stopped)  # fmt: skip
+                             first.stopped, max_block)  # fmt: skip
 
     def insert_many(self, requests: list[tuple], *, stop_tokens=(), prefill_step_size: int = 2048) -> list[RowTokens]:
-        """`insert` for several (session, prompt, acceptor, max_tokens) at once: fresh sessions are
-        prefilled together in one forward (`prefill`), the others alone; results in request order."""
-        together = [k for k, (session, prompt, _, _) in enumerate(requests)
+        """`insert` for several (session, prompt, acceptor, max_tokens[, max_block]) at once: fresh
+        sessions are prefilled together in one forward (`prefill`), the others alone; results in
+        request order."""
+        requests = [tuple(r) + (None,) * (5 - len(r)) for r in requests]
+        together = [k for k, (session, prompt, *_) in enumerate(requests)
                     if not session.tokens and 2 <= prompt.size <= prefill_step_size]  # fmt: skip
         if len(together) < 2:
-            return [self.insert(s, p, a, max_tokens=m, stop_tokens=stop_tokens, prefill_step_size=prefill_step_size)
-                    for s, p, a, m in requests]  # fmt: skip
+            return [self.insert(s, p, a, max_tokens=m, stop_tokens=stop_tokens, prefill_step_size=prefill_step_size,
+                                max_block=cap) for s, p, a, m, cap in requests]  # fmt: skip
         for session, *_ in requests:
             if session.model is not self.target.model:
                 raise ValueError("The session was made for another target model.")
@@ -107,19 +124,28 @@ class BatchDecoder:
                                   [r[2] for r in chosen])  # fmt: skip
         results: dict[int, RowTokens] = {}
         for k, (token, logprobs) in zip(together, firsts):
-            session, prompt, acceptor, max_tokens = requests[k]
+            session, prompt, acceptor, max_tokens, cap = requests[k]
             results[k] = self._add_row(session, prompt, acceptor, max_tokens, stop_tokens, [token], logprobs,
-                                       token in stop_tokens)  # fmt: skip
-        for k, (session, prompt, acceptor, max_tokens) in enumerate(requests):
+                                       token in stop_tokens, cap)  # fmt: skip
+        for k, (session, prompt, acceptor, max_tokens, cap) in enumerate(requests):
             if k not in results:
                 results[k] = self.insert(session, prompt, acceptor, max_tokens=max_tokens, stop_tokens=stop_tokens,
-                                         prefill_step_size=prefill_step_size)  # fmt: skip
+                                         prefill_step_size=prefill_step_size, max_block=cap)  # fmt: skip
         return [results[k] for k in range(len(requests))]
 
-    def _add_row(self, session, prompt, acceptor, max_tokens, stop_tokens, tokens, logprobs, stopped) -> RowTokens:
-        row = BatchRow(self._next_uid, session, acceptor, max_tokens, frozenset(stop_tokens), anchor=tokens[0],
-                       position=prompt.size, committed=1)  # fmt: skip
+    def _add_row(self, session, prompt, acceptor, max_tokens, stop_tokens, tokens, logprobs, stopped,
+                 max_block=None) -> RowTokens:  # fmt: skip
+        if max_block is not None and max_block < 1:
+            raise ValueError(f"max_block must be >= 1, got {max_block}.")
+        cap = self.block_size if max_block is None else max_block
+        if session.proposer is None:
+            cap = 1
+        row = BatchRow(self._next_uid, session, acceptor, max_tokens, frozenset(stop_tokens), cap,
+                       max_block is not None or self.choice is None, AcceptanceEstimate(max(cap - 1, 0)),
+                       anchor=tokens[0], position=prompt.size, committed=1)  # fmt: skip
         self._next_uid += 1
+        if not self.rows and self.choice is not None:
+            self.choice.reset()
         row.finish = "stop" if stopped else ("length" if max_tokens == 1 else None)
         if row.finish is None:
             self.rows.append(row)
@@ -147,11 +173,18 @@ class BatchDecoder:
 
     # -- one cycle ------------------------------------------------------------------------------
 
-    def step(self) -> list[RowTokens]:
-        """One draft + verify for every row; the rows that finished leave the batch."""
+    def step(self, block_size: int | None = None) -> list[RowTokens]:
+        """One draft + verify for every row; the rows that finished leave the batch.
+
+        `block_size` forces this step's block (the batch calibration times each)."""
         if not self.rows:
             return []
-        b = self.block_size
+        if block_size is not None:
+            b = block_size
+        elif self.choice is None or all(r.fixed for r in self.rows):
+            b = max(r.max_block for r in self.rows)
+        else:
+            b = self.choice.choose(self.rows)
         cache = self._batch()
         anchors = [mx.array([row.anchor], mx.int32) for row in self.rows]
         if b > 1:
@@ -163,10 +196,11 @@ class BatchDecoder:
             ids = anchors
         logits, features, record = self.target.verify(mx.stack(ids), cache)
         rows, verdicts = self._verdicts(logits, drafts, probs)
-        out, keep = [], []
+        out, keep, accepts = [], [], []
         for i, row in enumerate(self.rows):
             values = verdicts[i]
-            accepted = values[0]
+            accepted = min(values[0], min(b, row.max_block) - 1)
+            accepts.append(accepted)
             tokens = values[1 : accepted + 2]
             room = row.max_tokens - row.committed if row.max_tokens >= 0 else len(tokens)
             tokens = tokens[:room]
@@ -184,7 +218,9 @@ class BatchDecoder:
             row.anchor = tokens[-1]
             row.finish = finish
             out.append(RowTokens(row.uid, tokens, log_softmax(rows[i][: len(tokens)]), min(accepted, len(tokens)),
-                                 b, finish))  # fmt: skip
+                                 min(b, row.max_block), finish))  # fmt: skip
+        if self.choice is not None:
+            self.choice.observe(self.rows, b, accepts)
         keep_rows(cache, record, keep)
         if features is not None:
             for i, row in enumerate(self.rows):

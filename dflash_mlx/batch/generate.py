@@ -26,6 +26,8 @@ from ..generation import DFlashResponse, encode_prompt
 from ..models.block_size import default_block_size
 from ..sampling import SamplingSettings
 from ..session import make_session
+from .block_choice import BatchBlockChoice
+from .calibration import batch_cost
 from .engine import BatchDecoder
 
 ROW_KEYS = {"temperature", "top_p", "top_k", "min_p", "seed", "logits_processors", "max_tokens"}
@@ -53,16 +55,62 @@ def _rows(prompts: list, max_tokens, row_settings, defaults: dict) -> list[dict]
     return rows
 
 
+class RowStream:
+    """One row's tokens as `DFlashResponse`s: its detokenizer and count (as `stream_generate` gives them)."""
+
+    def __init__(self, tokenizer, prompt_tokens: int):
+        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer.reset()
+        self.eos = tokenizer.eos_token_ids
+        self.prompt_tokens, self.count = prompt_tokens, 0
+
+    def responses(self, step) -> Iterator[DFlashResponse]:
+        """The responses of one step's `engine.RowTokens` (a stop token's text is not decoded)."""
+        detokenizer = self.detokenizer
+        for k, token in enumerate(step.tokens):
+            self.count += 1
+            last = k == len(step.tokens) - 1
+            finish = step.finish if last else None
+            if finish == "stop" and token in self.eos:
+                detokenizer.finalize()
+            else:
+                detokenizer.add_token(token)
+                if finish:
+                    detokenizer.finalize()
+            closes = last and step.block_size > 0
+            yield DFlashResponse(
+                text=detokenizer.last_segment, token=token, logprobs=step.logprobs[k],
+                from_draft=k < step.drafted, prompt_tokens=self.prompt_tokens, prompt_tps=0.0,
+                generation_tokens=self.count, generation_tps=0.0, peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish, cycle_tokens=len(step.tokens) if closes else None,
+                cycle_block_size=step.block_size if closes else None,
+            )  # fmt: skip
+
+
+def batch_decoder(session, block_size: int | str | None) -> BatchDecoder:
+    """A decoder for rows like `session`: a fixed block, or None / "auto" for the batch's adaptive choice."""
+    proposer = session.proposer
+    if proposer is None:
+        return BatchDecoder(session.target, 1)
+    if block_size is None or block_size == "auto":
+        largest = default_block_size(session.model, session.draft)
+        return BatchDecoder(session.target, largest, BatchBlockChoice(batch_cost(session, largest), largest))
+    if isinstance(block_size, str) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, None or 'auto', got {block_size!r}.")
+    return BatchDecoder(session.target, block_size)
+
+
 def stream_batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens: int | list[int] = 128,
-                          block_size: int | None = None, max_batch: int = 8, temperature: float = 0.0,
+                          block_size: int | str | None = None, max_batch: int = 8, temperature: float = 0.0,
                           top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                           logits_processors: list | None = None, row_settings: list[dict] | None = None,
                           prefill_step_size: int = 2048,
                           stats: BatchStats | None = None) -> Iterator[tuple[int, DFlashResponse]]:  # fmt: skip
     """Yield (prompt index, response) for every generated token, rows interleaved as they decode.
 
-    `block_size`: the block every cycle verifies (default: the drafter's, at most 5 for
-    <= 4-bit models; 1 without a drafter). `seed` seeds prompt i with seed + i unless
+    `block_size`: the block every step verifies; None (or "auto"): chosen each step for the
+    batch (`block_choice`), up to the drafter's block (at most 5 for <= 4-bit models),
+    plain batched decoding included; 1 without a drafter. `seed` seeds prompt i with seed + i unless
     its `row_settings` entry gives one. `stats` (an mlx-lm `BatchStats`) is filled in.
     """
     if max_batch < 1:
@@ -76,36 +124,12 @@ def stream_batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens:
                     logits_processors=logits_processors)  # fmt: skip
     rows = _rows(encoded, max_tokens, row_settings, defaults)
     sessions = [make_session(model, draft) for _ in encoded]
-    if draft is None:
-        block_size = 1
-    block = block_size or default_block_size(model, draft)
-    decoder = BatchDecoder(sessions[0].target, block)
+    decoder = batch_decoder(sessions[0], block_size)
     eos = tokenizer.eos_token_ids
     waiting = deque(range(len(encoded)))
-    index, detokenizers, counts = {}, {}, {}
+    index, streams = {}, {}
     stats = stats if stats is not None else BatchStats()
     started = time.perf_counter()
-
-    def emit(i: int, step) -> Iterator[tuple[int, DFlashResponse]]:
-        detokenizer = detokenizers[i]
-        for k, token in enumerate(step.tokens):
-            counts[i] += 1
-            last = k == len(step.tokens) - 1
-            finish = step.finish if last else None
-            if finish == "stop" and token in eos:
-                detokenizer.finalize()
-            else:
-                detokenizer.add_token(token)
-                if finish:
-                    detokenizer.finalize()
-            closes = last and step.block_size > 0
-            yield i, DFlashResponse(
-                text=detokenizer.last_segment, token=token, logprobs=step.logprobs[k],
-                from_draft=k < step.drafted, prompt_tokens=encoded[i].size, prompt_tps=0.0,
-                generation_tokens=counts[i], generation_tps=0.0, peak_memory=mx.get_peak_memory() / 1e9,
-                finish_reason=finish, cycle_tokens=len(step.tokens) if closes else None,
-                cycle_block_size=step.block_size if closes else None,
-            )  # fmt: skip
 
     while waiting or decoder.rows:
         joining = []
@@ -123,15 +147,16 @@ def stream_batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens:
             for (i, _), first in zip(joining, firsts):
                 stats.prompt_tokens += encoded[i].size
                 stats.generation_tokens += len(first.tokens)
-                index[first.uid], detokenizers[i], counts[i] = i, tokenizer.detokenizer, 0
-                yield from emit(i, first)
+                index[first.uid], streams[i] = i, RowStream(tokenizer, encoded[i].size)
+                yield from ((i, r) for r in streams[i].responses(first))
         tic = time.perf_counter()
         steps = decoder.step()
         stats.decode_time += time.perf_counter() - tic
         stats.generation_steps += 1 if steps else 0
         for step in steps:
             stats.generation_tokens += len(step.tokens)
-            yield from emit(index[step.uid], step)
+            i = index[step.uid]
+            yield from ((i, r) for r in streams[i].responses(step))
     stats.wall_time = time.perf_counter() - started
     stats.peak_memory = mx.get_peak_memory() / 1e9
 

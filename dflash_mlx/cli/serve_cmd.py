@@ -28,13 +28,12 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _size(text: str) -> int:
+def _size(text: str, flag: str = "--prompt-cache-bytes") -> int:
     """mlx_lm.server's sizes: a number with an optional M, MB, G or GB."""
     try:
         return _parse_size(text)
     except (KeyError, ArithmeticError, ValueError):
-        raise typer.BadParameter(f"expected a size such as 8GB or 500MB, got {text!r}",
-                                 param_hint="--prompt-cache-bytes") from None
+        raise typer.BadParameter(f"expected a size such as 8GB or 500MB, got {text!r}", param_hint=flag) from None
 
 
 def serve(
@@ -62,10 +61,20 @@ def serve(
     prompt_cache_dir: Annotated[Optional[Path], typer.Option(
         "--prompt-cache-dir", help="Keep the prompt cache in this directory too, for use after a restart.",
         file_okay=False)] = None,
+    decode_concurrency: Annotated[int, typer.Option(
+        "--decode-concurrency", min=1, help="Requests decoded together in one batch (mlx_lm.server's flag and "
+        "default; 1: one at a time).")] = 32,
+    prefill_step_size: Annotated[int, typer.Option(
+        "--prefill-step-size", min=1, help="Prompt tokens per prefill chunk; a longer prompt joining a batch is "
+        "prefilled a chunk per step.")] = 2048,
+    max_batch_bytes: Annotated[Optional[str], typer.Option(
+        "--max-batch-bytes", metavar="SIZE", help="Bound on weights + active rows + prompt cache: a request whose "
+        "caches would not fit waits (default: 3/4 of the device's memory).")] = None,
     shard: ShardOpt = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API with DFlash speculative decoding."""
     cache_bytes = _size(prompt_cache_bytes) if prompt_cache_bytes is not None else None
+    batch_bytes = _size(max_batch_bytes, "--max-batch-bytes") if max_batch_bytes is not None else None
     template_args = {}
     if chat_template_args is not None:
         try:
@@ -94,7 +103,8 @@ def serve(
         draft_id=getattr(drafter, "source", draft), max_tokens=max_tokens, block_size=block.size,
         adaptive=block.adaptive, chat_template_args=template_args, log_requests=log_requests,
         prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, prompt_cache_dir=prompt_cache_dir,
-        group=group,
+        group=group, decode_concurrency=decode_concurrency, prefill_step_size=prefill_step_size,
+        max_batch_bytes=batch_bytes,
     )
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:

@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler
 from .channels import Channels, Delta
 from .request import RequestError, parse_request
 from .responses import Reply, error_body, meta_info, usage
-from .worker import Failed, Finished, Started, Token
+from .events import Failed, Finished, Started, Token
 
 MAX_BODY = 32 * 2**20
 ROUTES = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1/completions": "text",

@@ -90,6 +90,11 @@ class PromptCache:
         self._sessions[id(session)] = session
         self._evict()
 
+    def trim_to(self, max_bytes: int) -> None:
+        """Evict the least recently used sessions until the cache holds at most `max_bytes`."""
+        while self._sessions and self.nbytes > max_bytes:
+            self._forget(self._sessions.popitem(last=False)[1])
+
     def _add(self, session: Session, name: str) -> None:
         self._sessions[id(session)] = session
         self._names[session] = name

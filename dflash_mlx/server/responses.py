@@ -20,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .worker import Token
+from .events import Token
 
 
 def error_body(message: str, param: str | None = None, status: int = 400) -> dict:

@@ -29,7 +29,6 @@ import pickle
 import queue
 import signal
 import threading
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 from jinja2 import TemplateError
@@ -40,82 +39,14 @@ from ..generation import stream_generate
 from ..session import make_session
 from ..sharding.group import broadcast
 from ..stats import RunStats
+from .batching import BatchedServing
 from .channels import initial_state
+from .events import GENERATION_ERRORS, Discard, Failed, Finished, Job, Started, Token, dflash_object
 from .prompt_cache import DEFAULT_SESSIONS, PromptCache
+from ..targets.adapter import TargetAdapter
 from .session_store import SessionStore, identity
 from .request import GenerationRequest
 from .stops import StopText
-
-
-# What a failed generation raises (MLX raises RuntimeError / ValueError): answered with a 500.
-GENERATION_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, ArithmeticError, MemoryError)
-
-
-@dataclass
-class Started:
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens the session's caches already held
-    initial_state: str = "normal"  # the reply's first channel ("reasoning": the prompt opened a think block)
-
-
-@dataclass
-class Token:
-    text: str  # text released by this token ("" while a possible stop sequence is held back)
-    token: int | None  # None: held-back text released at the end, no token of its own
-    token_text: str = ""
-    logprob: float | None = None
-    top: list[tuple[int, str, float]] | None = None  # (id, text, logprob), best first
-
-
-@dataclass
-class Finished:
-    finish_reason: str
-    completion_tokens: int
-    dflash: dict = field(default_factory=dict)
-
-
-@dataclass
-class Failed:
-    status: int
-    message: str
-    field: str | None = None
-
-
-class _Discard:
-    """A follower's events: nobody reads them."""
-
-    def put(self, event) -> None:
-        pass
-
-
-class Job:
-    """One request in the worker's queue, and the events it produces."""
-
-    def __init__(self, request: GenerationRequest):
-        self.request = request
-        self.events: queue.Queue = queue.Queue()
-        self._cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-
-def dflash_object(stats: RunStats) -> dict:
-    """A reply's acceptance statistics (the response's ``dflash`` object)."""
-    acceptance = stats.acceptance_length
-    return {
-        "block_size": "auto" if stats.adaptive and stats.block_size else stats.block_size,
-        "max_block_size": stats.block_size,
-        "block_sizes": stats.blocks_dict(),
-        "cycles": stats.cycles,
-        "mean_acceptance_length": round(acceptance, 4) if acceptance is not None else None,
-        "drafted_tokens": stats.drafted,
-        "acceptance_histogram": list(stats.histogram_dict().values()),  # entry i: cycles of i + 1 tokens
-    }
 
 
 class GenerationWorker:
@@ -125,7 +56,8 @@ class GenerationWorker:
     def __init__(self, model, tokenizer, draft=None, *, block_size: int | None = None,
                  context_length: int | None = None, adaptive: bool = True,
                  prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
-                 prompt_cache_dir=None, group=None):  # fmt: skip
+                 prompt_cache_dir=None, group=None, decode_concurrency: int = 1,
+                 prefill_step_size: int = 2048, max_batch_bytes: int | None = None):  # fmt: skip
         if group is not None and prompt_cache_dir is not None:
             raise ValueError("prompt_cache_dir: a sharded server keeps its prompt cache in memory only (the "
                              "ranks' caches must stay alike).")  # fmt: skip
@@ -138,10 +70,18 @@ class GenerationWorker:
         self.sessions = PromptCache(lambda: make_session(model, draft), max_sessions=prompt_cache_size,
                                     max_bytes=prompt_cache_bytes, store=store)  # fmt: skip
         self._jobs: queue.Queue = queue.Queue()
-        self._current: Job | None = None
+        self._running: set[Job] = set()  # the jobs being generated
         self._lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="dflash-generation", daemon=True)
+        self.batched = None  # the batched loop, when requests decode together
+        if decode_concurrency < 1:
+            raise ValueError(f"decode_concurrency must be >= 1, got {decode_concurrency}.")
+        family = getattr(TargetAdapter(model, ()).family, "run", None)
+        if decode_concurrency > 1 and self.group is None and family is None:  # (a sharded server: one at a time)
+            self.batched = BatchedServing(self, decode_concurrency, prefill_step_size=prefill_step_size,
+                                          max_bytes=max_batch_bytes)  # fmt: skip
+        self.decode_concurrency = decode_concurrency if self.batched is not None else 1
 
     def start(self) -> None:
         self._thread.start()
@@ -163,8 +103,9 @@ class GenerationWorker:
         """Cancel the running job, fail the queued ones, end the thread."""
         with self._lock:
             self._stopping = True
-            if self._current is not None and self.group is None:
-                self._current.cancel()
+            if self.group is None:
+                for job in list(self._running):
+                    job.cancel()
             self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -176,7 +117,9 @@ class GenerationWorker:
             mx.clear_streams()  # MLX needs this at the end of a thread that computed, or exit may abort
 
     def _loop(self) -> None:
-        while True:
+        if self.batched is not None:
+            self.batched.run()
+        while self.batched is None:
             job = self._jobs.get()
             if job is None:
                 break
@@ -184,13 +127,13 @@ class GenerationWorker:
                 if self._stopping:
                     job.events.put(Failed(503, "the server is shutting down"))
                     continue
-                self._current = job
+                self._running.add(job)
             try:
                 if not job.cancelled:
                     self._serve(job)
             finally:
                 with self._lock:
-                    self._current = None
+                    self._running.discard(job)
         while not self._jobs.empty():  # submitted while stopping
             job = self._jobs.get_nowait()
             if job is not None:
@@ -212,29 +155,17 @@ class GenerationWorker:
             if not order:
                 break
             job = Job(pickle.loads(order))
-            job.events = _Discard()
+            job.events = Discard()
             self._serve(job)
 
     def _serve(self, job: Job) -> None:
         if self.group is not None and self.group.rank() == 0:
             broadcast(self.group, pickle.dumps(job.request))
         req, put = job.request, job.events.put
-        try:
-            prompt = self._tokenize(req)
-        except (TemplateError, ValueError, TypeError, KeyError) as e:  # the template's or tokenizer's: a 400
-            field = "messages" if req.kind == "chat" else "prompt"
-            put(Failed(400, f"cannot build the prompt: {e}", field))
+        planned = self._prepare(job)
+        if planned is None:
             return
-        max_tokens = req.max_tokens
-        if self.context_length is not None:
-            room = self.context_length - len(prompt)
-            if room < 1:
-                field = "messages" if req.kind == "chat" else "prompt"
-                put(Failed(400, f"{field}: the prompt is {len(prompt)} tokens, the model's context is "
-                                f"{self.context_length} tokens: leave room for at least one generated token",
-                           field))  # fmt: skip
-                return
-            max_tokens = min(max_tokens, room)
+        prompt, max_tokens = planned
         adaptive = self.adaptive and req.num_draft_tokens is None
         block_size = self.block_size if req.num_draft_tokens is None else req.num_draft_tokens + 1
         stats = RunStats(block_size=block_size, adaptive=adaptive)
@@ -261,7 +192,7 @@ class GenerationWorker:
                     started = True
                 count += 1
                 stats.add(r)
-                put(self._token_event(r, stopper.feed(r.text), req.logprobs, req.top_logprobs))
+                put(self.token_event(r, stopper.feed(r.text), req.logprobs, req.top_logprobs))
                 if stopper.stopped:
                     finish = "stop"
                     break
@@ -282,6 +213,36 @@ class GenerationWorker:
             if isinstance(end, Finished) or end.status == 503:  # a cancelled job's caches are sound too
                 self.sessions.put(session)  # (after the reply: writing it to disk never delays the client)
 
+    def _prepare(self, job: Job) -> tuple[list[int], int] | None:
+        """The job's prompt tokens and token limit, or None after putting its 400."""
+        req, put = job.request, job.events.put
+        field = "messages" if req.kind == "chat" else "prompt"
+        try:
+            prompt = self._tokenize(req)
+        except (TemplateError, ValueError, TypeError, KeyError) as e:  # the template's or tokenizer's: a 400
+            put(Failed(400, f"cannot build the prompt: {e}", field))
+            return None
+        if not prompt:
+            put(Failed(400, f"{field}: the prompt is empty: at least one token is needed", field))
+            return None
+        max_tokens = req.max_tokens
+        if self.context_length is not None:
+            room = self.context_length - len(prompt)
+            if room < 1:
+                put(Failed(400, f"{field}: the prompt is {len(prompt)} tokens, the model's context is "
+                                f"{self.context_length} tokens: leave room for at least one generated token",
+                           field))  # fmt: skip
+                return None
+            max_tokens = min(max_tokens, room)
+        return prompt, max_tokens
+
+    # the events the batched loop puts (`batching`)
+    errors = GENERATION_ERRORS
+    started, failed, token = Started, Failed, staticmethod(lambda text: Token(text, None))
+
+    def finished(self, finish: str, stats: RunStats) -> Finished:
+        return Finished(finish, stats.tokens, dflash_object(stats) if self.draft is not None else {})
+
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         tokenizer = self.tokenizer
         if req.kind == "text":
@@ -298,7 +259,8 @@ class GenerationWorker:
         )
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def _token_event(self, r, text: str, logprobs: bool, top_n: int) -> Token:
+    def token_event(self, r, text: str, logprobs: bool, top_n: int) -> Token:
+        """The event of one response (`r`): its released `text`, and its logprobs when asked for."""
         event = Token(text, r.token)
         if not logprobs:
             return event

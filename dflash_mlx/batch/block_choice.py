@@ -1,0 +1,81 @@
+"""The block a batch verifies next: one b for all rows, weighed against plain batched decoding.
+
+Every row of a batched verify has the same width b, so the choice is the
+b that maximises the tokens the batch is expected to commit per second,
+sum over rows of E_i(min(b, cap_i)) / T(B, b), with b = 1 (plain batched
+decoding) among the choices. A row's E_i comes from its own acceptance
+estimate (`policy.estimate`), so a row the drafter fits poorly counts for
+about one token whatever b is: it neither pulls the others down nor is
+credited with their runs. A row's cap is its own largest block (a request's
+``num_draft_tokens``); past it the row's drafts are ignored.
+
+T(B, b), the seconds of one step with B rows at block b, is this machine's
+batch calibration (`calibration`), not the steps' own times: the choices
+then depend on the rows' acceptance histories only, so a seeded sampled
+request reproduces when it runs with the same companions (alone, say).
+
+At b = 1 nothing is learnt about acceptance, so the batch probes a block of
+PROBE_BLOCK now and then (the single-request policy's rule and constants);
+the schedule starts afresh whenever rows join an empty batch.
+"""
+
+from __future__ import annotations
+
+from ..policy.adaptive import MAX_PROBE_GAP, PROBE_BLOCK, PROBE_GAP, PROBE_SOFTEN
+from .calibration import BatchCost
+
+class BatchBlockChoice:
+    """Chooses each step's block for rows with `estimate` (AcceptanceEstimate) and `max_block`."""
+
+    def __init__(self, cost: BatchCost, max_block: int):
+        if max_block < 1:
+            raise ValueError(f"max_block must be >= 1, got {max_block}.")
+        self.cost, self.max_block = cost, max_block
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the probe schedule (a new batch: its rows' histories start afresh too)."""
+        self._idle, self._gap, self._probing = 0, PROBE_GAP, False
+
+    def best(self, rows: list) -> int:
+        limit = min(self.max_block, max(r.max_block for r in rows))
+        expected = [r.estimate.expected_tokens(min(limit, r.max_block)) for r in rows]
+        best, best_rate = 1, 0.0
+        for b in range(1, limit + 1):
+            tokens = sum(e[min(b, len(e)) - 1] for e in expected)
+            rate = tokens / self.cost(len(rows), b)
+            if rate > best_rate:
+                best, best_rate = b, rate
+        return best
+
+    def choose(self, rows: list) -> int:
+        if not rows:
+            return 1
+        b = self.best(rows)
+        if b > 1:
+            self._idle = 0
+            return b
+        self._idle += 1
+        limit = min(self.max_block, max(r.max_block for r in rows))
+        if self._idle < self._gap or limit < 2:
+            return 1
+        self._idle, self._probing = 0, True
+        for r in rows:
+            r.estimate.soften(PROBE_SOFTEN)
+        return min(limit, PROBE_BLOCK)
+
+    def observe(self, rows: list, b: int, accepted: list[int]) -> None:
+        """A step at block b: row i accepted `accepted[i]` of its drafts."""
+        if b < 2:
+            return
+        any_accepted = False
+        for r, n in zip(rows, accepted):
+            drafted = min(b, r.max_block) - 1
+            if drafted > 0:
+                r.estimate.observe(drafted, n)
+                any_accepted |= n > 0
+        if any_accepted:
+            self._gap = PROBE_GAP
+        elif self._probing:
+            self._gap = min(2 * self._gap, MAX_PROBE_GAP)
+        self._probing = False
