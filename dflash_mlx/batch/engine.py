@@ -32,6 +32,7 @@ from ..engine import speculative_cycles
 from ..policy.estimate import AcceptanceEstimate
 from ..sampling import log_softmax
 from ..session import Session
+from ..targets.rollback import rollback
 from .block_choice import BatchBlockChoice
 from .drafting import propose_rows
 from .prefill import prefill_together
@@ -185,7 +186,8 @@ class BatchDecoder:
             b = max(r.max_block for r in self.rows)
         else:
             b = self.choice.choose(self.rows)
-        cache = self._batch()
+        single = len(self.rows) == 1 and self._cache is None  # one row: its own caches, as served alone
+        cache = self.rows[0].session.cache if single else self._batch()
         anchors = [mx.array([row.anchor], mx.int32) for row in self.rows]
         if b > 1:
             proposals = propose_rows(self.rows, b - 1)
@@ -221,7 +223,10 @@ class BatchDecoder:
                                  min(b, row.max_block), finish))  # fmt: skip
         if self.choice is not None:
             self.choice.observe(self.rows, b, accepts)
-        keep_rows(cache, record, keep)
+        if single:
+            rollback(cache, record, keep[0])
+        else:
+            keep_rows(cache, record, keep)
         if features is not None:
             for i, row in enumerate(self.rows):
                 if row.session.proposer is not None and row.session.proposer.layer_ids:

@@ -71,7 +71,7 @@ class _Row:
     stopper: StopText
     stream: RowStream | None = None
     uid: int | None = None
-    done: bool = False
+    widest: int = 1  # the most rows it shared a step with (itself included)
 
 
 class BatchedServing:
@@ -216,9 +216,11 @@ class BatchedServing:
                 self._fail(row, f"generation failed: {type(e).__name__}: {e}")
             self._reset()
             return
+        width = len(steps)
         for step in steps:
             row = self.rows.get(step.uid)
             if row is not None:
+                row.widest = max(row.widest, width)
                 self._deliver(row, step)
 
     def _deliver(self, row: _Row, step) -> None:
@@ -241,7 +243,7 @@ class BatchedServing:
         tail = row.stopper.flush()
         if tail:
             put(worker.token(tail))
-        self._leave(row, worker.finished(finish, row.stats))
+        self._leave(row, worker.finished(finish, row.stats, batch_rows=row.widest))
 
     def _drop_cancelled(self) -> None:
         for row in [r for r in self.rows.values() if r.job.cancelled]:

@@ -240,8 +240,13 @@ class GenerationWorker:
     errors = GENERATION_ERRORS
     started, failed, token = Started, Failed, staticmethod(lambda text: Token(text, None))
 
-    def finished(self, finish: str, stats: RunStats) -> Finished:
-        return Finished(finish, stats.tokens, dflash_object(stats) if self.draft is not None else {})
+    def finished(self, finish: str, stats: RunStats, batch_rows: int | None = None) -> Finished:
+        """The end of a batched request; `batch_rows` (the most rows it shared a step with) goes
+        into the ``dflash`` object."""
+        dflash = dflash_object(stats) if self.draft is not None else {}
+        if batch_rows is not None and dflash:
+            dflash["batch_rows"] = batch_rows
+        return Finished(finish, stats.tokens, dflash)
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         tokenizer = self.tokenizer
