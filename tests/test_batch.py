@@ -38,7 +38,7 @@ def test_rows_joining_and_leaving_equal_served_alone(tiny_pair, family):
     model, tokenizer, draft = tiny_pair(family)
     limits = [24, 9, 30, 16, 20]  # rows leave at different cycles; with max_batch 2 the others join
     want = [alone(model, draft, tokenizer, p, n) for p, n in zip(PROMPTS, limits)]
-    for block in (1, 8):
+    for block in (1, 8, None):  # None: the batch's own choice, per step
         got = [[] for _ in PROMPTS]
         for i, r in dflash_mlx.stream_batch_generate(model, draft, tokenizer, PROMPTS, max_tokens=limits,
                                                      block_size=block, max_batch=2):  # fmt: skip

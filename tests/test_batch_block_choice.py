@@ -1,0 +1,126 @@
+"""The batch's block (`batch.block_choice`) and its cost table (`batch.calibration`).
+
+The table interpolates between measured (rows, block) points and extrapolates
+past the last rows. The choice maximises the batch's expected tokens per
+second: a large block for rows the drafter fits, plain batched decoding when
+it fits none, a large block still when one row of several is a poor fit;
+at b = 1 it probes now and then, less often after probes that accept
+nothing, and afresh for a new batch. The table is measured once per setup
+and cached on disk; a corrupt file is ignored and rewritten. Rows fixing
+different blocks in one batch keep their own blocks and their greedy output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import pytest
+
+import dflash_mlx
+from dflash_mlx.acceptance import Acceptor
+from dflash_mlx.batch import calibration
+from dflash_mlx.batch.block_choice import BatchBlockChoice
+from dflash_mlx.batch.calibration import BatchCost, batch_cost
+from dflash_mlx.batch.engine import BatchDecoder
+from dflash_mlx.policy.adaptive import PROBE_GAP
+from dflash_mlx.policy.estimate import AcceptanceEstimate
+from dflash_mlx.sampling import SamplingSettings
+from dflash_mlx.session import make_session
+from helpers import prompt_ids, without_eos
+
+
+@dataclass
+class Row:
+    max_block: int
+    estimate: AcceptanceEstimate
+
+
+def compute_bound(rows, blocks) -> BatchCost:
+    """A CPU-like table: 10 ms plus 1 ms per verified token."""
+    return BatchCost(rows, blocks, [[0.010 + 0.001 * n * b for b in blocks] for n in rows])
+
+
+def row(good: bool, max_block: int = 8) -> Row:
+    """A row with a long history: every draft accepted (`good`), or none."""
+    r = Row(max_block, AcceptanceEstimate(max_block - 1))
+    for _ in range(60):
+        r.estimate.observe(max_block - 1, max_block - 1 if good else 0)
+    return r
+
+
+def test_the_table_interpolates_and_extrapolates():
+    cost = BatchCost([1, 2, 4], [1, 4], [[1.0, 4.0], [2.0, 8.0], [4.0, 16.0]])
+    assert cost(1, 1) == 1.0 and cost(4, 4) == 16.0
+    assert cost(3, 1) == pytest.approx(3.0) and cost(1, 2) == pytest.approx(2.0)
+    assert cost(8, 4) == pytest.approx(32.0)  # past the last rows: the last two rows' slope
+    with pytest.raises(ValueError, match="one time per"):
+        BatchCost([1, 2], [1], [[1.0]])
+
+
+def test_the_choice_weighs_blocks_against_plain_batched_decoding():
+    cost = compute_bound([1, 2, 4, 8], [1, 2, 3, 4, 6, 8])
+    choice = BatchBlockChoice(cost, 8)
+    assert choice.best([row(True)]) == 8  # a drafter that is always right: the whole block
+    assert choice.best([row(False) for _ in range(8)]) == 1  # never right: plain batched decoding
+    assert choice.best([row(True), row(True), row(True), row(False)]) > 1  # one poor row does not pull the rest down
+    assert choice.best([row(True, max_block=3)]) == 3  # a row's own largest block bounds it
+
+
+def test_probes_at_plain_decoding_back_off_and_restart():
+    choice = BatchBlockChoice(compute_bound([1, 8], [1, 2, 8]), 8)
+    rows = [row(False) for _ in range(8)]
+    blocks = [choice.choose(rows) for _ in range(PROBE_GAP)]
+    assert blocks == [1] * (PROBE_GAP - 1) + [2]
+    choice.observe(rows, 2, [0] * 8)  # the probe accepted nothing: the next one comes later
+    blocks = [choice.choose(rows) for _ in range(2 * PROBE_GAP)]
+    assert blocks[: PROBE_GAP] == [1] * PROBE_GAP and blocks[-1] == 2
+    choice.reset()
+    assert [choice.choose(rows) for _ in range(PROBE_GAP)][-1] == 2
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))
+    calibration._memo.clear()
+    yield tmp_path
+    calibration._memo.clear()
+
+
+def test_the_table_is_measured_once_and_cached(cache_dir, tiny_pair, monkeypatch):
+    model, tokenizer, draft = tiny_pair("qwen3")
+    session = make_session(model, draft)
+    calls = []
+    real = calibration.measure
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = batch_cost(session, 4)
+    assert calls == [1] and first.rows == list(calibration.ROWS) and first.blocks == [1, 2, 3, 4]
+    (written,) = (cache_dir / "calibration").glob("batch-*.json")
+    calibration._memo.clear()
+    again = batch_cost(session, 4)  # from the file
+    assert calls == [1] and again.seconds == first.seconds
+    written.write_text("{ half")
+    calibration._memo.clear()
+    batch_cost(session, 4)  # corrupt: measured again and rewritten
+    assert calls == [1, 1] and "seconds" in written.read_text()
+
+
+def test_rows_fixing_different_blocks_keep_them(tiny_pair):
+    model, tokenizer, draft = tiny_pair("qwen3")
+    prompts = [prompt_ids(7, seed=11), prompt_ids(13, seed=12)]
+    with without_eos(tokenizer) as tok:
+        want = [[r.token for r in dflash_mlx.stream_generate(model, draft, tok, p, max_tokens=16, block_size=4)]
+                for p in prompts]  # fmt: skip
+        sessions = [make_session(model, draft) for _ in prompts]
+        decoder = BatchDecoder(sessions[0].target, 8)
+        got, blocks = {}, {}
+        for session, prompt, cap in zip(sessions, prompts, (2, 6)):
+            p = mx.array(prompt)
+            first = decoder.insert(session, p, Acceptor(SamplingSettings(), p), max_tokens=16, max_block=cap)
+            got[first.uid], blocks[first.uid] = list(first.tokens), set()
+        while decoder.rows:
+            for r in decoder.step():
+                got[r.uid].extend(r.tokens)
+                blocks[r.uid].add(r.block_size)
+    assert list(got.values()) == want
+    assert list(blocks.values())[0] == {2} and 6 in list(blocks.values())[1]
