@@ -32,6 +32,7 @@ from ..engine import speculative_cycles
 from ..policy.estimate import AcceptanceEstimate
 from ..sampling import log_softmax
 from ..session import Session
+from ..targets.families import batch_problem
 from ..targets.rollback import rollback
 from .block_choice import BatchBlockChoice
 from .drafting import propose_rows
@@ -76,9 +77,9 @@ class BatchDecoder:
         """`block_size`: every step's block, or with `choice` the largest (a row's default cap)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
-        unsupported = getattr(target.family, "run", None) is not None
-        if unsupported:
-            raise ValueError(f"Batched decoding does not support the {target.family_name} family yet.")
+        problem = batch_problem(target.model)
+        if problem:
+            raise ValueError(problem[0].upper() + problem[1:] + ".")
         self.target = target
         self.block_size = block_size
         self.choice = choice

@@ -40,6 +40,7 @@ from ..sampling import SamplingSettings
 from ..session import Session
 from ..stats import RunStats
 from .channels import initial_state
+from .events import GENERATION_ERRORS, Failed, Finished, Started, Token, dflash_object
 from .stops import StopText
 
 CANCELLED = "the request was cancelled (the client went away or the server is stopping)"
@@ -70,6 +71,7 @@ class _Row:
     stats: RunStats
     stopper: StopText
     stream: RowStream | None = None
+    cached: int = 0  # prompt tokens its session held when it was taken from the prompt cache
     uid: int | None = None
     widest: int = 1  # the most rows it shared a step with (itself included)
 
@@ -101,7 +103,7 @@ class BatchedServing:
                 return
             try:
                 while len(self.rows) + len(self.waiting) < self.concurrency and not stopping:
-                    job = self.worker._jobs.get(block=idle)
+                    job = self.worker.next_job(wait=idle)
                     idle = False
                     if job is None:
                         stopping = True
@@ -116,13 +118,13 @@ class BatchedServing:
 
     def _admit(self, job) -> None:
         worker = self.worker
-        if worker._stopping:
-            job.events.put(worker.failed(503, "the server is shutting down"))
+        if worker.stopping:
+            job.events.put(Failed(503, "the server is shutting down"))
             return
-        worker._running.add(job)
-        planned = worker._prepare(job)
+        worker.running(job, True)
+        planned = worker.prepare(job)
         if planned is None:
-            worker._running.discard(job)
+            worker.running(job, False)
             return
         prompt, max_tokens = planned
         req = job.request
@@ -135,7 +137,8 @@ class BatchedServing:
                             req.seed, xtc=xtc if req.xtc_probability else None)  # fmt: skip
         session = worker.sessions.take(prompt)
         self.waiting.append(_Row(job, prompt, session, acceptor, max_tokens, max_block,
-                                 RunStats(block_size=block, adaptive=adaptive), StopText(req.stop)))  # fmt: skip
+                                 RunStats(block_size=block, adaptive=adaptive), StopText(req.stop),
+                                 cached=session.usable_prefix(prompt)))  # fmt: skip
 
     # -- joining ----------------------------------------------------------------------------------
 
@@ -150,7 +153,7 @@ class BatchedServing:
                     return
                 try:
                     row.session.hold(row.prompt[: held + self.prefill_step_size])
-                except self.worker.errors as e:
+                except GENERATION_ERRORS as e:
                     self._fail(row, f"generation failed: {type(e).__name__}: {e}")
                     self.waiting.remove(row)
                 return
@@ -173,7 +176,7 @@ class BatchedServing:
         try:
             firsts = self.decoder.insert_many(requests, stop_tokens=self.worker.tokenizer.eos_token_ids,
                                               prefill_step_size=self.prefill_step_size)  # fmt: skip
-        except self.worker.errors as e:
+        except GENERATION_ERRORS as e:
             for row in ready:
                 self._fail(row, f"generation failed: {type(e).__name__}: {e}")
             self._reset()
@@ -181,7 +184,7 @@ class BatchedServing:
         for row, first in zip(ready, firsts):
             row.uid, row.stream = first.uid, RowStream(self.worker.tokenizer, len(row.prompt))
             state = initial_state(self.worker.tokenizer, row.prompt) if row.job.request.kind == "chat" else "normal"
-            row.job.events.put(self.worker.started(len(row.prompt), row.session.reused, state))
+            row.job.events.put(Started(len(row.prompt), row.cached, state))
             self.rows[first.uid] = row
             self._deliver(row, first)
         self._learn_row_bytes()
@@ -210,7 +213,7 @@ class BatchedServing:
             return
         try:
             steps = self.decoder.step()
-        except self.worker.errors as e:
+        except GENERATION_ERRORS as e:
             logging.exception("Batched generation failed")
             for row in list(self.rows.values()):
                 self._fail(row, f"generation failed: {type(e).__name__}: {e}")
@@ -242,28 +245,29 @@ class BatchedServing:
             self.decoder.remove(row.uid)
         tail = row.stopper.flush()
         if tail:
-            put(worker.token(tail))
-        self._leave(row, worker.finished(finish, row.stats, batch_rows=row.widest))
+            put(Token(tail, None))
+        dflash = dflash_object(row.stats) if worker.draft is not None else {}
+        self._leave(row, Finished(finish, row.stats.tokens, {**dflash, "batch_rows": row.widest} if dflash else {}))
 
     def _drop_cancelled(self) -> None:
         for row in [r for r in self.rows.values() if r.job.cancelled]:
             self.decoder.remove(row.uid)
-            self._leave(row, self.worker.failed(503, CANCELLED))
+            self._leave(row, Failed(503, CANCELLED))
         for row in [r for r in self.waiting if r.job.cancelled]:
             self.waiting.remove(row)
-            row.job.events.put(self.worker.failed(503, CANCELLED))
-            self.worker._running.discard(row.job)
+            row.job.events.put(Failed(503, CANCELLED))
+            self.worker.running(row.job, False)
 
     def _leave(self, row: _Row, end) -> None:
         self.rows.pop(row.uid, None)
         row.job.events.put(end)
-        self.worker._running.discard(row.job)
+        self.worker.running(row.job, False)
         self.worker.sessions.put(row.session)  # (after the reply: writing it to disk never delays the client)
 
     def _fail(self, row: _Row, message: str) -> None:
         self.rows.pop(row.uid, None)
-        row.job.events.put(self.worker.failed(500, message))
-        self.worker._running.discard(row.job)
+        row.job.events.put(Failed(500, message))
+        self.worker.running(row.job, False)
 
     def _reset(self) -> None:
         """After a failed step: the batch's caches are unsound, start a new decoder."""

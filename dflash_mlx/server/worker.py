@@ -1,4 +1,4 @@
-"""The generation worker: one thread owns the model and serves queued requests in order.
+"""The generation worker: one thread owns the model and serves the queued requests.
 
 MLX is not thread-safe for concurrent generation, so HTTP handler threads
 never touch the model: they `submit` a `GenerationRequest` and read the job's
@@ -14,6 +14,11 @@ prefills what is new, and a prompt that shares a long prefix with another
 this (the session and server tests check it). A cancelled job (its client
 went away) stops at its next token; `stop` cancels the running job, fails the
 queued ones with 503 and ends the thread.
+
+With ``decode_concurrency`` > 1 the thread runs `batching.BatchedServing`
+instead: up to that many requests decode together as rows of one batch,
+each with its own session, stops and cancellation; else (and for a sharded
+target or a family the batch cannot run) one request at a time, in order.
 
 With a tensor-sharded target (`group`), rank 0's worker sends each request
 it starts to the other ranks, whose `follow()` serves the same request the
@@ -39,11 +44,11 @@ from ..generation import stream_generate
 from ..session import make_session
 from ..sharding.group import broadcast
 from ..stats import RunStats
+from ..targets.families import batch_problem
 from .batching import BatchedServing
 from .channels import initial_state
 from .events import GENERATION_ERRORS, Discard, Failed, Finished, Job, Started, Token, dflash_object
 from .prompt_cache import DEFAULT_SESSIONS, PromptCache
-from ..targets.adapter import TargetAdapter
 from .session_store import SessionStore, identity
 from .request import GenerationRequest
 from .stops import StopText
@@ -77,8 +82,10 @@ class GenerationWorker:
         self.batched = None  # the batched loop, when requests decode together
         if decode_concurrency < 1:
             raise ValueError(f"decode_concurrency must be >= 1, got {decode_concurrency}.")
-        family = getattr(TargetAdapter(model, ()).family, "run", None)
-        if decode_concurrency > 1 and self.group is None and family is None:  # (a sharded server: one at a time)
+        problem = batch_problem(model)
+        if decode_concurrency > 1 and self.group is None and problem:
+            logging.warning("Serving one request at a time: %s.", problem)
+        if decode_concurrency > 1 and self.group is None and not problem:  # (a sharded server: one at a time)
             self.batched = BatchedServing(self, decode_concurrency, prefill_step_size=prefill_step_size,
                                           max_bytes=max_batch_bytes)  # fmt: skip
         self.decode_concurrency = decode_concurrency if self.batched is not None else 1
@@ -162,7 +169,7 @@ class GenerationWorker:
         if self.group is not None and self.group.rank() == 0:
             broadcast(self.group, pickle.dumps(job.request))
         req, put = job.request, job.events.put
-        planned = self._prepare(job)
+        planned = self.prepare(job)
         if planned is None:
             return
         prompt, max_tokens = planned
@@ -213,7 +220,20 @@ class GenerationWorker:
             if isinstance(end, Finished) or end.status == 503:  # a cancelled job's caches are sound too
                 self.sessions.put(session)  # (after the reply: writing it to disk never delays the client)
 
-    def _prepare(self, job: Job) -> tuple[list[int], int] | None:
+    def running(self, job: Job, now: bool) -> None:
+        """Mark `job` as being generated (`now`) or done: `stop` cancels the running ones."""
+        with self._lock:
+            (self._running.add if now else self._running.discard)(job)
+
+    def next_job(self, wait: bool) -> Job | None:
+        """The next queued job (None: the worker is stopping); raises queue.Empty if not `wait`ing."""
+        return self._jobs.get(block=wait)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def prepare(self, job: Job) -> tuple[list[int], int] | None:
         """The job's prompt tokens and token limit, or None after putting its 400."""
         req, put = job.request, job.events.put
         field = "messages" if req.kind == "chat" else "prompt"
@@ -235,18 +255,6 @@ class GenerationWorker:
                 return None
             max_tokens = min(max_tokens, room)
         return prompt, max_tokens
-
-    # the events the batched loop puts (`batching`)
-    errors = GENERATION_ERRORS
-    started, failed, token = Started, Failed, staticmethod(lambda text: Token(text, None))
-
-    def finished(self, finish: str, stats: RunStats, batch_rows: int | None = None) -> Finished:
-        """The end of a batched request; `batch_rows` (the most rows it shared a step with) goes
-        into the ``dflash`` object."""
-        dflash = dflash_object(stats) if self.draft is not None else {}
-        if batch_rows is not None and dflash:
-            dflash["batch_rows"] = batch_rows
-        return Finished(finish, stats.tokens, dflash)
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         tokenizer = self.tokenizer

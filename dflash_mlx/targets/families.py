@@ -142,6 +142,14 @@ def model_family(model: nn.Module) -> str:
     return getattr(model, "model_type", None) or getattr(args, "model_type", "unknown")
 
 
+def batch_problem(model: nn.Module) -> str | None:
+    """Why a batch (`dflash_mlx.batch`) cannot decode this target's rows together, or None."""
+    family = FAMILIES.get(model_family(model))
+    if family is not None and family.run is not None:
+        return f"batched decoding does not support the {model_family(model)} family yet (its own layer loop)"
+    return None
+
+
 def text_model(model: nn.Module) -> nn.Module:
     """The module holding `.model` (embedding, layers, norm) and the output head."""
     return getattr(model, "language_model", model)
