@@ -78,7 +78,7 @@ def test_first_two_sampled_tokens_follow_the_target(pair, settings):
     rows = model(mx.array([prompt + [int(t)] for t in support]))[:, -1]
     p2_given = np.array(distribution(rows, s), dtype=np.float64)
     p2 = (p1[support, None] * p2_given).sum(axis=0)
-    runs = 1500
+    runs = 1000
     firsts, seconds = [], []
     with without_eos(tokenizer) as tok:
         for seed in range(runs):
