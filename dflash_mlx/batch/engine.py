@@ -15,7 +15,10 @@ can keep. The output of every row is what it would be served alone.
 
 Every row of a step verifies the same block b: the decoder's fixed block,
 or with a `block_choice.BatchBlockChoice` the b that maximises the batch's
-expected tokens per second (plain batched decoding, b = 1, included). A row
+expected tokens per second (plain batched decoding, b = 1, included); a row
+alone in the batch chooses as the single-request policy does (its
+`policy.adaptive` policy, whose acceptance estimate it also brings to the
+batch). A row
 may fix its own block (`max_block`): a batch of such rows verifies the
 largest, and a row's drafts past its own block are ignored; a row needing
 fewer tokens takes its cut at acceptance.
@@ -29,6 +32,7 @@ import mlx.core as mx
 
 from ..acceptance import Acceptor
 from ..engine import speculative_cycles
+from ..policy.adaptive import AdaptiveBlock, adaptive_policy
 from ..policy.estimate import AcceptanceEstimate
 from ..sampling import log_softmax
 from ..session import Session
@@ -52,6 +56,7 @@ class BatchRow:
     max_block: int  # this row's largest block
     fixed: bool  # the caller fixed it (`insert(max_block=...)`)
     estimate: AcceptanceEstimate  # its drafts' acceptance (for the block choice)
+    policy: AdaptiveBlock | None = None  # its single-request policy (the block while it is alone)
     anchor: int = 0  # the last committed token, not yet fed
     position: int = 0  # the anchor's position
     committed: int = 0
@@ -142,8 +147,12 @@ class BatchDecoder:
         cap = self.block_size if max_block is None else max_block
         if session.proposer is None:
             cap = 1
-        row = BatchRow(self._next_uid, session, acceptor, max_tokens, frozenset(stop_tokens), cap,
-                       max_block is not None or self.choice is None, AcceptanceEstimate(max(cap - 1, 0)),
+        fixed = max_block is not None or self.choice is None
+        policy = None
+        if not fixed and cap > 1:  # alone, a row chooses as `stream_generate` does (greedy: carrying history)
+            policy = adaptive_policy(self.target, session.proposer, cap, carry=acceptor.settings.greedy)
+        row = BatchRow(self._next_uid, session, acceptor, max_tokens, frozenset(stop_tokens), cap, fixed,
+                       policy.estimate if policy else AcceptanceEstimate(max(cap - 1, 0)), policy,
                        anchor=tokens[0], position=prompt.size, committed=1)  # fmt: skip
         self._next_uid += 1
         if not self.rows and self.choice is not None:
@@ -181,13 +190,15 @@ class BatchDecoder:
         `block_size` forces this step's block (the batch calibration times each)."""
         if not self.rows:
             return []
+        single = len(self.rows) == 1 and self._cache is None  # one row: its own caches, as served alone
         if block_size is not None:
             b = block_size
         elif self.choice is None or all(r.fixed for r in self.rows):
             b = max(r.max_block for r in self.rows)
+        elif single and self.rows[0].policy is not None:
+            b = self.rows[0].policy.choose(self.rows[0].max_block)
         else:
             b = self.choice.choose(self.rows)
-        single = len(self.rows) == 1 and self._cache is None  # one row: its own caches, as served alone
         cache = self.rows[0].session.cache if single else self._batch()
         anchors = [mx.array([row.anchor], mx.int32) for row in self.rows]
         if b > 1:
@@ -222,7 +233,9 @@ class BatchDecoder:
             row.finish = finish
             out.append(RowTokens(row.uid, tokens, log_softmax(rows[i][: len(tokens)]), min(accepted, len(tokens)),
                                  min(b, row.max_block), finish))  # fmt: skip
-        if self.choice is not None:
+        if single and self.rows[0].policy is not None:
+            self.rows[0].policy.observe(b, accepts[0], 0.0)
+        elif self.choice is not None:
             self.choice.observe(self.rows, b, accepts)
         if single:
             rollback(cache, record, keep[0])
