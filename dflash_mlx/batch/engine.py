@@ -18,10 +18,9 @@ or with a `block_choice.BatchBlockChoice` the b that maximises the batch's
 expected tokens per second (plain batched decoding, b = 1, included); a row
 alone in the batch chooses as the single-request policy does (its
 `policy.adaptive` policy, whose acceptance estimate it also brings to the
-batch). A row
-may fix its own block (`max_block`): a batch of such rows verifies the
-largest, and a row's drafts past its own block are ignored; a row needing
-fewer tokens takes its cut at acceptance.
+batch). A row may fix its own block (`max_block`): a batch of such rows
+verifies the largest, and a row's drafts past its own block are ignored; a
+row needing fewer tokens takes its cut at acceptance.
 """
 
 from __future__ import annotations
