@@ -5,13 +5,15 @@ past the last rows. The choice maximises the batch's expected tokens per
 second: a large block for rows the drafter fits, plain batched decoding when
 it fits none, a large block still when one row of several is a poor fit;
 at b = 1 it probes now and then, less often after probes that accept
-nothing, and afresh for a new batch. The table is measured once per setup
+nothing or when a probe of many rows costs several plain steps, and afresh
+for a new batch. The table is measured once per setup
 and cached on disk; a corrupt file is ignored and rewritten. Rows fixing
 different blocks in one batch keep their own blocks and their greedy output.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -20,7 +22,7 @@ import pytest
 import dflash_mlx
 from dflash_mlx.acceptance import Acceptor
 from dflash_mlx.batch import calibration
-from dflash_mlx.batch.block_choice import BatchBlockChoice
+from dflash_mlx.batch.block_choice import PROBE_TAX, BatchBlockChoice
 from dflash_mlx.batch.calibration import BatchCost, batch_cost
 from dflash_mlx.batch.engine import BatchDecoder
 from dflash_mlx.policy.adaptive import PROBE_GAP
@@ -69,14 +71,20 @@ def test_the_choice_weighs_blocks_against_plain_batched_decoding():
 
 def test_probes_at_plain_decoding_back_off_and_restart():
     choice = BatchBlockChoice(compute_bound([1, 8], [1, 2, 8]), 8)
-    rows = [row(False) for _ in range(8)]
+    rows = [row(False)]  # one row: a probe costs 1 ms over 11, the single-request gap holds
     blocks = [choice.choose(rows) for _ in range(PROBE_GAP)]
     assert blocks == [1] * (PROBE_GAP - 1) + [2]
-    choice.observe(rows, 2, [0] * 8)  # the probe accepted nothing: the next one comes later
+    choice.observe(rows, 2, [0])  # the probe accepted nothing: the next one comes later
     blocks = [choice.choose(rows) for _ in range(2 * PROBE_GAP)]
     assert blocks[: PROBE_GAP] == [1] * PROBE_GAP and blocks[-1] == 2
     choice.reset()
     assert [choice.choose(rows) for _ in range(PROBE_GAP)][-1] == 2
+    # 8 rows: a probe costs 26 ms where a plain step costs 18; probes keep to PROBE_TAX of the time
+    choice = BatchBlockChoice(compute_bound([1, 8], [1, 2, 8]), 8)
+    rows = [row(False) for _ in range(8)]
+    gap = math.ceil((0.026 / 0.018 - 1) / PROBE_TAX)
+    assert gap > PROBE_GAP
+    assert [choice.choose(rows) for _ in range(gap)] == [1] * (gap - 1) + [2]
 
 
 @pytest.fixture

@@ -15,14 +15,21 @@ then depend on the rows' acceptance histories only, so a seeded sampled
 request reproduces when it runs with the same companions (alone, say).
 
 At b = 1 nothing is learnt about acceptance, so the batch probes a block of
-PROBE_BLOCK now and then (the single-request policy's rule and constants);
-the schedule starts afresh whenever rows join an empty batch.
+PROBE_BLOCK now and then (the single-request policy's rule and constants,
+with the gap stretched so that probes add at most PROBE_TAX to the steps
+between them: a probe verifies every row at PROBE_BLOCK, which for many rows
+on a CPU costs several plain steps); the schedule starts afresh whenever
+rows join an empty batch.
 """
 
 from __future__ import annotations
 
+import math
+
 from ..policy.adaptive import MAX_PROBE_GAP, PROBE_BLOCK, PROBE_GAP, PROBE_SOFTEN
 from .calibration import BatchCost
+
+PROBE_TAX = 0.05  # what probing may add to the time of the b = 1 steps between probes
 
 class BatchBlockChoice:
     """Chooses each step's block for rows with `estimate` (AcceptanceEstimate) and `max_block`."""
@@ -57,12 +64,18 @@ class BatchBlockChoice:
             return b
         self._idle += 1
         limit = min(self.max_block, max(r.max_block for r in rows))
-        if self._idle < self._gap or limit < 2:
+        if limit < 2 or self._idle < self._probe_gap(len(rows)):
             return 1
         self._idle, self._probing = 0, True
         for r in rows:
             r.estimate.soften(PROBE_SOFTEN)
         return min(limit, PROBE_BLOCK)
+
+    def _probe_gap(self, rows: int) -> int:
+        """Steps at b = 1 between probes: the single-request gap, longer when a probe costs more
+        than PROBE_TAX of the steps it follows (a probe of many rows verifies them all)."""
+        extra = self.cost(rows, PROBE_BLOCK) / self.cost(rows, 1) - 1.0
+        return max(self._gap, math.ceil(extra / PROBE_TAX))
 
     def observe(self, rows: list, b: int, accepted: list[int]) -> None:
         """A step at block b: row i accepted `accepted[i]` of its drafts."""

@@ -32,6 +32,7 @@ import mlx.core as mx
 from ..acceptance import Acceptor
 from ..engine import speculative_cycles
 from ..policy.adaptive import AdaptiveBlock, adaptive_policy
+from ..policy.calibration import cost_curve
 from ..policy.estimate import AcceptanceEstimate
 from ..sampling import log_softmax
 from ..session import Session
@@ -90,6 +91,7 @@ class BatchDecoder:
         self.rows: list[BatchRow] = []
         self._cache: list | None = None  # the batch's caches while rows are in it
         self._next_uid = 0
+        self._curves: dict = {}  # max block -> the single-request cost curve of this setup
 
     # -- rows joining and leaving ---------------------------------------------------------------
 
@@ -149,7 +151,10 @@ class BatchDecoder:
         fixed = max_block is not None or self.choice is None
         policy = None
         if not fixed and cap > 1:  # alone, a row chooses as `stream_generate` does (greedy: carrying history)
-            policy = adaptive_policy(self.target, session.proposer, cap, carry=acceptor.settings.greedy)
+            if cap not in self._curves:  # (looking a curve up hashes the models' facts)
+                self._curves[cap] = cost_curve(self.target, session.proposer, cap)
+            policy = adaptive_policy(self.target, session.proposer, cap, carry=acceptor.settings.greedy,
+                                     curve=self._curves[cap])  # fmt: skip
         row = BatchRow(self._next_uid, session, acceptor, max_tokens, frozenset(stop_tokens), cap, fixed,
                        policy.estimate if policy else AcceptanceEstimate(max(cap - 1, 0)), policy,
                        anchor=tokens[0], position=prompt.size, committed=1)  # fmt: skip

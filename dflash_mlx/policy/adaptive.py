@@ -87,18 +87,21 @@ _last: dict[int, AdaptiveBlock] = {}  # id(drafter) -> its last policy, while th
 _last_lock = threading.Lock()
 
 
-def adaptive_policy(target, proposer, max_block: int, refine: bool = False, carry: bool = False) -> AdaptiveBlock:
+def adaptive_policy(target, proposer, max_block: int, refine: bool = False, carry: bool = False,
+                    curve: CostCurve | None = None) -> AdaptiveBlock:  # fmt: skip
     """An adaptive policy for one generation, on this machine's (cached) cost curve.
 
     `carry`: start from the acceptance history (weighed by CARRY) of the
     drafter's previous generation instead of the prior, so a poor drafter
     starts at b = 1 and a good one at a large block; the probe gap starts
     afresh (a new request may suit the drafter better). The library carries only
-    for greedy decoding, whose output no block choice can change.
+    for greedy decoding, whose output no block choice can change. `curve`: the
+    setup's curve when the caller has it (else looked up: `calibration.cost_curve`).
     """
     from .calibration import cost_curve
 
-    policy = AdaptiveBlock(cost_curve(target, proposer, max_block).fresh(), max_block, refine=refine)
+    curve = curve if curve is not None else cost_curve(target, proposer, max_block)
+    policy = AdaptiveBlock(curve.fresh(), max_block, refine=refine)
     drafter = getattr(proposer, "drafter", proposer)  # (modules are dicts: not hashable, keyed by id)
     with _last_lock:
         last = _last.get(id(drafter)) if carry else None
