@@ -132,9 +132,9 @@ def test_sharded_greedy_equals_single_process_mlx_lm(pairs, tmp_path, family):
     # when the ranks compare their tokens (their collectives must not interleave)
     stop = next(t for k, t in enumerate(want) if k >= 6 and t not in want[:k])
     stopped = [dict(prompt=prompt, max_tokens=n, block_size=1, eos=[stop])]
-    sampled = [dict(prompt=prompt, max_tokens=n, block_size=4, temperature=1.0, seed=5)] * 2 + [
-        dict(prompt=prompt, max_tokens=n, temperature=1.0, top_k=20),  # no seed: the ranks agreed on one
-    ]
+    sampled = [dict(prompt=prompt, max_tokens=n, block_size=4, temperature=1.0, seed=5, eos=[])] * 2 + [
+        dict(prompt=prompt, max_tokens=n, temperature=1.0, top_k=20, eos=[]),  # no seed: the ranks agreed on one
+    ]  # (no stop tokens: an unseeded run that sampled one early would end short)
     rank0, rank1 = run_ranks(tmp_path, target=str(target), draft=str(draft), runs=greedy + sampled + stopped)
     assert "error" not in rank0 and "error" not in rank1, (rank0.get("error"), rank1.get("error"))
     assert rank0["size"] == 2
