@@ -12,10 +12,10 @@ credited with their runs. A row's cap is its own largest block (a request's
 T(B, b), the seconds of one step with B rows at block b, is this machine's
 batch calibration (`calibration`), not the steps' own times: the choices
 then depend on the rows' acceptance histories only, so a seeded sampled
-request reproduces when it runs with the same companions (alone, say).
+request served alone reproduces.
 
 At b = 1 nothing is learnt about acceptance, so the batch probes a block of
-PROBE_BLOCK now and then (the single-request policy's rule and constants,
+PROBE_BLOCK now and then (the single-request policy's `ProbeSchedule`,
 with the gap stretched so that probes add at most PROBE_TAX to the steps
 between them: a probe verifies every row at PROBE_BLOCK, which for many rows
 on a CPU costs several plain steps); the schedule starts afresh whenever
@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import math
 
-from ..policy.adaptive import MAX_PROBE_GAP, PROBE_BLOCK, PROBE_GAP, PROBE_SOFTEN
+from ..policy.adaptive import PROBE_BLOCK, PROBE_SOFTEN, ProbeSchedule
 from .calibration import BatchCost
 
 PROBE_TAX = 0.05  # what probing may add to the time of the b = 1 steps between probes
+
 
 class BatchBlockChoice:
     """Chooses each step's block for rows with `estimate` (AcceptanceEstimate) and `max_block`."""
@@ -42,10 +43,13 @@ class BatchBlockChoice:
 
     def reset(self) -> None:
         """Forget the probe schedule (a new batch: its rows' histories start afresh too)."""
-        self._idle, self._gap, self._probing = 0, PROBE_GAP, False
+        self.probes = ProbeSchedule()
+
+    def _limit(self, rows: list) -> int:
+        return min(self.max_block, max(r.max_block for r in rows))
 
     def best(self, rows: list) -> int:
-        limit = min(self.max_block, max(r.max_block for r in rows))
+        limit = self._limit(rows)
         expected = [r.estimate.expected_tokens(min(limit, r.max_block)) for r in rows]
         best, best_rate = 1, 0.0
         for b in range(1, limit + 1):
@@ -60,22 +64,21 @@ class BatchBlockChoice:
             return 1
         b = self.best(rows)
         if b > 1:
-            self._idle = 0
+            self.probes.larger()
             return b
-        self._idle += 1
-        limit = min(self.max_block, max(r.max_block for r in rows))
-        if limit < 2 or self._idle < self._probe_gap(len(rows)):
+        limit = self._limit(rows)
+        if not self.probes.probe_now(self._probe_gap(len(rows)) if limit >= 2 else math.inf):
             return 1
-        self._idle, self._probing = 0, True
         for r in rows:
             r.estimate.soften(PROBE_SOFTEN)
         return min(limit, PROBE_BLOCK)
 
     def _probe_gap(self, rows: int) -> int:
-        """Steps at b = 1 between probes: the single-request gap, longer when a probe costs more
-        than PROBE_TAX of the steps it follows (a probe of many rows verifies them all)."""
+        """The least steps at b = 1 between probes (the schedule's own gap, when longer, holds):
+        enough that a probe costs at most PROBE_TAX of the steps it follows (a probe of many rows
+        verifies them all)."""
         extra = self.cost(rows, PROBE_BLOCK) / self.cost(rows, 1) - 1.0
-        return max(self._gap, math.ceil(extra / PROBE_TAX))
+        return math.ceil(extra / PROBE_TAX)
 
     def observe(self, rows: list, b: int, accepted: list[int]) -> None:
         """A step at block b: row i accepted `accepted[i]` of its drafts."""
@@ -87,8 +90,4 @@ class BatchBlockChoice:
             if drafted > 0:
                 r.estimate.observe(drafted, n)
                 any_accepted |= n > 0
-        if any_accepted:
-            self._gap = PROBE_GAP
-        elif self._probing:
-            self._gap = min(2 * self._gap, MAX_PROBE_GAP)
-        self._probing = False
+        self.probes.observed(any_accepted)

@@ -31,6 +31,37 @@ MAX_PROBE_GAP = 64
 PROBE_SOFTEN = 0.5
 
 
+class ProbeSchedule:
+    """When a policy at b = 1 probes a larger block: after PROBE_GAP plain cycles (or `min_gap`),
+    twice as long after each probe that accepts nothing (up to MAX_PROBE_GAP); a cycle that
+    accepts a draft resets the gap. Shared by this policy and the batch's (`batch.block_choice`)."""
+
+    def __init__(self):
+        self.idle = 0  # cycles chosen at b = 1 since the last larger block
+        self.gap = PROBE_GAP
+        self.probing = False  # a probe was chosen and not observed yet
+
+    def larger(self) -> None:
+        """A block > 1 was chosen on its merits."""
+        self.idle = 0
+
+    def probe_now(self, min_gap: float = 0) -> bool:
+        """Another cycle chosen at b = 1: whether to probe instead."""
+        self.idle += 1
+        if self.idle < max(self.gap, min_gap):
+            return False
+        self.idle, self.probing = 0, True
+        return True
+
+    def observed(self, accepted: bool | None) -> None:
+        """A cycle at a block > 1 was judged: a draft `accepted`, or not (None: not known)."""
+        if accepted:
+            self.gap = PROBE_GAP
+        elif accepted is not None and self.probing:
+            self.gap = min(2 * self.gap, MAX_PROBE_GAP)
+        self.probing = False
+
+
 class AdaptiveBlock:
     def __init__(self, curve: CostCurve, max_block: int, estimate: AcceptanceEstimate | None = None,
                  refine: bool = True):  # fmt: skip
@@ -40,9 +71,7 @@ class AdaptiveBlock:
         self.refine = refine
         self.max_block = max_block
         self.estimate = estimate or AcceptanceEstimate(max_block - 1)
-        self._idle = 0  # cycles chosen at b = 1 since the last larger block
-        self._gap = PROBE_GAP
-        self._probing = False  # a probe was chosen and not observed yet
+        self.probes = ProbeSchedule()
 
     def best(self, limit: int) -> int:
         """argmax over b <= limit of E(b) / T(b) (the smaller block on a tie)."""
@@ -60,12 +89,10 @@ class AdaptiveBlock:
             return 1
         b = self.best(limit)
         if b > 1:
-            self._idle = 0
+            self.probes.larger()
             return b
-        self._idle += 1
-        if self._idle < self._gap:
+        if not self.probes.probe_now():
             return 1
-        self._idle, self._probing = 0, True
         self.estimate.soften(PROBE_SOFTEN)
         return min(limit, PROBE_BLOCK)
 
@@ -75,11 +102,7 @@ class AdaptiveBlock:
         if block_size > 1:  # (b = 1 cycles are observed late when pipelined: they say nothing of a probe)
             if accepted is not None:
                 self.estimate.observe(block_size - 1, accepted)
-                if accepted > 0:
-                    self._gap = PROBE_GAP
-                elif self._probing:
-                    self._gap = min(2 * self._gap, MAX_PROBE_GAP)
-            self._probing = False
+            self.probes.observed(None if accepted is None else accepted > 0)
 
 
 CARRY = 0.25  # weight of the previous generation's acceptance history in the next one
