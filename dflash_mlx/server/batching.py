@@ -147,10 +147,10 @@ class BatchedServing:
         if not self.rows:
             return
         for row in self.waiting:
-            held = row.session.usable_prefix(row.prompt)
-            if len(row.prompt) - held - 1 > self.prefill_step_size:
+            if self._needs_chunks(row):
                 if not self._fits(row):
                     return
+                held = row.session.usable_prefix(row.prompt)
                 try:
                     row.session.hold(row.prompt[: held + self.prefill_step_size])
                 except GENERATION_ERRORS as e:
@@ -158,11 +158,15 @@ class BatchedServing:
                     self.waiting.remove(row)
                 return
 
+    def _needs_chunks(self, row: _Row) -> bool:
+        """Whether the rest of the row's prompt takes more than one prefill chunk (as the engine
+        prefills: all but the last token in chunks, then the last)."""
+        return len(row.prompt) - row.session.usable_prefix(row.prompt) - 1 > self.prefill_step_size
+
     def _join(self) -> None:
         ready = []
         for row in list(self.waiting):
-            long = len(row.prompt) - row.session.usable_prefix(row.prompt) - 1 > self.prefill_step_size
-            if (long and self.rows) or not self._fits(row, ready):
+            if (self.rows and self._needs_chunks(row)) or not self._fits(row, ready):
                 continue
             ready.append(row)
             self.waiting.remove(row)

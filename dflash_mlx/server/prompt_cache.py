@@ -92,8 +92,7 @@ class PromptCache:
 
     def trim_to(self, max_bytes: int) -> None:
         """Evict the least recently used sessions until the cache holds at most `max_bytes`."""
-        while self._sessions and self.nbytes > max_bytes:
-            self._forget(self._sessions.popitem(last=False)[1])
+        self._evict(max_bytes)
 
     def _add(self, session: Session, name: str) -> None:
         self._sessions[id(session)] = session
@@ -104,7 +103,10 @@ class PromptCache:
         if name is not None and self.store is not None:
             self.store.delete(name)
 
-    def _evict(self) -> None:
+    def _evict(self, max_bytes: int | None = None) -> None:
+        """Evict the least recently used beyond the bounds (and beyond `max_bytes`, when given)."""
+        bounds = [b for b in (self.max_bytes, max_bytes) if b is not None]
+        limit = min(bounds) if bounds else None
         while self._sessions and (len(self._sessions) > self.max_sessions or
-                                  (self.max_bytes is not None and self.nbytes > self.max_bytes)):  # fmt: skip
+                                  (limit is not None and self.nbytes > limit)):  # fmt: skip
             self._forget(self._sessions.popitem(last=False)[1])
