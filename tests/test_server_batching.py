@@ -133,10 +133,13 @@ def test_a_client_going_away_leaves_the_batch(batched):
     client.close()
 
 
+def _completion(url: str, body: dict) -> urllib.request.Request:
+    return urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                  headers={"Content-Type": "application/json"})  # fmt: skip
+
+
 def _post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(request, timeout=300) as reply:
+    with urllib.request.urlopen(_completion(url, body), timeout=300) as reply:
         return json.loads(reply.read())
 
 
@@ -145,10 +148,8 @@ def _first_token_then(url: str, first: dict, then: dict) -> tuple[dict, dict]:
     out = {}
 
     def streamed():
-        request = urllib.request.Request(url + "/v1/completions", data=json.dumps({**first, "stream": True}).encode(),
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
         text, last = "", None
-        with urllib.request.urlopen(request, timeout=300) as reply:
+        with urllib.request.urlopen(_completion(url, {**first, "stream": True}), timeout=300) as reply:
             for line in reply:
                 line = line.decode().strip()
                 if not line.startswith("data: {"):
@@ -170,6 +171,15 @@ def _first_token_then(url: str, first: dict, then: dict) -> tuple[dict, dict]:
     return out["first"], out["then"]
 
 
+def _served(model, tokenizer, draft, first: dict, then: dict, **server) -> tuple[dict, dict]:
+    """`_first_token_then` against an in-process server made with `server` arguments."""
+    app = make_server(model, tokenizer, draft, port=0, decode_concurrency=4, **server).start()
+    try:
+        return _first_token_then(app.url, first, then)
+    finally:
+        app.stop()
+
+
 def _greedy(model, tokenizer, prompt: list[int], n: int) -> str:
     return mlx_lm_generate(model, tokenizer, prompt, max_tokens=n, verbose=False)
 
@@ -179,12 +189,8 @@ def test_a_long_prompt_joins_a_running_request_chunk_by_chunk(tiny_pair, family)
     model, tokenizer, draft = tiny_pair(family)
     short, long = prompt_ids(6, seed=1), prompt_ids(40, seed=2)
     with without_eos(tokenizer) as tok:  # (the first reply outlasts the second's prefill)
-        server = make_server(model, tok, draft, port=0, decode_concurrency=4, prefill_step_size=8).start()
-        try:
-            first, then = _first_token_then(server.url, {"prompt": short, "max_tokens": 200},
-                                            {"prompt": long, "max_tokens": 12})  # fmt: skip
-        finally:
-            server.stop()
+        first, then = _served(model, tok, draft, {"prompt": short, "max_tokens": 200},
+                              {"prompt": long, "max_tokens": 12}, prefill_step_size=8)  # fmt: skip
         assert first["choices"][0]["text"] == _greedy(model, tok, short, 200)
         assert then["choices"][0]["text"] == _greedy(model, tok, long, 12)
     assert then["dflash"]["batch_rows"] == 2
@@ -194,12 +200,8 @@ def test_a_request_that_does_not_fit_waits(tiny_pair):
     model, tokenizer, draft = tiny_pair("qwen3")
     a, b = prompt_ids(6, seed=3), prompt_ids(9, seed=4)
     with without_eos(tokenizer) as tok:
-        server = make_server(model, tok, draft, port=0, decode_concurrency=4, max_batch_bytes=1).start()
-        try:
-            first, then = _first_token_then(server.url, {"prompt": a, "max_tokens": 100},
-                                            {"prompt": b, "max_tokens": 10})  # fmt: skip
-        finally:
-            server.stop()
+        first, then = _served(model, tok, draft, {"prompt": a, "max_tokens": 100}, {"prompt": b, "max_tokens": 10},
+                              max_batch_bytes=1)  # fmt: skip
         assert first["choices"][0]["text"] == _greedy(model, tok, a, 100)
         assert then["choices"][0]["text"] == _greedy(model, tok, b, 10)
     assert first["dflash"]["batch_rows"] == then["dflash"]["batch_rows"] == 1
