@@ -56,9 +56,18 @@ def test_expected_tokens_follow_the_product_formula():
         est.observe(drafted=3, accepted=1)
     e = est.expected_tokens(4)
     assert est.rate(0) > 0.95 and est.rate(1) < 0.05
-    assert est.rate(2) == pytest.approx(est.rate(1))  # never observed: its prior is no better than position 1
+    assert est.rate(2) == pytest.approx(0.5)  # never observed: its prior (position 1's rejections are its own)
     assert e[1] == pytest.approx(1 + est.rate(0)) and e[3] - e[2] < 0.02
     assert est.expected_tokens(10)[4:] == [e[3]] * 6  # no positions past the drafter's block
+
+
+def test_deeper_priors_are_capped_by_the_first_position():
+    est = AcceptanceEstimate(4)
+    est.observe(drafted=4, accepted=1)  # one early cycle: the first draft kept, the second rejected
+    assert est.rate(1) < 0.3 and est.rate(2) == pytest.approx(PRIOR_RATE)  # one rejection lowers its position only
+    for _ in range(30):
+        est.observe(drafted=4, accepted=0)
+    assert est.rate(0) < 0.05 and est.rate(3) == pytest.approx(est.rate(0))  # rejected first: no deep runs credited
 
 
 def test_recent_cycles_weigh_most():

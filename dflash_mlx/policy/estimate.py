@@ -5,9 +5,11 @@ Draft position k (0-based) is accepted with probability a_k given that drafts
 0..n-1 as accepted and position n as rejected (if n < b - 1); deeper ones are
 not observed. Each position keeps exponentially discounted counts (recent
 cycles weigh most) plus a weak prior, so a fresh estimate starts optimistic
-and a few cycles override it. A position's prior is never above the estimate
-of the position before it (deeper drafts are no better than shallower ones),
-so a drafter rejected at its first position is not credited with a deep run.
+and a few cycles override it. A deeper position's prior is never above the
+estimate of position 0, so a drafter rejected at its first position is not
+credited with a deep run; a single rejection deeper in the block lowers that
+position only (capping every deeper prior by it sent a good drafter to b = 1
+after one early cycle that accepted 1 of 7 drafts).
 E(b) = 1 + sum_{k=1}^{b-1} prod_{j<k} a_j is what a cycle at block b is
 expected to commit.
 """
@@ -56,7 +58,8 @@ class AcceptanceEstimate:
         out, prior = [], self.prior
         for k in range(self.positions):
             out.append((self.accepted[k] + self.weight * prior) / (self.seen[k] + self.weight))
-            prior = min(prior, out[-1])
+            if k == 0:
+                prior = min(prior, out[0])
         return out
 
     def rate(self, k: int) -> float:
