@@ -103,6 +103,7 @@ def test_the_table_is_measured_once_and_cached(cache_dir, tiny_pair, monkeypatch
     monkeypatch.setattr(calibration, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
     first = batch_cost(session, 4)
     assert calls == [1] and first.rows == list(calibration.ROWS) and first.blocks == [1, 2, 3, 4]
+    assert all(line == sorted(line) for line in first.seconds)  # each row count's line fitted non-decreasing
     (written,) = (cache_dir / "calibration").glob("batch-*.json")
     calibration._memo.clear()
     again = batch_cost(session, 4)  # from the file

@@ -15,7 +15,7 @@ import pytest
 from dflash_mlx import make_session, stream_generate
 from dflash_mlx.policy import calibration
 from dflash_mlx.policy.calibration import (
-    GRID, cached_curve, calibration_file, calibration_key, clear_calibrations, cost_curve, grid_for,
+    GRID, cached_curve, calibration_file, calibration_key, clear_calibrations, cost_curve, grid_for, non_decreasing,
 )
 from helpers import prompt_ids, without_eos
 
@@ -45,6 +45,7 @@ def test_first_use_measures_and_writes_the_curve(cache_dir, setup):
     doc = json.loads(files[0].read_text())
     assert doc["grid"] == grid_for(draft.config.block_size) == [b for b in GRID if b < 16] + [16]
     assert all(t > 0 for t in doc["seconds"]) and doc["calibration_seconds"] > 0
+    assert doc["seconds"] == sorted(doc["seconds"])  # fitted non-decreasing
     assert doc["key"]["mlx"] and doc["key"]["target"]["parameters"] > 0 and doc["key"]["draft"]["block_size"] == 16
 
 
@@ -131,3 +132,10 @@ def test_the_calibrate_command_on_the_bundled_pair(tmp_path):
     bad = subprocess.run([exe, "calibrate", "--clear", "--force"], capture_output=True, text=True, env=env,
                          timeout=600, stdin=subprocess.DEVNULL)  # fmt: skip
     assert bad.returncode != 0 and "--clear" in bad.stderr + bad.stdout
+
+
+def test_the_fitted_curve_is_the_closest_non_decreasing_one():
+    # the demo pair's medians on one machine: block 3's and 6's below their left neighbours'
+    measured = [8.7, 15.8, 14.3, 16.4, 15.1, 17.2]
+    assert non_decreasing(measured) == pytest.approx([8.7, 15.05, 15.05, 15.75, 15.75, 17.2])
+    assert non_decreasing([3.0, 2.0, 1.0]) == pytest.approx([2.0] * 3) and non_decreasing([1.0, 2.0]) == [1.0, 2.0]

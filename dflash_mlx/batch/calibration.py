@@ -8,9 +8,10 @@ runs the batch decoder itself on private sessions (synthetic 16-token
 prompts, no stop tokens): for each B of ROWS it fills a decoder with B rows,
 then steps it at every block of the grid, forcing the block, round after
 round; the first round warms up, each point is the fastest of the others
-(a step on a busy machine is only ever slower). Points between grid blocks
-and rows are interpolated linearly; past the last rows, extrapolated from
-the last two. A file that cannot be read or describes another setup is
+(a step on a busy machine is only ever slower), each row count's line made
+non-decreasing in b (`policy.calibration.non_decreasing`). Points between
+grid blocks and rows are interpolated linearly; past the last rows,
+extrapolated from the last two. A file that cannot be read or describes another setup is
 ignored and rewritten (atomically).
 """
 
@@ -24,7 +25,7 @@ import warnings
 import mlx.core as mx
 
 from ..acceptance import Acceptor
-from ..policy.calibration import PROMPT_TOKENS, _digest, calibration_dir, calibration_key
+from ..policy.calibration import PROMPT_TOKENS, _digest, calibration_dir, calibration_key, non_decreasing
 from ..sampling import SamplingSettings
 from ..session import Session
 from ..utils.io import write_json_atomic
@@ -110,7 +111,8 @@ def batch_cost(session: Session, max_block: int, *, force: bool = False) -> Batc
         cost = None if force else _read(path, key)
         if cost is None:
             tic = time.perf_counter()
-            cost = BatchCost(list(ROWS), grid(max_block), measure(session, max_block))
+            lines = [non_decreasing(line) for line in measure(session, max_block)]
+            cost = BatchCost(list(ROWS), grid(max_block), lines)
             doc = {"key": key, "rows": cost.rows, "blocks": cost.blocks, "seconds": cost.seconds,
                    "calibration_seconds": round(time.perf_counter() - tic, 3), "measured_at": time.time()}  # fmt: skip
             try:

@@ -13,16 +13,18 @@ reading that step, so a stretch's first cycle overlaps the previous block,
 and a b = 1 step's time includes queueing the next cycle (hence b = 1
 stretches of 3: the timed step queues another b = 1). Rounds alternate the
 blocks; the first is a warm-up; each block's time is the median of the
-others. A cache file that cannot be read, is of another format or describes
-another setup is ignored and rewritten (atomically). `<cache>` is
+others; the curve is then made non-decreasing in b (a larger block never
+costs less: pool adjacent violators), as a noisy median of a larger block
+below a smaller one's would make the argmax pick the block by noise. A cache
+file that cannot be read, is of another format or describes another setup is
+ignored and rewritten (atomically). `<cache>` is
 $DFLASH_MLX_CACHE_DIR, else $XDG_CACHE_HOME/dflash-mlx, else ~/.cache/dflash-mlx;
 `clear_calibrations()` (or `dflash-mlx calibrate --clear`) empties it.
 A tensor-sharded target is calibrated sharded (its key names the group
 size), by all ranks together when rank 0 has no cached curve; every rank
 then takes rank 0's curve, so they all choose the same blocks. The ranks'
 exchanges make single cycles noisy, so a sharded calibration runs
-SHARDED_ROUNDS rounds and its curve is made non-decreasing in b (a larger
-verify never costs less; pooled where the medians say otherwise).
+SHARDED_ROUNDS rounds.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from ..utils.machine import chip, loaded_blas
 from .base import ScheduledBlocks
 from .cost import CostCurve
 
-FORMAT = 2  # bump when what is measured changes
+FORMAT = 3  # bump when what is measured changes
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 ROUNDS = 4  # the first is a warm-up
 SHARDED_ROUNDS = 6
@@ -230,10 +232,9 @@ def cost_curve(target, proposer, max_block: int, *, force: bool = False) -> Cost
                                                                       len(key["grid"])))  # fmt: skip
         if curve is None:
             tic = time.perf_counter()
-            if group is None:
-                seconds = measure(target, proposer, key["grid"])
-            else:
-                seconds = non_decreasing(measure(target, proposer, key["grid"], rounds=SHARDED_ROUNDS))
+            rounds = ROUNDS if group is None else SHARDED_ROUNDS
+            seconds = non_decreasing(measure(target, proposer, key["grid"], rounds=rounds))
+            if group is not None:
                 seconds = broadcast_floats(group, seconds if leader else None, len(seconds))
             curve = CostCurve(list(key["grid"]), seconds)
             doc = {"key": key, "grid": curve.grid, "seconds": curve.seconds,
