@@ -115,7 +115,7 @@ def make_legs(model, tokenizer, draft, max_tokens, largest):
 
     def policy():
         session = make_session(model, draft)
-        return adaptive_policy(session.target, session.proposer, largest)
+        return adaptive_policy(session.target, session.proposer, largest, carry=True)  # as stream_generate greedy
 
     legs = {
         "mlx-lm": lambda p: timed(mlx_lm_stream_generate(model, tokenizer, p, max_tokens=max_tokens)),
