@@ -11,8 +11,8 @@ round; the first round warms up, each point is the fastest of the others
 (a step on a busy machine is only ever slower), each row count's line made
 non-decreasing in b (`policy.calibration.non_decreasing`). Points between
 grid blocks and rows are interpolated linearly; past the last rows,
-extrapolated from the last two. A file that cannot be read or describes another setup is
-ignored and rewritten (atomically).
+extrapolated from the last two. A file that cannot be read or describes
+another setup is ignored and rewritten (atomically).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ others; the curve is then made non-decreasing in b (a larger block never
 costs less: pool adjacent violators), as a noisy median of a larger block
 below a smaller one's would make the argmax pick the block by noise. A cache
 file that cannot be read, is of another format or describes another setup is
-ignored and rewritten (atomically). `<cache>` is
-$DFLASH_MLX_CACHE_DIR, else $XDG_CACHE_HOME/dflash-mlx, else ~/.cache/dflash-mlx;
+ignored and rewritten (atomically). `<cache>` is $DFLASH_MLX_CACHE_DIR, else
+$XDG_CACHE_HOME/dflash-mlx, else ~/.cache/dflash-mlx;
 `clear_calibrations()` (or `dflash-mlx calibrate --clear`) empties it.
 A tensor-sharded target is calibrated sharded (its key names the group
 size), by all ranks together when rank 0 has no cached curve; every rank
