@@ -139,6 +139,14 @@ def make_legs(model, tokenizer, draft, max_tokens, largest):
     return legs
 
 
+def adaptive_ratios(tps: dict, best_fixed: int) -> dict:
+    """The adaptive leg against mlx-lm, the best fixed block and the better of the two."""
+    best = tps[f"b{best_fixed}"]
+    return {"adaptive_vs_mlx_lm": round(tps["adaptive"] / tps["mlx-lm"], 3),
+            "adaptive_vs_best_fixed": round(tps["adaptive"] / best, 3),
+            "adaptive_vs_better_of_plain_and_best_fixed": round(tps["adaptive"] / max(tps["mlx-lm"], best), 3)}
+
+
 def run_setting(name, model, tokenizer, draft, prompts, max_tokens, largest, rounds):
     legs = make_legs(model, tokenizer, draft, max_tokens, largest)
     for leg in legs.values():
@@ -166,19 +174,13 @@ def run_setting(name, model, tokenizer, draft, prompts, max_tokens, largest, rou
         "tps": {k: round(v, 2) for k, v in tps.items()},
         "tokens_per_cycle": {k: round(n / c, 3) for k, (n, _, c, _) in totals.items() if c},
         "best_fixed": best_fixed,
-        "adaptive_vs_mlx_lm": round(tps["adaptive"] / tps["mlx-lm"], 3),
-        "adaptive_vs_best_fixed": round(tps["adaptive"] / tps[f"b{best_fixed}"], 3),
-        "adaptive_vs_better_of_plain_and_best_fixed": round(
-            tps["adaptive"] / max(tps["mlx-lm"], tps[f"b{best_fixed}"]), 3),
+        **adaptive_ratios(tps, best_fixed),
         "plain_vs_mlx_lm": round(tps["plain"] / tps["mlx-lm"], 3),
         "engine_adaptive_vs_main_b8": round(tps["engine adaptive"] / tps[f"engine b8 main@{MAIN_COMMIT}"], 3),
         "engine_b8_vs_main_b8": round(tps["engine b8"] / tps[f"engine b8 main@{MAIN_COMMIT}"], 3),
         "end_to_end_tps": {k: round(v, 2) for k, v in whole.items()},
         "end_to_end_best_fixed": best_whole,
-        "end_to_end_adaptive_vs_mlx_lm": round(whole["adaptive"] / whole["mlx-lm"], 3),
-        "end_to_end_adaptive_vs_best_fixed": round(whole["adaptive"] / whole[f"b{best_whole}"], 3),
-        "end_to_end_adaptive_vs_better_of_plain_and_best_fixed": round(
-            whole["adaptive"] / max(whole["mlx-lm"], whole[f"b{best_whole}"]), 3),
+        **{f"end_to_end_{k}": v for k, v in adaptive_ratios(whole, best_whole).items()},
         "greedy_mismatches": sorted(mismatches),
     }
     return out
@@ -221,7 +223,7 @@ def overhead_at_8(model, tokenizer, draft, prompts, max_tokens) -> dict:
     n = s = c = 0
     for p in prompts:
         tokens, seconds, cycles, _ = timed(stream_generate(model, draft, tokenizer, p, max_tokens=max_tokens,
-                                                        block_size=8))  # fmt: skip
+                                                           block_size=8))  # fmt: skip
         n, s, c = n + len(tokens) - 1, s + seconds, c + cycles
     t_draft, t_verify = forward_times(model, draft, prompts[0], 8, kept=max(1, round(n / c) - 1))
     ideal = (n / c) / (t_draft + t_verify)
