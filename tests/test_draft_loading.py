@@ -398,6 +398,29 @@ def test_context_cache_and_incremental_context(kind, tiny_draft, qwen3_target, m
                                _logits(draft, model, (800,), feats=feats), atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
+def test_drafting_writes_the_block_after_the_context_and_leaves_it_intact(tiny_draft, qwen3_target, model):
+    """The block's keys and values go into the context buffers right after the held rows (no copy of
+    the context per cycle): drafting leaves the held rows and positions as they were, a later append
+    overwrites the block, and a context that fills its buffer exactly makes room for the block."""
+    draft = load_draft(tiny_draft(qwen3_target, target_layer_ids=[1, 2]), model)
+    adapter = TargetAdapter(model, (1, 2))
+    feats = mx.random.normal((520, 128), key=mx.random.key(1))
+    cache = draft.make_cache()
+    draft.extend_context(feats[None, :256], cache)
+    draft.extend_context(feats[None, 256:512], cache)
+    assert cache[0].keys.shape[2] == cache[0].held_rows == 512  # full: the block needs a larger buffer
+    held = [np.array(c.fetch()[0]) for c in cache]
+    first = np.array(draft(BLOCK[None], cache, adapter))
+    np.testing.assert_allclose(first[0], _logits(draft, model, (512,), feats=feats[:512]), atol=1e-5, rtol=1e-5)
+    for c, h in zip(cache, held):
+        assert c.end == c.held_rows == 512
+        np.testing.assert_array_equal(np.array(c.fetch()[0]), h)
+    np.testing.assert_array_equal(np.array(draft(BLOCK[None], cache, adapter)), first)
+    draft.extend_context(feats[None, 512:], cache)  # over the block's rows
+    np.testing.assert_allclose(np.array(draft(BLOCK[None], cache, adapter))[0],
+                               _logits(draft, model, (520,), feats=feats), atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
 def test_sliding_window_rule(tiny_draft, qwen3_target, model):
     """Context key visible iff query_pos - key_pos < window. One causal layer, window 4, block
     [anchor, mask] after 10 rows: row 1 sees the last 2 context rows only, like a full layer fed

@@ -45,6 +45,12 @@ class BatchContext:
     def fetch(self):
         return self._kv if self._kv is not None else (None, None)
 
+    def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, int]:
+        """The padded contexts followed by the rows' block keys / values, and the context width."""
+        if self._kv is None:
+            return keys, values, 0
+        return mx.concatenate([self._kv[0], keys], axis=2), mx.concatenate([self._kv[1], values], axis=2), self.width
+
     def block_mask(self, block: int, ctx_len: int, causal: bool, window: int | None) -> mx.array:
         """[B, 1, block, width + block]: a row's own context (right-aligned) and the block."""
         k = mx.arange(self.width + block)[None, None, None, :]

@@ -77,6 +77,21 @@ class DraftContextCache:
         self._rows += n
         self.end += n
 
+    def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, int]:
+        """The visible context rows followed by a block's `keys` / `values`, and the context's row count.
+
+        The block is written into the buffers right after the held rows (which stay `held_rows`:
+        the next `append` overwrites it), so a long context is not copied every cycle, as
+        concatenating it with the block would.
+        """
+        n = keys.shape[2]
+        if self.keys is None or self._rows + n > self.keys.shape[2]:
+            self._grow(keys, values, n)
+        lo, hi = self._rows - self.visible_rows, self._rows + n
+        self.keys[..., self._rows : hi, :] = keys
+        self.values[..., self._rows : hi, :] = values
+        return self.keys[..., lo:hi, :], self.values[..., lo:hi, :], self._rows - lo
+
     def fetch(self) -> tuple[mx.array, mx.array] | tuple[None, None]:
         if self.keys is None or self._rows == 0:
             return None, None
@@ -161,13 +176,7 @@ class DraftAttention(nn.Module):
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
         q = rope(q.transpose(0, 2, 1, 3), offset=cache.end)
-        k, v = self._keys_values(x, rope, cache.end)
-        ctx_k, ctx_v = cache.fetch()
-        ctx_len = 0
-        if ctx_k is not None:
-            ctx_len = ctx_k.shape[2]
-            k = mx.concatenate([ctx_k, k], axis=2)
-            v = mx.concatenate([ctx_v, v], axis=2)
+        k, v, ctx_len = cache.with_block(*self._keys_values(x, rope, cache.end))
         mask = cache.block_mask(L, ctx_len, self.causal, self.window)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
