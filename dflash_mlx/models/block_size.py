@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
+from .facts import read_facts
+
 QUANTIZED_BLOCK_CAP = 5
 LOW_BITS = 4
 
@@ -20,14 +22,7 @@ def min_quantized_bits(model: nn.Module | None) -> int | None:
     """The smallest bit width among the model's quantized layers, or None."""
     if model is None or not isinstance(model, nn.Module):
         return None
-    bits = [
-        m.bits
-        for _, m in model.named_modules()
-        # mlx's quantized layers, and mlx-lm's (e.g. QuantizedSwitchLinear for MoE experts)
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-        or (hasattr(m, "bits") and hasattr(m, "group_size"))
-    ]
-    return min(bits) if bits else None
+    return read_facts(model).bits
 
 
 def capped_block_size(size: int, target: nn.Module, draft) -> int:

@@ -42,9 +42,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
-from ..models.block_size import min_quantized_bits
+from ..models.facts import read_facts
 from ..proposers.base import Proposal
 from ..sharding.group import broadcast_floats
 from ..utils.io import write_json_atomic
@@ -91,13 +90,12 @@ def grid_for(max_block: int) -> list[int]:
 def model_facts(model) -> dict:
     if not isinstance(model, nn.Module):
         return {"type": type(model).__name__}
-    params = tree_flatten(model.parameters())
-    floats = sorted({str(v.dtype) for _, v in params if mx.issubdtype(v.dtype, mx.floating)})
+    facts = read_facts(model)
     config = getattr(model, "config", None) or getattr(model, "args", None)
     shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
                                                     "block_size", "intermediate_size")}  # fmt: skip
-    return {"type": type(model).__name__, "parameters": sum(v.size for _, v in params), "float_dtypes": floats,
-            "bits": min_quantized_bits(model), **shape}  # fmt: skip
+    return {"type": type(model).__name__, "parameters": facts.parameters, "float_dtypes": list(facts.float_dtypes),
+            "bits": facts.bits, **shape}  # fmt: skip
 
 
 def calibration_key(target, proposer, max_block: int) -> dict:
