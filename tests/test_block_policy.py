@@ -15,7 +15,7 @@ from dflash_mlx.policy import AdaptiveBlock, FixedBlock
 from dflash_mlx.policy.adaptive import MAX_PROBE_GAP, PROBE_BLOCK
 from dflash_mlx.policy.base import BlockPolicy, ScheduledBlocks
 from dflash_mlx.policy.cost import CostCurve
-from dflash_mlx.policy.estimate import PRIOR_RATE, AcceptanceEstimate
+from dflash_mlx.policy.estimate import PRIOR_RATE, AcceptanceEstimate, learnt_estimate
 
 FLAT = CostCurve([1, 2, 4, 8, 16], [0.010, 0.0105, 0.011, 0.012, 0.014])  # memory-bound: rows are cheap
 MODERATE = CostCurve([1, 2, 4, 8, 16], [0.010, 0.0125, 0.0175, 0.0275, 0.0475])  # each row: a quarter forward
@@ -157,3 +157,46 @@ def test_timing_moves_the_choice_only_when_refining():
 
 def test_the_prior_is_optimistic():
     assert AdaptiveBlock(FLAT.fresh(), 16).choose(100) > 8 and PRIOR_RATE >= 0.5
+
+
+# A small target on a CPU: drafting costs a forward of its own, rows beyond it little (the synthetic pair).
+DRAFTING_COSTS = CostCurve([1, 2, 3, 4, 6, 8], [0.0063, 0.0117, 0.0118, 0.0118, 0.0126, 0.0136])
+# Rows cost as much as forwards (4-bit matmuls on a CPU): no block can beat plain decoding.
+NO_BLOCK_PAYS = CostCurve([1, 2, 3, 4, 5], [0.0080, 0.0171, 0.0267, 0.0346, 0.0405])
+
+
+def generation(curve, learnt, max_block=8):
+    """The policy of one generation that carries the drafter's history `learnt` (or none)."""
+    estimate = AcceptanceEstimate(max_block - 1, learnt=learnt) if learnt is not None else None
+    return AdaptiveBlock(curve.fresh(), max_block, estimate=estimate, refine=False)
+
+
+def test_a_drafters_history_is_the_next_generations_prior():
+    learnt = learnt_estimate(7)
+    simulate(generation(DRAFTING_COSTS, learnt), [0.9], 40)  # usually right
+    assert learnt.rate(0) > 0.8
+    for history in (learnt, None):  # a short reply whose first cycle rejects every draft
+        policy = generation(DRAFTING_COSTS, history)
+        assert policy.choose(100) == 8
+        policy.observe(8, 0, 0.0)
+        # with the history one rejection is one cycle among many; from the bare prior it is all there is
+        assert policy.choose(100) == (8 if history is not None else 1)
+
+
+def test_a_drafter_usually_wrong_starts_the_next_generation_plainly():
+    learnt = learnt_estimate(7)
+    simulate(generation(DRAFTING_COSTS, learnt), [0.0], 40)
+    assert generation(DRAFTING_COSTS, learnt).choose(100) == 1
+    assert generation(DRAFTING_COSTS, None).choose(100) == 8  # the bare prior is optimistic
+    # the history learnt from the cycles it took to give up (a fresh history starts at the prior)
+    assert learnt.seen[0] >= 2 and learnt_estimate(7).rate(0) == pytest.approx(PRIOR_RATE)
+
+
+def test_no_probes_where_no_block_can_pay():
+    policy = AdaptiveBlock(NO_BLOCK_PAYS.fresh(), 5)
+    assert policy.probe_block(5) is None
+    assert set(simulate(policy, [1.0], 300)) == {1}  # even a perfect drafter: b / T(b) < 1 / T(1)
+    # the probe is the smallest block that would pay with every draft accepted
+    jump = CostCurve([1, 2, 4], [0.010, 0.021, 0.022])  # drafting costs a forward, rows are free
+    assert AdaptiveBlock(jump.fresh(), 4).probe_block(4) == 3
+    assert AdaptiveBlock(jump.fresh(), 4).probe_block(2) is None

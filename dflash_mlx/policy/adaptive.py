@@ -2,11 +2,14 @@
 
 E(b) comes from the live acceptance estimate (`estimate`), T(b) from the
 calibrated, online-refined cost curve (`cost`). At b = 1 nothing is learnt
-about acceptance, so the policy probes a block of PROBE_BLOCK now and then: first
+about acceptance, so the policy probes a larger block now and then: first
 after PROBE_GAP cycles at b = 1, and after each probe that accepts nothing
 twice as long (up to MAX_PROBE_GAP); any cycle that accepts a draft resets
 the gap. Before a probe the acceptance history is halved, so acceptance that
-recovered (code, a repeated list) is noticed at once.
+recovered (code, a repeated list) is noticed at once. The probe is the
+smallest block from PROBE_BLOCK up that would beat plain decoding if every
+draft were accepted (b / T(b) > 1 / T(1)); where none would (a 4-bit target
+on a CPU: T(5) = 5.0 T(1)), drafting can never pay and the policy never probes.
 
 The loop's own cycle times refine the curve only when `refine` is set. The
 library leaves it off: a cycle's wall time includes the caller's per-token
@@ -23,7 +26,7 @@ import threading
 import weakref
 
 from .cost import CostCurve
-from .estimate import AcceptanceEstimate
+from .estimate import AcceptanceEstimate, learnt_estimate
 
 PROBE_BLOCK = 2
 PROBE_GAP = 8
@@ -91,10 +94,17 @@ class AdaptiveBlock:
         if b > 1:
             self.probes.larger()
             return b
-        if not self.probes.probe_now():
+        probe = self.probe_block(limit)
+        if probe is None or not self.probes.probe_now():
             return 1
         self.estimate.soften(PROBE_SOFTEN)
-        return min(limit, PROBE_BLOCK)
+        return probe
+
+    def probe_block(self, limit: int) -> int | None:
+        """The smallest block from PROBE_BLOCK up to `limit` that would beat plain decoding if all its
+        drafts were accepted, or None."""
+        plain = 1.0 / self.curve(1)
+        return next((b for b in range(PROBE_BLOCK, limit + 1) if b / self.curve(b) > plain), None)
 
     def observe(self, block_size: int, accepted: int | None, seconds: float) -> None:
         if self.refine and seconds > 0:
@@ -105,35 +115,43 @@ class AdaptiveBlock:
             self.probes.observed(None if accepted is None else accepted > 0)
 
 
-CARRY = 0.25  # weight of the previous generation's acceptance history in the next one
-_last: dict[int, AdaptiveBlock] = {}  # id(drafter) -> its last policy, while the drafter lives
-_last_lock = threading.Lock()
+_learnt: dict[int, AcceptanceEstimate] = {}  # id(drafter) -> its long-run history, while the drafter lives
+_learnt_lock = threading.Lock()
 
 
 def adaptive_policy(target, proposer, max_block: int, refine: bool = False, carry: bool = False,
                     curve: CostCurve | None = None) -> AdaptiveBlock:  # fmt: skip
     """An adaptive policy for one generation, on this machine's (cached) cost curve.
 
-    `carry`: start from the acceptance history (weighed by CARRY) of the
-    drafter's previous generation instead of the prior, so a poor drafter
-    starts at b = 1 and a good one at a large block; the probe gap starts
-    afresh (a new request may suit the drafter better). The library carries only
-    for greedy decoding, whose output no block choice can change. `curve`: the
-    setup's curve when the caller has it (else looked up: `calibration.cost_curve`).
+    `carry`: the generation starts from the drafter's long-run acceptance
+    history (`estimate.learnt_estimate`, every earlier carried generation's
+    cycles) instead of the fixed prior, and adds its own cycles to it, so a
+    poor drafter starts at b = 1 and a good one at a large block; the probe
+    gap starts afresh (a new request may suit the drafter better). The library
+    carries only for greedy decoding, whose output no block choice can change.
+    `curve`: the setup's curve when the caller has it (else looked up:
+    `calibration.cost_curve`).
     """
     from .calibration import cost_curve
 
     curve = curve if curve is not None else cost_curve(target, proposer, max_block)
     policy = AdaptiveBlock(curve.fresh(), max_block, refine=refine)
-    drafter = getattr(proposer, "drafter", proposer)  # (modules are dicts: not hashable, keyed by id)
-    with _last_lock:
-        last = _last.get(id(drafter)) if carry else None
-        if last is not None and last.max_block == max_block:
-            policy.estimate = last.estimate.carried(CARRY)  # (not its probe gap: new content, first probe soon)
-        if id(drafter) not in _last:
-            try:
-                weakref.finalize(drafter, _last.pop, id(drafter), None)
-            except TypeError:  # not weakly referenceable: nothing is carried
-                return policy
-        _last[id(drafter)] = policy
+    if carry:
+        learnt = drafter_history(getattr(proposer, "drafter", proposer), max_block - 1)
+        if learnt is not None:
+            policy.estimate = AcceptanceEstimate(max_block - 1, learnt=learnt)
     return policy
+
+
+def drafter_history(drafter, positions: int) -> AcceptanceEstimate | None:
+    """The long-run acceptance history of `drafter` (made at first use, dropped with the drafter),
+    or None for a drafter that cannot be weakly referenced."""
+    key = id(drafter)  # (modules are dicts: not hashable, keyed by id)
+    with _learnt_lock:
+        if key not in _learnt:
+            try:
+                weakref.finalize(drafter, _learnt.pop, key, None)
+            except TypeError:  # not weakly referenceable: nothing is carried
+                return None
+            _learnt[key] = learnt_estimate(positions)
+        return _learnt[key]

@@ -4,12 +4,21 @@ Draft position k (0-based) is accepted with probability a_k given that drafts
 0..k-1 were. A cycle that accepted `n` of its b - 1 drafts observes positions
 0..n-1 as accepted and position n as rejected (if n < b - 1); deeper ones are
 not observed. Each position keeps exponentially discounted counts (recent
-cycles weigh most) plus a weak prior, so a fresh estimate starts optimistic
-and a few cycles override it. A deeper position's prior is never above the
-estimate of position 0, so a drafter rejected at its first position is not
-credited with a deep run; a single rejection deeper in the block lowers that
-position only (capping every deeper prior by it sent a good drafter to b = 1
-after one early cycle that accepted 1 of 7 drafts).
+cycles weigh most) plus a prior. Without a history the prior is weak and
+optimistic (PRIOR_RATE), so a few cycles override it; a deeper position's
+prior is then never above the estimate of position 0, so a drafter rejected
+at its first position is not credited with a deep run; a single rejection
+deeper in the block lowers that position only (capping every deeper prior by
+it sent a good drafter to b = 1 after one early cycle that accepted 1 of 7
+drafts).
+
+A drafter's own history is the better prior: `learnt` is a long-run estimate
+(discounted by LEARNT_DISCOUNT per cycle, ~100 cycles of memory across
+generations) that observes every cycle this one observes; a new generation
+takes its rates (as they stand, its own cycles included) as per-position
+priors weighing LEARNT_WEIGHT cycles. So one
+rejection at the start of a short reply does not send a drafter that is
+usually right to b = 1, and a drafter that is usually wrong starts at b = 1.
 E(b) = 1 + sum_{k=1}^{b-1} prod_{j<k} a_j is what a cycle at block b is
 expected to commit.
 """
@@ -19,16 +28,25 @@ from __future__ import annotations
 PRIOR_RATE = 0.8  # DFlash drafters accept ~5 of 15 drafts in distribution: optimistic, quickly corrected
 PRIOR_WEIGHT = 0.5  # pseudo-observations behind the prior (a useless drafter's floor: 0.4 / 20.5, 2%)
 DISCOUNT = 0.95  # weight of older observations per new one (about 20 cycles of memory)
+LEARNT_DISCOUNT = 0.99  # the drafter's long-run history (about 100 cycles, across generations)
+LEARNT_WEIGHT = 3.0  # pseudo-observations behind a generation's prior taken from that history
+LEARNT_PRIOR_WEIGHT = 2.0  # pseudo-observations behind the history's own prior (PRIOR_RATE)
 
 
 class AcceptanceEstimate:
     def __init__(self, positions: int, prior: float = PRIOR_RATE, weight: float = PRIOR_WEIGHT,
-                 discount: float = DISCOUNT):  # fmt: skip
+                 discount: float = DISCOUNT, learnt: AcceptanceEstimate | None = None):  # fmt: skip
+        """`learnt`: the drafter's long-run estimate (`learnt_estimate`): its rates are this
+        estimate's priors (weighing LEARNT_WEIGHT cycles) and it observes what this one observes."""
         if positions < 0:
             raise ValueError(f"positions must be >= 0, got {positions}.")
         self.prior, self.weight, self.discount = prior, weight, discount
         self.accepted = [0.0] * positions  # discounted successes per position
         self.seen = [0.0] * positions  # discounted observations per position
+        self.learnt = learnt
+        if learnt is not None:
+            learnt.grow(positions)
+            self.weight = LEARNT_WEIGHT
 
     @property
     def positions(self) -> int:
@@ -39,13 +57,15 @@ class AcceptanceEstimate:
         for k in range(min(drafted, accepted + 1, self.positions)):
             self.seen[k] = self.seen[k] * self.discount + 1.0
             self.accepted[k] = self.accepted[k] * self.discount + (1.0 if k < accepted else 0.0)
+        if self.learnt is not None:
+            self.learnt.observe(drafted, accepted)
 
-    def carried(self, factor: float) -> AcceptanceEstimate:
-        """A copy with the history weighed by `factor`: the start of the next generation."""
-        other = AcceptanceEstimate(self.positions, self.prior, self.weight, self.discount)
-        other.accepted = [x * factor for x in self.accepted]
-        other.seen = [x * factor for x in self.seen]
-        return other
+    def grow(self, positions: int) -> None:
+        """Make room for `positions` positions (new ones unobserved)."""
+        extra = positions - self.positions
+        if extra > 0:
+            self.accepted += [0.0] * extra
+            self.seen += [0.0] * extra
 
     def soften(self, factor: float) -> None:
         """Weigh the whole history by `factor` (before a probe, after a long pause)."""
@@ -55,9 +75,12 @@ class AcceptanceEstimate:
 
     def rates(self) -> list[float]:
         """The estimated a_k of every position."""
-        out, prior = [], self.prior
+        priors = self.learnt.rates() if self.learnt is not None else None
+        out, prior, w = [], self.prior, self.weight
         for k in range(self.positions):
-            out.append((self.accepted[k] + self.weight * prior) / (self.seen[k] + self.weight))
+            if priors is not None:
+                prior = priors[k]
+            out.append((self.accepted[k] + w * prior) / (self.seen[k] + w))
             if k == 0:
                 prior = min(prior, out[0])
         return out
@@ -74,3 +97,8 @@ class AcceptanceEstimate:
             reach = reach * rates[b - 1] if b - 1 < len(rates) else 0.0
             total += reach
         return out
+
+
+def learnt_estimate(positions: int) -> AcceptanceEstimate:
+    """A drafter's long-run history (the `learnt` of its generations' estimates)."""
+    return AcceptanceEstimate(positions, weight=LEARNT_PRIOR_WEIGHT, discount=LEARNT_DISCOUNT)
