@@ -7,25 +7,33 @@ Settings (each skipped with a note when its models are missing):
   4bit            the bundled target quantized to 4 bits (group 64), the bundled drafter
   synthetic       a pair trained by scripts/train_synthetic.py (--synthetic DIR)
 
-Legs, alternated prompt by prompt (every leg runs prompt i before any runs
-prompt i + 1), after one warm-up of each: mlx-lm's `stream_generate` (the
-baseline), dflash-mlx with no drafter (the plain path), DFlash adaptive, DFlash
-at each fixed block in {2, 3, 4, 5, 6, 8}; and at the engine level (cycles, no
+Legs, after one warm-up of each: mlx-lm's `stream_generate` (the baseline),
+dflash-mlx with no drafter (the plain path), DFlash adaptive, DFlash at each
+fixed block in {2, 3, 4, 5, 6, 8}; and at the engine level (cycles, no
 detokenizing) the adaptive policy, fixed block 8, and fixed block 8 through the
 engine of the main branch before adaptive blocks (commit 798f512, read with
-git, executed against today's package). Decode speed = tokens after each reply's
-first over the time after it, summed over prompts; end-to-end speed = all of
-a reply's tokens over the time from the call (prefill included), summed over
-prompts. The two differ where a step's `mx.async_eval` blocks (MLX on a CPU
-waits for most of a large graph before returning): the first cycle after the
-prefill is then computed before the first token is handed out, outside the
-decode window, which flatters large blocks on short replies. Greedy; every
-DFlash leg's tokens are checked against the baseline's.
+git, executed against today's package). A *unit* is one prompt in one round:
+every leg runs it, in a new random order each time, before any leg runs the
+next. Greedy; every leg's tokens are checked against the baseline's.
 
-For the synthetic pair it also reports the per-cycle overhead at block 8:
-measured tok/s over the ideal E / (T_draft + T_verify), with E the leg's
-tokens per cycle and T the separately timed drafter and target forwards
-(median of 30, after the same prompt's prefill).
+End-to-end speed = all of a reply's tokens over the time from the call
+(prefill included), summed over units; decode speed = the tokens after each
+reply's first over the time after it. Judge by end to end on a CPU: there a
+step's `mx.async_eval` returns only when most of its graph has run, so the
+cycle queued before the first token is handed out is computed before it,
+outside the decode window, which flatters large blocks on short replies.
+
+Ratios are of summed speeds, with a 95% bootstrap interval over the units
+(timings of these tiny models vary by 10-30% from run to run here). The best
+fixed block is cross-fitted: alternate units form two halves and each half
+is measured at the block that was fastest on the other half (the maximum of
+six noisy legs measured on the same units is biased upwards).
+
+For the trained pairs (demo-gsm8k, synthetic) it also reports the engine's
+overhead at block 8 end to end: the ideal time of each reply, its prefill
+(the engine run to its first token) plus its cycles times the separately
+timed drafter (context ingest + draft) and target verify forwards on its
+prompt's context, over the measured time.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python3 scripts/bench_adaptive.py --synthetic /tmp/dflash-synthetic --out report.json
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -139,50 +148,84 @@ def make_legs(model, tokenizer, draft, max_tokens, largest):
     return legs
 
 
-def adaptive_ratios(tps: dict, best_fixed: int) -> dict:
-    """The adaptive leg against mlx-lm, the best fixed block and the better of the two."""
-    best = tps[f"b{best_fixed}"]
-    return {"adaptive_vs_mlx_lm": round(tps["adaptive"] / tps["mlx-lm"], 3),
-            "adaptive_vs_best_fixed": round(tps["adaptive"] / best, 3),
-            "adaptive_vs_better_of_plain_and_best_fixed": round(tps["adaptive"] / max(tps["mlx-lm"], best), 3)}
+class Units:
+    """Per-unit measurements (one prompt in one round, every leg on it), and ratios of summed speeds
+    with bootstrap confidence intervals over the units."""
+
+    def __init__(self, legs: list[str]):
+        self.legs = legs
+        self.rows: list[dict] = []  # {leg: (tokens, decode seconds, cycles, seconds from the call)}
+
+    def speed(self, leg: str, units=None, end_to_end: bool = True) -> float:
+        units = self.rows if units is None else units
+        if end_to_end:  # every token over the time from the call
+            return sum(u[leg][0] for u in units) / sum(u[leg][3] for u in units)
+        return sum(u[leg][0] - 1 for u in units) / sum(u[leg][1] for u in units)  # after the first token
+
+    def best_fixed(self, units, end_to_end: bool) -> tuple[float, list[int]]:
+        """The best fixed block's speed, cross-fitted: each half of the units (alternate units) is
+        measured at the block that was fastest on the other half, so the noise that makes one block
+        look fastest does not also inflate the speed it is compared at; and the blocks chosen."""
+        halves = [units[0::2], units[1::2]]
+        if not halves[1]:
+            b = max(FIXED, key=lambda b: self.speed(f"b{b}", units, end_to_end))
+            return self.speed(f"b{b}", units, end_to_end), [b]
+        picks = [max(FIXED, key=lambda b: self.speed(f"b{b}", other, end_to_end)) for other in halves[::-1]]
+        tokens = sum(u[f"b{b}"][0] - (not end_to_end) for half, b in zip(halves, picks) for u in half)
+        seconds = sum(u[f"b{b}"][3 if end_to_end else 1] for half, b in zip(halves, picks) for u in half)
+        return tokens / seconds, picks
+
+    def reference(self, other: str, units, end_to_end: bool) -> float:
+        """A leg's speed, or "best fixed" (cross-fitted), or "better" (of mlx-lm and the best fixed)."""
+        if other in ("best fixed", "better"):
+            best = self.best_fixed(units, end_to_end)[0]
+            return best if other == "best fixed" else max(best, self.speed("mlx-lm", units, end_to_end))
+        return self.speed(other, units, end_to_end)
+
+    def ratio(self, leg: str, other: str, end_to_end: bool = True, resamples: int = 2000) -> dict:
+        """leg's speed over `other`'s (see `reference`), with a 95% bootstrap interval over the units."""
+
+        def value(units):
+            return self.speed(leg, units, end_to_end) / self.reference(other, units, end_to_end)
+
+        rng = random.Random(0)
+        n = len(self.rows)
+        boots = sorted(value([self.rows[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
+        return {"ratio": round(value(self.rows), 3),
+                "ci95": [round(boots[int(0.025 * resamples)], 3), round(boots[int(0.975 * resamples)], 3)]}
 
 
 def run_setting(name, model, tokenizer, draft, prompts, max_tokens, largest, rounds):
     legs = make_legs(model, tokenizer, draft, max_tokens, largest)
     for leg in legs.values():
         leg(prompts[0][:8] if prompts[0].size > 8 else prompts[0])  # warm-up
-    totals = {k: [0, 0.0, 0, 0.0] for k in legs}  # decode tokens, decode seconds, cycles, seconds from the call
-    baseline, mismatches = {}, set()
+    units, baseline, mismatches = Units(list(legs)), {}, set()
+    order, shuffle = list(legs), random.Random(1).shuffle
     for _ in range(rounds):
         for i, p in enumerate(prompts):
-            for k, leg in legs.items():
-                tokens, seconds, cycles, whole = leg(p)
-                totals[k][0] += len(tokens) - 1
-                totals[k][1] += seconds
-                totals[k][2] += cycles
-                totals[k][3] += whole
-                if k == "mlx-lm":
-                    baseline[i] = tokens
-                elif tokens != baseline[i]:
-                    mismatches.add(k)
-    tps = {k: n / s for k, (n, s, _, _) in totals.items()}
-    best_fixed = max(FIXED, key=lambda b: tps[f"b{b}"])
-    whole = {k: (n + rounds * len(prompts)) / w for k, (n, _, _, w) in totals.items()}  # every token, from the call
-    best_whole = max(FIXED, key=lambda b: whole[f"b{b}"])
-    out = {
-        "setting": name, "prompts": len(prompts), "rounds": rounds, "max_tokens": max_tokens, "max_block": largest,
-        "tps": {k: round(v, 2) for k, v in tps.items()},
-        "tokens_per_cycle": {k: round(n / c, 3) for k, (n, _, c, _) in totals.items() if c},
-        "best_fixed": best_fixed,
-        **adaptive_ratios(tps, best_fixed),
-        "plain_vs_mlx_lm": round(tps["plain"] / tps["mlx-lm"], 3),
-        "engine_adaptive_vs_main_b8": round(tps["engine adaptive"] / tps[f"engine b8 main@{MAIN_COMMIT}"], 3),
-        "engine_b8_vs_main_b8": round(tps["engine b8"] / tps[f"engine b8 main@{MAIN_COMMIT}"], 3),
-        "end_to_end_tps": {k: round(v, 2) for k, v in whole.items()},
-        "end_to_end_best_fixed": best_whole,
-        **{f"end_to_end_{k}": v for k, v in adaptive_ratios(whole, best_whole).items()},
-        "greedy_mismatches": sorted(mismatches),
-    }
+            shuffle(order)  # every leg runs prompt i before any runs prompt i + 1, in a new order each time
+            unit = {k: legs[k](p) for k in order}
+            baseline.setdefault(i, unit["mlx-lm"][0])
+            mismatches.update(k for k, v in unit.items() if v[0] != baseline[i])
+            units.rows.append({k: (len(v[0]), v[1], v[2], v[3]) for k, v in unit.items()})
+    main = f"engine b8 main@{MAIN_COMMIT}"
+    out = {"setting": name, "prompts": len(prompts), "rounds": rounds, "max_tokens": max_tokens, "max_block": largest,
+           "greedy_mismatches": sorted(mismatches)}  # fmt: skip
+    for label, e2e in (("end_to_end", True), ("decode", False)):
+        best, picks = units.best_fixed(units.rows, e2e)
+        out[label] = {
+            "tps": {k: round(units.speed(k, end_to_end=e2e), 2) for k in legs},
+            "best_fixed_tps": round(best, 2), "best_fixed_blocks": picks,
+            "adaptive_vs_mlx_lm": units.ratio("adaptive", "mlx-lm", e2e),
+            "adaptive_vs_best_fixed": units.ratio("adaptive", "best fixed", e2e),
+            "adaptive_vs_b8": units.ratio("adaptive", "b8", e2e),
+            "plain_vs_mlx_lm": units.ratio("plain", "mlx-lm", e2e),
+            "engine_adaptive_vs_main_b8": units.ratio("engine adaptive", main, e2e),
+            "engine_b8_vs_main_b8": units.ratio("engine b8", main, e2e),
+            "adaptive_vs_better_of_mlx_lm_and_best_fixed": units.ratio("adaptive", "better", e2e),
+        }  # fmt: skip
+    out["tokens_per_cycle"] = {k: round(sum(u[k][0] - 1 for u in units.rows) / c, 3) for k in legs
+                               if (c := sum(u[k][2] for u in units.rows))}  # fmt: skip
     return out
 
 
@@ -219,17 +262,27 @@ def forward_times(model, draft, prompt, block: int, kept: int, repeats: int = 30
     return statistics.median(drafts_t[3:]), statistics.median(verify_t[3:])
 
 
-def overhead_at_8(model, tokenizer, draft, prompts, max_tokens) -> dict:
-    n = s = c = 0
+def overhead_at_8(model, draft, prompts, max_tokens, rounds: int = 3) -> dict:
+    """The engine's speed at fixed block 8 against the ideal from separately timed forwards, end to end:
+    ideal time of a reply = its prefill (the engine run to its first token) + cycles x (T_draft + T_verify),
+    T measured on that prompt's context (median of 15)."""
+    def engine(p, limit):
+        session = make_session(model, draft)
+        return timed_cycles(speculative_cycles(session.target, p, session.proposer, max_tokens=limit,
+                                               block_size=8, session=session))  # fmt: skip
+
+    measured = ideal = tokens = cycles = 0.0
     for p in prompts:
-        tokens, seconds, cycles, _ = timed(stream_generate(model, draft, tokenizer, p, max_tokens=max_tokens,
-                                                           block_size=8))  # fmt: skip
-        n, s, c = n + len(tokens) - 1, s + seconds, c + cycles
-    t_draft, t_verify = forward_times(model, draft, prompts[0], 8, kept=max(1, round(n / c) - 1))
-    ideal = (n / c) / (t_draft + t_verify)
-    return {"tokens_per_cycle": round(n / c, 3), "tps": round(n / s, 2), "t_draft_ms": round(1000 * t_draft, 3),
-            "t_verify_ms": round(1000 * t_verify, 3), "ideal_tps": round(ideal, 2),
-            "measured_over_ideal": round((n / s) / ideal, 3)}  # fmt: skip
+        engine(p, max_tokens)  # warm-up
+        runs = [engine(p, max_tokens) for _ in range(rounds)]
+        n, c = len(runs[0][0]), runs[0][2]
+        prefill = statistics.median(engine(p, 1)[3] for _ in range(rounds))
+        t_draft, t_verify = forward_times(model, draft, p, 8, kept=max(1, round((n - 1) / max(c, 1)) - 1), repeats=15)
+        measured += sum(r[3] for r in runs)
+        ideal += rounds * (prefill + c * (t_draft + t_verify))
+        tokens, cycles = tokens + rounds * (n - 1), cycles + rounds * c
+    return {"tokens_per_cycle": round(tokens / cycles, 3), "measured_seconds": round(measured, 3),
+            "ideal_seconds": round(ideal, 3), "ideal_over_measured": round(ideal / measured, 3)}  # fmt: skip
 
 
 def untrained_copy(draft):
@@ -281,8 +334,8 @@ def main() -> None:
                                        "ms": [round(1000 * t, 3) for t in curve.seconds]}  # fmt: skip
         prompts = prompts_for(tokenizer, dataset, args.num_prompts, raw)
         result = run_setting(name, model, tokenizer, draft, prompts, args.max_tokens, largest, args.rounds)
-        if name == "synthetic":
-            result["overhead_b8"] = overhead_at_8(model, tokenizer, draft, prompts, args.max_tokens)
+        if name in ("synthetic", "demo-gsm8k"):  # the trained pairs
+            result["overhead_b8"] = overhead_at_8(model, draft, prompts, args.max_tokens)
         report["settings"].append(result)
         print(json.dumps(result), flush=True)
     print(json.dumps(report["calibration"]))
