@@ -15,8 +15,9 @@ import pytest
 from dflash_mlx import make_session, stream_generate
 from dflash_mlx.policy import calibration
 from dflash_mlx.policy.calibration import (
-    GRID, cached_curve, calibration_file, calibration_key, clear_calibrations, cost_curve, grid_for, non_decreasing,
+    GRID, cached_curve, calibration_file, calibration_key, clear_calibrations, cost_curve, grid_for,
 )
+from dflash_mlx.policy.fit import affine_past_one, fitted_curve, non_decreasing, polished
 from helpers import prompt_ids, without_eos
 
 
@@ -139,3 +140,30 @@ def test_the_fitted_curve_is_the_closest_non_decreasing_one():
     measured = [8.7, 15.8, 14.3, 16.4, 15.1, 17.2]
     assert non_decreasing(measured) == pytest.approx([8.7, 15.05, 15.05, 15.75, 15.75, 17.2])
     assert non_decreasing([3.0, 2.0, 1.0]) == pytest.approx([2.0] * 3) and non_decreasing([1.0, 2.0]) == [1.0, 2.0]
+
+
+def test_a_rounds_drift_cancels_in_the_polished_levels():
+    true = [5.0, 8.0, 8.5, 9.0, 10.0, 11.0]
+    drift = [1.0, 1.6, 0.9, 1.3, 1.0]  # the machine busier in some rounds: every block alike
+    table = [[d * t for t in true] for d in drift]
+    table[2][3] *= 1.5  # and one stall
+    levels = polished(table)
+    assert [x / levels[0] for x in levels] == pytest.approx([t / true[0] for t in true], rel=1e-6)
+    assert levels[0] == pytest.approx(true[0], rel=1e-6)  # at the median round's level
+    medians = [sorted(row[j] for row in table)[2] for j in range(len(true))]
+    assert medians[3] / medians[0] != pytest.approx(true[3] / true[0], rel=0.05)  # per-block medians keep it
+
+
+def test_blocks_past_one_are_fitted_with_a_line_unless_it_misses():
+    grid = [1, 2, 3, 4, 6, 8]
+    noisy = [6.0, 11.6, 12.1, 12.1, 12.1, 15.6]  # a calibration that made b = 8 look 29% dearer than b = 6
+    line = affine_past_one(grid, noisy)
+    assert line[0] == 6.0 and all(b > a for a, b in zip(line[1:], line[2:]))
+    assert line[5] / line[4] < 1.1 and sum(line[1:]) == pytest.approx(sum(noisy[1:]))
+    assert affine_past_one(grid, [6.0, 9.0, 8.0, 7.0, 6.5, 6.5])[1:] == pytest.approx([7.4] * 5)  # slope >= 0
+    knee = [20.0, 21.0, 21.0, 21.0, 21.0, 21.0, 40.0, 80.0]  # flat, then compute-bound: the line misses
+    assert affine_past_one([1, 2, 3, 4, 6, 8, 12, 16], knee) == knee
+    assert affine_past_one([1, 2, 3], [1.0, 2.0, 3.5]) == [1.0, 2.0, 3.5]  # too few blocks for a line
+    table = [[6.0, 11.6, 12.1, 12.1, 12.1, 15.6], [6.2, 11.9, 12.0, 12.6, 12.9, 13.1]]
+    fitted = fitted_curve(grid, table)
+    assert fitted == non_decreasing(fitted) and fitted[0] == pytest.approx(6.1, rel=0.01)

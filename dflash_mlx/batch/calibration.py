@@ -9,7 +9,7 @@ prompts, no stop tokens): for each B of ROWS it fills a decoder with B rows,
 then steps it at every block of the grid, forcing the block, round after
 round; the first round warms up, each point is the fastest of the others
 (a step on a busy machine is only ever slower), each row count's line made
-non-decreasing in b (`policy.calibration.non_decreasing`). Points between
+non-decreasing in b (`policy.fit.non_decreasing`). Points between
 grid blocks and rows are interpolated linearly; past the last rows,
 extrapolated from the last two. A file that cannot be read or describes
 another setup is ignored and rewritten (atomically).
@@ -25,7 +25,8 @@ import warnings
 import mlx.core as mx
 
 from ..acceptance import Acceptor
-from ..policy.calibration import PROMPT_TOKENS, _digest, calibration_dir, calibration_key, non_decreasing
+from ..policy.calibration import PROMPT_TOKENS, _digest, calibration_dir, calibration_key
+from ..policy.fit import non_decreasing
 from ..sampling import SamplingSettings
 from ..session import Session
 from ..utils.io import write_json_atomic

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass
 
 from .cost import CostCurve
 from .estimate import AcceptanceEstimate, learnt_estimate
@@ -115,20 +116,30 @@ class AdaptiveBlock:
             self.probes.observed(None if accepted is None else accepted > 0)
 
 
-_learnt: dict[int, AcceptanceEstimate] = {}  # id(drafter) -> its long-run history, while the drafter lives
-_learnt_lock = threading.Lock()
+@dataclass
+class DrafterHistory:
+    """What a drafter's greedy generations pass on to the next: its long-run acceptance (the prior of
+    each generation's estimate) and its probe schedule (the gap a useless drafter has earned)."""
+
+    learnt: AcceptanceEstimate
+    probes: ProbeSchedule
+
+
+_histories: dict[int, DrafterHistory] = {}  # id(drafter) -> its history, while the drafter lives
+_histories_lock = threading.Lock()
 
 
 def adaptive_policy(target, proposer, max_block: int, refine: bool = False, carry: bool = False,
                     curve: CostCurve | None = None) -> AdaptiveBlock:  # fmt: skip
     """An adaptive policy for one generation, on this machine's (cached) cost curve.
 
-    `carry`: the generation starts from the drafter's long-run acceptance
-    history (`estimate.learnt_estimate`, every earlier carried generation's
-    cycles) instead of the fixed prior, and adds its own cycles to it, so a
-    poor drafter starts at b = 1 and a good one at a large block; the probe
-    gap starts afresh (a new request may suit the drafter better). The library
-    carries only for greedy decoding, whose output no block choice can change.
+    `carry`: the generation continues the drafter's history (`DrafterHistory`):
+    its estimate starts from the drafter's long-run acceptance (every earlier
+    carried generation's cycles) instead of the fixed prior and adds its own
+    cycles to it, so a poor drafter starts at b = 1 and a good one at a large
+    block, and its probes keep the drafter's schedule (a drafter that failed
+    its probes is not probed afresh at every request). The library carries
+    only for greedy decoding, whose output no block choice can change.
     `curve`: the setup's curve when the caller has it (else looked up:
     `calibration.cost_curve`).
     """
@@ -137,21 +148,23 @@ def adaptive_policy(target, proposer, max_block: int, refine: bool = False, carr
     curve = curve if curve is not None else cost_curve(target, proposer, max_block)
     policy = AdaptiveBlock(curve.fresh(), max_block, refine=refine)
     if carry:
-        learnt = drafter_history(getattr(proposer, "drafter", proposer), max_block - 1)
-        if learnt is not None:
-            policy.estimate = AcceptanceEstimate(max_block - 1, learnt=learnt)
+        history = drafter_history(getattr(proposer, "drafter", proposer), max_block - 1)
+        if history is not None:
+            policy.estimate = AcceptanceEstimate(max_block - 1, learnt=history.learnt)
+            policy.probes = history.probes
+            policy.probes.probing = False  # a probe chosen when the last generation ended never ran
     return policy
 
 
-def drafter_history(drafter, positions: int) -> AcceptanceEstimate | None:
-    """The long-run acceptance history of `drafter` (made at first use, dropped with the drafter),
+def drafter_history(drafter, positions: int) -> DrafterHistory | None:
+    """The history of `drafter`'s greedy generations (made at first use, dropped with the drafter),
     or None for a drafter that cannot be weakly referenced."""
     key = id(drafter)  # (modules are dicts: not hashable, keyed by id)
-    with _learnt_lock:
-        if key not in _learnt:
+    with _histories_lock:
+        if key not in _histories:
             try:
-                weakref.finalize(drafter, _learnt.pop, key, None)
+                weakref.finalize(drafter, _histories.pop, key, None)
             except TypeError:  # not weakly referenceable: nothing is carried
                 return None
-            _learnt[key] = learnt_estimate(positions)
-        return _learnt[key]
+            _histories[key] = DrafterHistory(learnt_estimate(positions), ProbeSchedule())
+        return _histories[key]

@@ -7,15 +7,18 @@ drafter, dtype, quantization, device and MLX version: from memory, else from
 block per cycle, on private caches and a private copy of the proposer
 (`Proposer.fork()`; a proposer without one is timed with free dummy drafts),
 so the caller's session is untouched. Each block runs as a stretch of
-consecutive cycles of which only the second is timed, as a steady run of
-that block costs: the engine queues the cycle after a b = 1 step before
-reading that step, so a stretch's first cycle overlaps the previous block,
-and a b = 1 step's time includes queueing the next cycle (hence b = 1
-stretches of 3: the timed step queues another b = 1). Rounds alternate the
-blocks; the first is a warm-up; each block's time is the median of the
-others; the curve is then made non-decreasing in b (a larger block never
-costs less: pool adjacent violators), as a noisy median of a larger block
-below a smaller one's would make the argmax pick the block by noise. A cache
+consecutive cycles timed as a steady run of that block costs: the engine
+queues the cycle after a b = 1 step before reading that step, so a
+stretch's first cycle overlaps the previous block and is not timed, and a
+b = 1 step's time includes queueing the next cycle, so the last b = 1 step
+of a stretch (which queues the next block) is not timed either. Plain steps
+are short and their time decides whether drafting pays at all, so b = 1
+stretches are longer (STRETCH) and a round's b = 1 time is the median of
+its timed steps. Rounds alternate the
+blocks; the first is a warm-up; the curve is fitted to the others' table of
+times (`fit.fitted_curve`: median polish across rounds, non-decreasing in b,
+a line past b = 1), as noise in a single block's time would otherwise make
+the argmax pick the block. A cache
 file that cannot be read, is of another format or describes another setup is
 ignored and rewritten (atomically). `<cache>` is $DFLASH_MLX_CACHE_DIR, else
 $XDG_CACHE_HOME/dflash-mlx, else ~/.cache/dflash-mlx;
@@ -50,12 +53,13 @@ from ..utils.io import write_json_atomic
 from ..utils.machine import chip, loaded_blas
 from .base import ScheduledBlocks
 from .cost import CostCurve
+from .fit import fitted_curve
 
-FORMAT = 3  # bump when what is measured changes
+FORMAT = 4  # bump when what is measured changes
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-ROUNDS = 4  # the first is a warm-up
+ROUNDS = 5  # the first is a warm-up
 SHARDED_ROUNDS = 6
-STRETCH = {1: 3}  # cycles per block in a stretch (2 unless given); the second is timed
+STRETCH = {1: 6}  # cycles per block in a stretch (2 unless given), the first one not timed
 PROMPT_TOKENS = 16
 
 _memo: dict[str, CostCurve] = {}
@@ -162,8 +166,9 @@ class _DummyDrafts:
         return Proposal(tokens=mx.zeros((count,), mx.int32))
 
 
-def measure(target, proposer, grid: list[int], rounds: int = ROUNDS) -> list[float]:
-    """Seconds per cycle at each grid block, measured by the loop itself on private state."""
+def measure(target, proposer, grid: list[int], rounds: int = ROUNDS) -> list[list[float]]:
+    """Seconds per cycle at each grid block, one row per timed round (the first round warms up),
+    measured by the loop itself on private state."""
     from ..engine import speculative_cycles  # the engine imports this package
     from ..session import Session
 
@@ -171,7 +176,8 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS) -> list[flo
     private = fork() if callable(fork) else _DummyDrafts(max(grid))
     stretches = [(b, STRETCH.get(b, 2)) for b in grid]
     one_round = [b for b, n in stretches for _ in range(n)]
-    timed = [i == 1 for _, n in stretches for i in range(n)]
+    # timed: all but a stretch's first cycle, and for b = 1 its last step too (it queues the next block)
+    timed = [0 < i < n - (b == 1) for b, n in stretches for i in range(n)]
     policy = ScheduledBlocks(one_round * rounds)
     vocab = target.vocab_size
     prompt = mx.array([(7919 * i + 13) % vocab for i in range(PROMPT_TOKENS)], mx.int32)
@@ -183,22 +189,14 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS) -> list[flo
                 break
     finally:
         cycles.close()
-    samples: dict[int, list[float]] = {b: [] for b in grid}
-    for i, (b, seconds) in enumerate(policy.seconds):
-        if i >= len(one_round) and timed[i % len(one_round)]:  # the first round warms up
-            samples[b].append(seconds)
-    return [statistics.median(samples[b]) for b in grid]
-
-
-def non_decreasing(values: list[float]) -> list[float]:
-    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in values:
-        blocks.append([v, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
-            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
-    return [m for m, n in blocks for _ in range(n)]
+    per_round, table = len(one_round), []
+    for r in range(1, rounds):
+        samples: dict[int, list[float]] = {b: [] for b in grid}
+        for (b, seconds), t in zip(policy.seconds[r * per_round : (r + 1) * per_round], timed):
+            if t:
+                samples[b].append(seconds)
+        table.append([statistics.median(samples[b]) for b in grid])
+    return table
 
 
 def calibration_file(target, proposer, max_block: int) -> Path:
@@ -231,7 +229,7 @@ def cost_curve(target, proposer, max_block: int, *, force: bool = False) -> Cost
         if curve is None:
             tic = time.perf_counter()
             rounds = ROUNDS if group is None else SHARDED_ROUNDS
-            seconds = non_decreasing(measure(target, proposer, key["grid"], rounds=rounds))
+            seconds = fitted_curve(key["grid"], measure(target, proposer, key["grid"], rounds=rounds))
             if group is not None:
                 seconds = broadcast_floats(group, seconds if leader else None, len(seconds))
             curve = CostCurve(list(key["grid"]), seconds)
