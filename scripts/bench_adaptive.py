@@ -262,14 +262,14 @@ def forward_times(model, draft, prompt, block: int, kept: int, repeats: int = 30
     return statistics.median(drafts_t[3:]), statistics.median(verify_t[3:])
 
 
-def overhead_at_8(model, draft, prompts, max_tokens, rounds: int = 3) -> dict:
+def overhead_at_8(model, draft, prompts, max_tokens, eos, rounds: int = 3) -> dict:
     """The engine's speed at fixed block 8 against the ideal from separately timed forwards, end to end:
     ideal time of a reply = its prefill (the engine run to its first token) + cycles x (T_draft + T_verify),
     T measured on that prompt's context (median of 15)."""
     def engine(p, limit):
         session = make_session(model, draft)
         return timed_cycles(speculative_cycles(session.target, p, session.proposer, max_tokens=limit,
-                                               block_size=8, session=session))  # fmt: skip
+                                               block_size=8, stop_tokens=eos, session=session))  # fmt: skip
 
     measured = ideal = tokens = cycles = 0.0
     for p in prompts:
@@ -296,6 +296,32 @@ def untrained_copy(draft):
     return other
 
 
+TITLES = {"demo-gsm8k": "demo pair, GSM8K", "demo-mtbench": "demo pair, MT-Bench", "untrained": "untrained drafter",
+          "4bit": "4-bit target (blocks <= 5)", "synthetic": "synthetic pair"}  # fmt: skip
+
+
+def markdown_table(report: dict, label: str = "end_to_end") -> str:
+    """The README's table of a report: speeds and ratios (95% intervals) of one kind."""
+
+    def r(x):
+        return f"{x['ratio']:.2f} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}]"
+
+    lines = ["| setting | mlx-lm tok/s | plain path | best fixed (blocks) | adaptive | adaptive / mlx-lm | "
+             "adaptive / best fixed | adaptive / better of mlx-lm and best fixed | adaptive / b8 | "
+             "engine adaptive / main b8 | engine b8 / main b8 | plain / mlx-lm |",
+             "|---|" + "---:|" * 11]  # fmt: skip
+    for st in report["settings"]:
+        d, title = st[label], TITLES.get(st["setting"], st["setting"])
+        blocks = "/".join(f"b{b}" for b in d["best_fixed_blocks"])
+        lines.append(f"| {title} | {d['tps']['mlx-lm']:.1f} | {d['tps']['plain']:.1f} "
+                     f"| {d['best_fixed_tps']:.1f} ({blocks}) | {d['tps']['adaptive']:.1f} "
+                     f"| {r(d['adaptive_vs_mlx_lm'])} | {r(d['adaptive_vs_best_fixed'])} "
+                     f"| {r(d['adaptive_vs_better_of_mlx_lm_and_best_fixed'])} | {r(d['adaptive_vs_b8'])} "
+                     f"| {r(d['engine_adaptive_vs_main_b8'])} | {r(d['engine_b8_vs_main_b8'])} "
+                     f"| {r(d['plain_vs_mlx_lm'])} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", default="demo-gsm8k,demo-mtbench,untrained,4bit,synthetic")
@@ -305,7 +331,12 @@ def main() -> None:
     ap.add_argument("--synthetic", type=Path, default=Path("/tmp/dflash-synthetic"),
                     help="A scripts/train_synthetic.py work directory (target/, drafter/, prompts.jsonl).")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--table", type=Path, metavar="REPORT", help="Print the tables of a saved report and stop.")
     args = ap.parse_args()
+    if args.table:
+        report = json.loads(args.table.read_text())
+        print(markdown_table(report), "", markdown_table(report, "decode"), sep="\n")
+        return
     wanted = args.settings.split(",")
     report = {"calibration": {}, "settings": []}
     demo = dflash_mlx.load("demo")
@@ -335,10 +366,11 @@ def main() -> None:
         prompts = prompts_for(tokenizer, dataset, args.num_prompts, raw)
         result = run_setting(name, model, tokenizer, draft, prompts, args.max_tokens, largest, args.rounds)
         if name in ("synthetic", "demo-gsm8k"):  # the trained pairs
-            result["overhead_b8"] = overhead_at_8(model, draft, prompts, args.max_tokens)
+            result["overhead_b8"] = overhead_at_8(model, draft, prompts, args.max_tokens, tokenizer.eos_token_ids)
         report["settings"].append(result)
         print(json.dumps(result), flush=True)
     print(json.dumps(report["calibration"]))
+    print(markdown_table(report))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
