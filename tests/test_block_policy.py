@@ -12,7 +12,7 @@ import random
 import pytest
 
 from dflash_mlx.policy import AdaptiveBlock, FixedBlock
-from dflash_mlx.policy.adaptive import MAX_PROBE_GAP, PROBE_BLOCK
+from dflash_mlx.policy.adaptive import MAX_PROBE_GAP, PROBE_BLOCK, PROBE_GAP, adaptive_policy
 from dflash_mlx.policy.base import BlockPolicy, ScheduledBlocks
 from dflash_mlx.policy.cost import CostCurve
 from dflash_mlx.policy.estimate import PRIOR_RATE, AcceptanceEstimate, learnt_estimate
@@ -200,3 +200,19 @@ def test_no_probes_where_no_block_can_pay():
     jump = CostCurve([1, 2, 4], [0.010, 0.021, 0.022])  # drafting costs a forward, rows are free
     assert AdaptiveBlock(jump.fresh(), 4).probe_block(4) == 3
     assert AdaptiveBlock(jump.fresh(), 4).probe_block(2) is None
+
+
+def test_greedy_generations_continue_the_drafters_probe_schedule():
+    class Drafter:  # any weakly referenceable drafter
+        pass
+
+    drafter = Drafter()
+    first = adaptive_policy(None, drafter, 16, carry=True, curve=FLAT)
+    simulate(first, [0.0], 600)  # useless: its probes fail and the gap grows
+    assert first.probes.gap == MAX_PROBE_GAP
+    second = adaptive_policy(None, drafter, 16, carry=True, curve=FLAT)
+    assert second.probes is first.probes and second.estimate.learnt is first.estimate.learnt
+    chosen = simulate(second, [0.0], 128)  # plain decoding, probed at the drafter's long gap
+    assert chosen.count(1) >= 126 and sum(b > 1 for b in chosen) <= 128 // MAX_PROBE_GAP + 1
+    assert adaptive_policy(None, drafter, 16, curve=FLAT).probes.gap == PROBE_GAP  # not carried: afresh
+    assert adaptive_policy(None, Drafter(), 16, carry=True, curve=FLAT).choose(100) > 8  # another drafter
