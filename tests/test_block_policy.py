@@ -216,3 +216,13 @@ def test_greedy_generations_continue_the_drafters_probe_schedule():
     assert chosen.count(1) >= 126 and sum(b > 1 for b in chosen) <= 128 // MAX_PROBE_GAP + 1
     assert adaptive_policy(None, drafter, 16, curve=FLAT).probes.gap == PROBE_GAP  # not carried: afresh
     assert adaptive_policy(None, Drafter(), 16, carry=True, curve=FLAT).choose(100) > 8  # another drafter
+
+
+def test_a_probe_that_does_not_pay_for_itself_doubles_the_gap():
+    # 4-bit-like rows: a block of 5 beats plain decoding only when all 4 drafts are accepted
+    steep = CostCurve([1, 2, 3, 4, 5], [0.0087, 0.0203, 0.0275, 0.0352, 0.0420])
+    policy = AdaptiveBlock(steep.fresh(), 5)
+    assert policy.probe_block(5) == 5
+    chosen = simulate(policy, [0.9, 0.9, 0.9, 0.6], 1000)  # accepts most drafts, rarely all four
+    probes = sum(b > 1 for b in chosen[100:])
+    assert probes <= 900 // MAX_PROBE_GAP + 4 and policy.probes.gap == MAX_PROBE_GAP

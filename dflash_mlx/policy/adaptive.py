@@ -3,9 +3,12 @@
 E(b) comes from the live acceptance estimate (`estimate`), T(b) from the
 calibrated, online-refined cost curve (`cost`). At b = 1 nothing is learnt
 about acceptance, so the policy probes a larger block now and then: first
-after PROBE_GAP cycles at b = 1, and after each probe that accepts nothing
-twice as long (up to MAX_PROBE_GAP); any cycle that accepts a draft resets
-the gap. Before a probe the acceptance history is halved, so acceptance that
+after PROBE_GAP cycles at b = 1, and after each probe that did not pay (it
+accepted nothing, or with what it showed plain decoding is still the better
+choice: a lucky probe of a drafter whose blocks do not pay on average is not
+a recovery) twice as long (up to MAX_PROBE_GAP); a cycle that accepted a
+draft and after which a larger block is the better choice resets the gap.
+Before a probe the acceptance history is halved, so acceptance that
 recovered (code, a repeated list) is noticed at once. The probe is the
 smallest block from PROBE_BLOCK up that would beat plain decoding if every
 draft were accepted (b / T(b) > 1 / T(1)); where none would (a 4-bit target
@@ -37,8 +40,8 @@ PROBE_SOFTEN = 0.5
 
 class ProbeSchedule:
     """When a policy at b = 1 probes a larger block: after PROBE_GAP plain cycles (or `min_gap`),
-    twice as long after each probe that accepts nothing (up to MAX_PROBE_GAP); a cycle that
-    accepts a draft resets the gap. Shared by this policy and the batch's (`batch.block_choice`)."""
+    twice as long after each probe that did not pay (up to MAX_PROBE_GAP); a cycle that paid
+    resets the gap. Shared by this policy and the batch's (`batch.block_choice`)."""
 
     def __init__(self):
         self.idle = 0  # cycles chosen at b = 1 since the last larger block
@@ -57,11 +60,12 @@ class ProbeSchedule:
         self.idle, self.probing = 0, True
         return True
 
-    def observed(self, accepted: bool | None) -> None:
-        """A cycle at a block > 1 was judged: a draft `accepted`, or not (None: not known)."""
-        if accepted:
+    def observed(self, paid: bool | None) -> None:
+        """A cycle at a block > 1 was judged: it `paid` (for this policy: committed at least what plain
+        decoding would have in its time; for the batch's: a draft was accepted), or not (None: not known)."""
+        if paid:
             self.gap = PROBE_GAP
-        elif accepted is not None and self.probing:
+        elif paid is not None and self.probing:
             self.gap = min(2 * self.gap, MAX_PROBE_GAP)
         self.probing = False
 
@@ -113,7 +117,8 @@ class AdaptiveBlock:
         if block_size > 1:  # (b = 1 cycles are observed late when pipelined: they say nothing of a probe)
             if accepted is not None:
                 self.estimate.observe(block_size - 1, accepted)
-            self.probes.observed(None if accepted is None else accepted > 0)
+            # a cycle "paid" when it accepted a draft and, with what it showed, a block > 1 is now the better choice
+            self.probes.observed(None if accepted is None else accepted > 0 and self.best(self.max_block) > 1)
 
 
 @dataclass
