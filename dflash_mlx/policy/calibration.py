@@ -15,7 +15,7 @@ of a stretch (which queues the next block) is not timed either. Plain steps
 are short and their time decides whether drafting pays at all, so b = 1
 stretches are longer (STRETCH) and a round's b = 1 time is the median of
 its timed steps. Rounds alternate the
-blocks; the first is a warm-up; the curve is fitted to the others' table of
+blocks, after a warm-up cycle of each; the curve is fitted to their table of
 times (`fit.fitted_curve`: median polish across rounds, non-decreasing in b,
 a line past b = 1), as noise in a single block's time would otherwise make
 the argmax pick the block. A cache
@@ -57,8 +57,8 @@ from .fit import fitted_curve
 
 FORMAT = 4  # bump when what is measured changes
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-ROUNDS = 5  # the first is a warm-up
-SHARDED_ROUNDS = 6
+ROUNDS = 4  # timed rounds, after a warm-up cycle of each block
+SHARDED_ROUNDS = 5
 STRETCH = {1: 6}  # cycles per block in a stretch (2 unless given), the first one not timed
 PROMPT_TOKENS = 16
 
@@ -167,7 +167,7 @@ class _DummyDrafts:
 
 
 def measure(target, proposer, grid: list[int], rounds: int = ROUNDS) -> list[list[float]]:
-    """Seconds per cycle at each grid block, one row per timed round (the first round warms up),
+    """Seconds per cycle at each grid block, one row per round (after a warm-up cycle of each block),
     measured by the loop itself on private state."""
     from ..engine import speculative_cycles  # the engine imports this package
     from ..session import Session
@@ -178,7 +178,7 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS) -> list[lis
     one_round = [b for b, n in stretches for _ in range(n)]
     # timed: all but a stretch's first cycle, and for b = 1 its last step too (it queues the next block)
     timed = [0 < i < n - (b == 1) for b, n in stretches for i in range(n)]
-    policy = ScheduledBlocks(one_round * rounds)
+    policy = ScheduledBlocks(list(grid) + one_round * rounds)
     vocab = target.vocab_size
     prompt = mx.array([(7919 * i + 13) % vocab for i in range(PROMPT_TOKENS)], mx.int32)
     cycles = speculative_cycles(target, prompt, private, max_tokens=-1, block_size=policy,
@@ -190,9 +190,10 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS) -> list[lis
     finally:
         cycles.close()
     per_round, table = len(one_round), []
-    for r in range(1, rounds):
+    for r in range(rounds):
         samples: dict[int, list[float]] = {b: [] for b in grid}
-        for (b, seconds), t in zip(policy.seconds[r * per_round : (r + 1) * per_round], timed):
+        start = len(grid) + r * per_round
+        for (b, seconds), t in zip(policy.seconds[start : start + per_round], timed):
             if t:
                 samples[b].append(seconds)
         table.append([statistics.median(samples[b]) for b in grid])
