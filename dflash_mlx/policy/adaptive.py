@@ -3,16 +3,19 @@
 E(b) comes from the live acceptance estimate (`estimate`), T(b) from the
 calibrated, online-refined cost curve (`cost`). At b = 1 nothing is learnt
 about acceptance, so the policy probes a larger block now and then: first
-after PROBE_GAP cycles at b = 1, and after each probe that did not pay (it
-accepted nothing, or with what it showed plain decoding is still the better
-choice: a lucky probe of a drafter whose blocks do not pay on average is not
-a recovery) twice as long (up to MAX_PROBE_GAP); a cycle that accepted a
-draft and after which a larger block is the better choice resets the gap.
+after PROBE_GAP cycles at b = 1, and after each excursion that did not pay
+twice as long (up to MAX_PROBE_GAP). An excursion is a probe and the larger
+blocks it led to, until the policy is back at b = 1; it paid when it
+committed at least the tokens plain decoding would have in its (calibrated)
+time, so a lucky probe of a drafter whose blocks do not pay on average is
+not taken for a recovery. A cycle chosen on its merits that accepts a draft
+resets the gap.
 Before a probe the acceptance history is halved, so acceptance that
 recovered (code, a repeated list) is noticed at once. The probe is the
-smallest block from PROBE_BLOCK up that would beat plain decoding if every
-draft were accepted (b / T(b) > 1 / T(1)); where none would (a 4-bit target
-on a CPU: T(5) = 5.0 T(1)), drafting can never pay and the policy never probes.
+smallest block from PROBE_BLOCK up that would beat plain decoding if the
+drafter accepted as a good one does (every position at least PRIOR_RATE);
+where none would (a 4-bit target on a CPU: T(5) = 4.4-5.0 T(1)), a recovery
+could not make drafting pay, so the policy does not probe.
 
 The loop's own cycle times refine the curve only when `refine` is set. The
 library leaves it off: a cycle's wall time includes the caller's per-token
@@ -30,7 +33,7 @@ import weakref
 from dataclasses import dataclass
 
 from .cost import CostCurve
-from .estimate import AcceptanceEstimate, learnt_estimate
+from .estimate import PRIOR_RATE, AcceptanceEstimate, learnt_estimate
 
 PROBE_BLOCK = 2
 PROBE_GAP = 8
@@ -80,6 +83,7 @@ class AdaptiveBlock:
         self.max_block = max_block
         self.estimate = estimate or AcceptanceEstimate(max_block - 1)
         self.probes = ProbeSchedule()
+        self._excursion: list[float] | None = None  # [tokens, calibrated seconds] since the last probe
 
     def best(self, limit: int) -> int:
         """argmax over b <= limit of E(b) / T(b) (the smaller block on a tie)."""
@@ -99,26 +103,40 @@ class AdaptiveBlock:
         if b > 1:
             self.probes.larger()
             return b
+        if self._excursion is not None:  # back at plain decoding after a probe: did the excursion pay?
+            tokens, seconds = self._excursion
+            self.probes.observed(tokens * self.curve(1) >= seconds)
+            self._excursion = None
         probe = self.probe_block(limit)
         if probe is None or not self.probes.probe_now():
             return 1
         self.estimate.soften(PROBE_SOFTEN)
+        self._excursion = [0.0, 0.0]
         return probe
 
     def probe_block(self, limit: int) -> int | None:
-        """The smallest block from PROBE_BLOCK up to `limit` that would beat plain decoding if all its
-        drafts were accepted, or None."""
+        """The smallest block from PROBE_BLOCK up to `limit` that would beat plain decoding if the drafts
+        were accepted as a good drafter's are (each position at least PRIOR_RATE), or None."""
         plain = 1.0 / self.curve(1)
-        return next((b for b in range(PROBE_BLOCK, limit + 1) if b / self.curve(b) > plain), None)
+        hoped = [max(PRIOR_RATE, r) for r in self.estimate.rates()]
+        expected, reach = 1.0, 1.0
+        for b in range(2, limit + 1):
+            reach *= hoped[b - 2] if b - 2 < len(hoped) else 0.0
+            expected += reach
+            if b >= PROBE_BLOCK and expected / self.curve(b) > plain:
+                return b
+        return None
 
     def observe(self, block_size: int, accepted: int | None, seconds: float) -> None:
         if self.refine and seconds > 0:
             self.curve.observe(block_size, seconds)
-        if block_size > 1:  # (b = 1 cycles are observed late when pipelined: they say nothing of a probe)
-            if accepted is not None:
-                self.estimate.observe(block_size - 1, accepted)
-            # a cycle "paid" when it accepted a draft and, with what it showed, a block > 1 is now the better choice
-            self.probes.observed(None if accepted is None else accepted > 0 and self.best(self.max_block) > 1)
+        if block_size > 1 and accepted is not None:  # (b = 1 cycles are observed late when pipelined)
+            self.estimate.observe(block_size - 1, accepted)
+            if self._excursion is not None:  # the probe and the larger blocks it led to, judged together
+                self._excursion[0] += accepted + 1
+                self._excursion[1] += self.curve(block_size)
+            elif accepted:
+                self.probes.observed(True)  # drafting on its merits: a fresh gap when it next stops
 
 
 @dataclass
