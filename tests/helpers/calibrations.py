@@ -1,0 +1,31 @@
+"""A cost curve written into the calibration cache, for tests whose point needs blocks to pay.
+
+On this CPU the bundled pair in bfloat16 (as mlx-lm's loader leaves it) costs
+T(8) ~ 5 T(1): no block beats plain decoding, so the adaptive block rightly
+never drafts. Tests that show the plugin drafting write the curve of a machine
+where verifying a block costs little more than one token (a Mac's shape) with
+the calibration's own key, so the curve is what the policy reads.
+"""
+
+from __future__ import annotations
+
+import json
+
+from dflash_mlx.models.block_size import default_block_size
+from dflash_mlx.policy.calibration import calibration_file, calibration_key, grid_for
+from dflash_mlx.session import make_session
+
+
+def write_cheap_blocks_curve(model, draft, per_token: float = 0.02) -> str:
+    """Cache T(b) = T(1) * (1 + per_token * (b - 1)) for (`model`, `draft`) in the current
+    $DFLASH_MLX_CACHE_DIR; return the file's path."""
+    session = make_session(model, draft)
+    max_block = default_block_size(model, draft)
+    grid = grid_for(max_block)
+    key = calibration_key(session.target, session.proposer, max_block)
+    path = calibration_file(session.target, session.proposer, max_block)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    seconds = [0.005 * (1 + per_token * (b - 1)) for b in grid]
+    doc = {"key": key, "grid": grid, "seconds": seconds, "calibration_seconds": 0.0, "measured_at": 0.0}
+    path.write_text(json.dumps(doc, default=str), encoding="utf-8")
+    return str(path)
