@@ -30,10 +30,10 @@ is measured at the block that was fastest on the other half (the maximum of
 six noisy legs measured on the same units is biased upwards).
 
 For the trained pairs (demo-gsm8k, synthetic) it also reports the engine's
-overhead at block 8 end to end: the ideal time of each reply, its prefill
-(the engine run to its first token) plus its cycles times the separately
-timed drafter (context ingest + draft) and target verify forwards on its
-prompt's context, over the measured time.
+overhead at block 8 end to end: per unit, the reply's prefill plus as many
+separately timed drafter (context ingest + draft) and target verify forwards
+as it had cycles, at its middle context, measured right after the reply,
+over the reply's time (`overhead_at_8`).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python3 scripts/bench_adaptive.py --synthetic /tmp/dflash-synthetic --out report.json
@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -229,9 +228,10 @@ def run_setting(name, model, tokenizer, draft, prompts, max_tokens, largest, rou
     return out
 
 
-def forward_times(model, draft, prompt, block: int, kept: int, repeats: int = 30) -> tuple[float, float]:
-    """Median seconds of the drafter's work in a cycle (ingesting `kept` context rows, drafting block - 1
-    tokens) and of one target verify of `block` rows, each evaluated on its own."""
+def forward_times(model, draft, prompt, block: int, kept: int, repeats: int) -> list[float]:
+    """Seconds of `repeats` cycles' forwards, each evaluated on its own: the drafter's work (ingesting
+    `kept` context rows, drafting block - 1 tokens) plus one target verify of `block` rows, after the
+    prompt (after 3 untimed ones)."""
     session = make_session(model, draft)
     cycles = speculative_cycles(session.target, prompt, session.proposer, max_tokens=-1, block_size=1,
                                 session=session)  # fmt: skip
@@ -239,11 +239,11 @@ def forward_times(model, draft, prompt, block: int, kept: int, repeats: int = 30
     cycles.close()
     target, proposer, cache = session.target, session.proposer, session.cache
     anchor, position = mx.array(first.tokens, mx.int32), len(session.tokens)
-    drafts_t, verify_t = [], []
-    features = None
+    times, features = [], None
     for _ in range(repeats + 3):
-        tic = time.perf_counter()
+        context = 0.0
         if features is not None:
+            tic = time.perf_counter()
             proposer.add_context(features[:, :kept])
             mx.eval(proposer.state())
             context = time.perf_counter() - tic
@@ -252,37 +252,46 @@ def forward_times(model, draft, prompt, block: int, kept: int, repeats: int = 30
         tic = time.perf_counter()
         drafts = proposer.propose(anchor, position, block - 1).tokens
         mx.eval(drafts)
-        mid = time.perf_counter()
         logits, features, record = target.verify(mx.concatenate([anchor, drafts])[None], cache)
         mx.eval(logits, features)
-        done = time.perf_counter()
+        times.append(context + time.perf_counter() - tic)
         rollback(cache, record, keep=0)
-        drafts_t.append(mid - tic + (context if len(verify_t) else 0.0))
-        verify_t.append(done - mid)
-    return statistics.median(drafts_t[3:]), statistics.median(verify_t[3:])
+    return times[3:]
 
 
 def overhead_at_8(model, draft, prompts, max_tokens, eos, rounds: int = 3) -> dict:
-    """The engine's speed at fixed block 8 against the ideal from separately timed forwards, end to end:
-    ideal time of a reply = its prefill (the engine run to its first token) + cycles x (T_draft + T_verify),
-    T measured on that prompt's context (median of 15)."""
+    """The engine's speed at fixed block 8 against the ideal from separately timed forwards, end to end.
+
+    Per unit (a prompt in a round, measured back to back so the machine's drift hits both alike): the
+    engine's reply, its prefill (the engine run to its first token), and as many separately timed
+    cycles of forwards as the reply had, at its middle context (the prompt and the first half of the
+    reply: a cycle's cost grows with its context). Ideal = prefill + the sum of those cycles (a sum,
+    not a median: the reply pays the machine's hiccups too). Ratio of summed times, with a 95%
+    bootstrap interval over the units.
+    """
     def engine(p, limit):
         session = make_session(model, draft)
         return timed_cycles(speculative_cycles(session.target, p, session.proposer, max_tokens=limit,
                                                block_size=8, stop_tokens=eos, session=session))  # fmt: skip
 
-    measured = ideal = tokens = cycles = 0.0
+    units = Units(["measured", "ideal"])
     for p in prompts:
         engine(p, max_tokens)  # warm-up
-        runs = [engine(p, max_tokens) for _ in range(rounds)]
-        n, c = len(runs[0][0]), runs[0][2]
-        prefill = statistics.median(engine(p, 1)[3] for _ in range(rounds))
-        t_draft, t_verify = forward_times(model, draft, p, 8, kept=max(1, round((n - 1) / max(c, 1)) - 1), repeats=15)
-        measured += sum(r[3] for r in runs)
-        ideal += rounds * (prefill + c * (t_draft + t_verify))
-        tokens, cycles = tokens + rounds * (n - 1), cycles + rounds * c
-    return {"tokens_per_cycle": round(tokens / cycles, 3), "measured_seconds": round(measured, 3),
-            "ideal_seconds": round(ideal, 3), "ideal_over_measured": round(ideal / measured, 3)}  # fmt: skip
+    for _ in range(rounds):
+        for p in prompts:
+            tokens, _, c, seconds = engine(p, max_tokens)
+            n = len(tokens)
+            prefill = engine(p, 1)[3]
+            middle = mx.concatenate([p, mx.array(tokens[: n // 2], p.dtype)])
+            kept = max(1, round((n - 1) / max(c, 1)) - 1)
+            ideal = prefill + sum(forward_times(model, draft, middle, 8, kept=kept, repeats=c))
+            units.rows.append({"measured": (n, 0.0, c, seconds), "ideal": (n, 0.0, c, ideal)})
+    tokens = sum(u["measured"][0] - 1 for u in units.rows)
+    cycles = sum(u["measured"][2] for u in units.rows)
+    return {"tokens_per_cycle": round(tokens / cycles, 3),
+            "measured_seconds": round(sum(u["measured"][3] for u in units.rows), 3),
+            "ideal_seconds": round(sum(u["ideal"][3] for u in units.rows), 3),
+            "ideal_over_measured": units.ratio("measured", "ideal")}  # fmt: skip
 
 
 def untrained_copy(draft):
