@@ -167,3 +167,14 @@ def test_blocks_past_one_are_fitted_with_a_line_unless_it_misses():
     table = [[6.0, 11.6, 12.1, 12.1, 12.1, 15.6], [6.2, 11.9, 12.0, 12.6, 12.9, 13.1]]
     fitted = fitted_curve(grid, table)
     assert fitted == non_decreasing(fitted) and fitted[0] == pytest.approx(6.1, rel=0.01)
+
+
+def test_the_rounds_stop_at_the_time_budget_after_the_minimum(setup):
+    """A model whose rounds take long calibrates in about BUDGET_SECONDS: past MIN_ROUNDS no round starts
+    after the budget; without one (sharded ranks) every round runs."""
+    _, _, _, target, proposer = setup
+    grid = grid_for(4)
+    spent = calibration.measure(target, proposer, grid, rounds=4, budget=0.0)
+    assert len(spent) == calibration.MIN_ROUNDS and all(len(row) == len(grid) for row in spent)
+    assert len(calibration.measure(target, proposer, grid, rounds=4, budget=None)) == 4
+    assert len(calibration.measure(target, proposer, grid, rounds=3, budget=60.0)) == 3

@@ -14,10 +14,12 @@ b = 1 step's time includes queueing the next cycle, so the last b = 1 step
 of a stretch (which queues the next block) is not timed either. Plain steps
 are short and their time decides whether drafting pays at all, so b = 1
 stretches are longer (STRETCH) and a round's b = 1 time is the median of
-its timed steps. Rounds alternate the
-blocks, after a warm-up cycle of each; the curve is fitted to their table of
-times (`fit.fitted_curve`: median polish across rounds, non-decreasing in b,
-a line past b = 1), as noise in a single block's time would otherwise make
+its timed steps. Rounds alternate the blocks, after a warm-up cycle of
+each: ROUNDS of them, fewer where they take long (past MIN_ROUNDS, none
+starts after BUDGET_SECONDS, so a large model on a slow machine calibrates
+in about that time). The curve is fitted to their table of times
+(`fit.fitted_curve`: median polish across rounds, non-decreasing in b, a
+line past b = 1), as noise in a single block's time would otherwise make
 the argmax pick the block. A cache
 file that cannot be read, is of another format or describes another setup is
 ignored and rewritten (atomically). `<cache>` is $DFLASH_MLX_CACHE_DIR, else
@@ -58,6 +60,8 @@ from .fit import fitted_curve
 FORMAT = 4  # bump when what is measured changes
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 ROUNDS = 4  # timed rounds, after a warm-up cycle of each block
+MIN_ROUNDS = 2  # the rounds run whatever the budget
+BUDGET_SECONDS = 1.5  # past MIN_ROUNDS, no round starts after this long (a large model on a slow machine)
 SHARDED_ROUNDS = 5
 STRETCH = {1: 6}  # cycles per block in a stretch (2 unless given), the first one not timed
 PROMPT_TOKENS = 16
@@ -166,9 +170,11 @@ class _DummyDrafts:
         return Proposal(tokens=mx.zeros((count,), mx.int32))
 
 
-def measure(target, proposer, grid: list[int], rounds: int = ROUNDS) -> list[list[float]]:
+def measure(target, proposer, grid: list[int], rounds: int = ROUNDS,
+            budget: float | None = BUDGET_SECONDS) -> list[list[float]]:  # fmt: skip
     """Seconds per cycle at each grid block, one row per round (after a warm-up cycle of each block),
-    measured by the loop itself on private state."""
+    measured by the loop itself on private state. Once MIN_ROUNDS rounds are done, no round starts
+    after `budget` seconds (None: all `rounds`, as sharded ranks must run the same cycles)."""
     from ..engine import speculative_cycles  # the engine imports this package
     from ..session import Session
 
@@ -183,14 +189,17 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS) -> list[lis
     prompt = mx.array([(7919 * i + 13) % vocab for i in range(PROMPT_TOKENS)], mx.int32)
     cycles = speculative_cycles(target, prompt, private, max_tokens=-1, block_size=policy,
                                 session=Session(target, private))  # fmt: skip
+    per_round, start = len(one_round), time.perf_counter()
     try:
         for _ in cycles:
-            if policy.done:
+            done, within = divmod(len(policy.seconds) - len(grid), per_round)
+            if policy.done or (budget is not None and within == 0 and done >= MIN_ROUNDS
+                               and time.perf_counter() - start > budget):  # fmt: skip
                 break
     finally:
         cycles.close()
-    per_round, table = len(one_round), []
-    for r in range(rounds):
+    table = []
+    for r in range(min(rounds, (len(policy.seconds) - len(grid)) // per_round)):
         samples: dict[int, list[float]] = {b: [] for b in grid}
         start = len(grid) + r * per_round
         for (b, seconds), t in zip(policy.seconds[start : start + per_round], timed):
@@ -229,13 +238,17 @@ def cost_curve(target, proposer, max_block: int, *, force: bool = False) -> Cost
                                                                       len(key["grid"])))  # fmt: skip
         if curve is None:
             tic = time.perf_counter()
-            rounds = ROUNDS if group is None else SHARDED_ROUNDS
-            seconds = fitted_curve(key["grid"], measure(target, proposer, key["grid"], rounds=rounds))
+            if group is None:
+                table = measure(target, proposer, key["grid"])
+            else:
+                table = measure(target, proposer, key["grid"], rounds=SHARDED_ROUNDS, budget=None)
+            seconds = fitted_curve(key["grid"], table)
             if group is not None:
                 seconds = broadcast_floats(group, seconds if leader else None, len(seconds))
             curve = CostCurve(list(key["grid"]), seconds)
             doc = {"key": key, "grid": curve.grid, "seconds": curve.seconds,
-                   "calibration_seconds": round(time.perf_counter() - tic, 3), "measured_at": time.time()}  # fmt: skip
+                   "rounds": len(table), "calibration_seconds": round(time.perf_counter() - tic, 3),
+                   "measured_at": time.time()}  # fmt: skip
             try:
                 if leader:
                     path.parent.mkdir(parents=True, exist_ok=True)
