@@ -183,6 +183,20 @@ def test_a_drafters_history_is_the_next_generations_prior():
         assert policy.choose(100) == (8 if history is not None else 1)
 
 
+def test_one_unlucky_first_cycle_does_not_turn_a_fresh_history():
+    """A process's first reply with a trained drafter whose first cycle rejects every draft (the synthetic
+    pair's weakest prompt: 1, 2, 2, 3 tokens per cycle at b = 8) keeps drafting, and so does the next reply:
+    the generation's own cycles count once, not also through the history's live rates."""
+    learnt = learnt_estimate(7)
+    first = generation(DRAFTING_COSTS, learnt)
+    chosen = []
+    for accepted in (0, 1, 1, 2):
+        chosen.append(first.choose(100))
+        first.observe(chosen[-1], accepted, 0.0)
+    assert chosen[0] == 8 and min(chosen) > 1
+    assert generation(DRAFTING_COSTS, learnt).choose(100) > 1
+
+
 def test_a_drafter_usually_wrong_starts_the_next_generation_plainly():
     learnt = learnt_estimate(7)
     simulate(generation(DRAFTING_COSTS, learnt), [0.0], 40)

@@ -15,10 +15,15 @@ drafts).
 A drafter's own history is the better prior: `learnt` is a long-run estimate
 (discounted by LEARNT_DISCOUNT per cycle, ~100 cycles of memory across
 generations) that observes every cycle this one observes; a new generation
-takes its rates (as they stand, its own cycles included) as per-position
-priors weighing LEARNT_WEIGHT cycles. So one
-rejection at the start of a short reply does not send a drafter that is
-usually right to b = 1, and a drafter that is usually wrong starts at b = 1.
+takes its rates as they stood when it began as per-position priors weighing
+LEARNT_WEIGHT cycles, a weight discounted like the generation's own
+observations (so a long generation ends up judged on its own recent
+cycles). Its own cycles count once: with the history's live rates as priors
+they counted twice, and a trained drafter whose first cycle in a process was
+rejected went to b = 1 for the rest of that reply and the start of the next.
+So one rejection at the start of a short reply does not send a drafter that
+is usually right to b = 1, and a drafter that is usually wrong starts at
+b = 1.
 E(b) = 1 + sum_{k=1}^{b-1} prod_{j<k} a_j is what a cycle at block b is
 expected to commit.
 """
@@ -29,7 +34,7 @@ PRIOR_RATE = 0.8  # DFlash drafters accept ~5 of 15 drafts in distribution: opti
 PRIOR_WEIGHT = 0.5  # pseudo-observations behind the prior (a useless drafter's floor: 0.4 / 20.5, 2%)
 DISCOUNT = 0.95  # weight of older observations per new one (about 20 cycles of memory)
 LEARNT_DISCOUNT = 0.99  # the drafter's long-run history (about 100 cycles, across generations)
-LEARNT_WEIGHT = 3.0  # pseudo-observations behind a generation's prior taken from that history
+LEARNT_WEIGHT = 2.0  # pseudo-observations behind a generation's prior taken from that history
 LEARNT_PRIOR_WEIGHT = 2.0  # pseudo-observations behind the history's own prior (PRIOR_RATE)
 
 
@@ -44,9 +49,12 @@ class AcceptanceEstimate:
         self.accepted = [0.0] * positions  # discounted successes per position
         self.seen = [0.0] * positions  # discounted observations per position
         self.learnt = learnt
+        self._priors: list[float] | None = None  # per position: the history's rates when this one began
+        self._prior_weights: list[float] = []  # theirs, discounted like observations of the position
         if learnt is not None:
             learnt.grow(positions)
-            self.weight = LEARNT_WEIGHT
+            self._priors = learnt.rates()
+            self._prior_weights = [LEARNT_WEIGHT] * positions
 
     @property
     def positions(self) -> int:
@@ -57,6 +65,8 @@ class AcceptanceEstimate:
         for k in range(min(drafted, accepted + 1, self.positions)):
             self.seen[k] = self.seen[k] * self.discount + 1.0
             self.accepted[k] = self.accepted[k] * self.discount + (1.0 if k < accepted else 0.0)
+            if self._priors is not None:
+                self._prior_weights[k] *= self.discount
         if self.learnt is not None:
             self.learnt.observe(drafted, accepted)
 
@@ -75,14 +85,13 @@ class AcceptanceEstimate:
 
     def rates(self) -> list[float]:
         """The estimated a_k of every position."""
-        priors = self.learnt.rates() if self.learnt is not None else None
-        out, prior, w = [], self.prior, self.weight
+        out = []
         for k in range(self.positions):
-            if priors is not None:
-                prior = priors[k]
+            if self._priors is None:  # the bare prior: a deeper position's never above position 0's rate
+                prior, w = (self.prior if k == 0 else min(self.prior, out[0])), self.weight
+            else:  # the history: what the drafter did at this depth
+                prior, w = self._priors[k], self._prior_weights[k]
             out.append((self.accepted[k] + w * prior) / (self.seen[k] + w))
-            if k == 0:
-                prior = min(prior, out[0])
         return out
 
     def rate(self, k: int) -> float:
