@@ -189,12 +189,12 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS,
     prompt = mx.array([(7919 * i + 13) % vocab for i in range(PROMPT_TOKENS)], mx.int32)
     cycles = speculative_cycles(target, prompt, private, max_tokens=-1, block_size=policy,
                                 session=Session(target, private))  # fmt: skip
-    per_round, start = len(one_round), time.perf_counter()
+    per_round, began = len(one_round), time.perf_counter()
     try:
         for _ in cycles:
             done, within = divmod(len(policy.seconds) - len(grid), per_round)
             if policy.done or (budget is not None and within == 0 and done >= MIN_ROUNDS
-                               and time.perf_counter() - start > budget):  # fmt: skip
+                               and time.perf_counter() - began > budget):  # fmt: skip
                 break
     finally:
         cycles.close()
