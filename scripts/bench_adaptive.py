@@ -121,11 +121,14 @@ def make_legs(model, tokenizer, draft, max_tokens, largest):
     main_cycles = old_engine()
 
     def engine(fn, block):
-        def leg(prompt):
+        def leg(prompt):  # timed from the session and the policy on, as stream_generate's legs are
+            tic = time.perf_counter()
             session = make_session(model, draft)
             b = block() if callable(block) else block
-            return timed_cycles(fn(session.target, prompt, session.proposer, max_tokens=max_tokens, block_size=b,
-                                   stop_tokens=eos, session=session))  # fmt: skip
+            tokens, decode, cycles, _ = timed_cycles(fn(session.target, prompt, session.proposer,
+                                                        max_tokens=max_tokens, block_size=b, stop_tokens=eos,
+                                                        session=session))  # fmt: skip
+            return tokens, decode, cycles, time.perf_counter() - tic
         return leg
 
     def policy():
