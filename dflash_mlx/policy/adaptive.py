@@ -4,7 +4,10 @@ E(b) comes from the live acceptance estimate (`estimate`), T(b) from the
 calibrated, online-refined cost curve (`cost`). At b = 1 nothing is learnt
 about acceptance, so the policy probes a larger block now and then: first
 after PROBE_GAP cycles at b = 1, and after each excursion that did not pay
-twice as long (up to MAX_PROBE_GAP). An excursion is a probe and the larger
+twice as long (up to MAX_PROBE_GAP, and never longer than the gap at which
+a failing probe adds PROBE_BUDGET to the plain steps' time: where a block
+costs little more than a plain step, a Mac's memory-bound curve, a drafter
+that turns good is found within PROBE_GAP cycles). An excursion is a probe and the larger
 blocks it led to, until the policy is back at b = 1; it paid when it
 committed at least the tokens plain decoding would have in its (calibrated)
 time, so a lucky probe of a drafter whose blocks do not pay on average is
@@ -39,6 +42,7 @@ PROBE_BLOCK = 2
 PROBE_GAP = 8
 MAX_PROBE_GAP = 64
 PROBE_SOFTEN = 0.5
+PROBE_BUDGET = 0.005  # what failing probes may add to the plain steps' time: the gap is capped by it
 
 
 class ProbeSchedule:
@@ -55,10 +59,11 @@ class ProbeSchedule:
         """A block > 1 was chosen on its merits."""
         self.idle = 0
 
-    def probe_now(self, min_gap: float = 0) -> bool:
-        """Another cycle chosen at b = 1: whether to probe instead."""
+    def probe_now(self, min_gap: float = 0, max_gap: float = MAX_PROBE_GAP) -> bool:
+        """Another cycle chosen at b = 1: whether to probe instead (the gap bounded by `min_gap` and
+        `max_gap`, the state it has earned kept)."""
         self.idle += 1
-        if self.idle < max(self.gap, min_gap):
+        if self.idle < max(min(self.gap, max_gap), min_gap):
             return False
         self.idle, self.probing = 0, True
         return True
@@ -108,7 +113,10 @@ class AdaptiveBlock:
             self.probes.observed(tokens * self.curve(1) >= seconds)
             self._excursion = None
         probe = self.probe_block(limit)
-        if probe is None or not self.probes.probe_now():
+        if probe is None:
+            return 1
+        affordable = (self.curve(probe) / self.curve(1) - 1) / PROBE_BUDGET  # gap where probes cost the budget
+        if not self.probes.probe_now(max_gap=max(PROBE_GAP, affordable)):
             return 1
         self.estimate.soften(PROBE_SOFTEN)
         self._excursion = [0.0, 0.0]
