@@ -18,6 +18,7 @@ from dflash_mlx.models.block_size import default_block_size
 from dflash_mlx.policy import calibration
 from dflash_mlx.policy.calibration import calibration_file, calibration_key, grid_for
 from dflash_mlx.session import make_session
+from dflash_mlx.utils.io import write_json_atomic
 
 
 def write_cheap_blocks_curve(model, draft, per_token: float = 0.02) -> str:
@@ -31,7 +32,7 @@ def write_cheap_blocks_curve(model, draft, per_token: float = 0.02) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     seconds = [0.005 * (1 + per_token * (b - 1)) for b in grid]
     doc = {"key": key, "grid": grid, "seconds": seconds, "calibration_seconds": 0.0, "measured_at": 0.0}
-    path.write_text(json.dumps(doc, default=str), encoding="utf-8")
+    write_json_atomic(path, json.loads(json.dumps(doc, default=str)))  # (as the calibration writes its own)
     forget_curve(path)
     return str(path)
 
