@@ -339,8 +339,10 @@ def test_stop_is_clean_even_with_a_request_in_flight(pair):
     srv = make_server(model, tokenizer, draft, port=0).start()
     host, port = srv.server_address[:2]
     conn = http.client.HTTPConnection(host, port, timeout=60)
+    # The tiny target ends this prompt's reply with EOS (token 0) after 230 tokens, which could finish
+    # before stop() cancels it; with EOS barred the reply runs to the 4096-token context, seconds away.
     conn.request("POST", "/v1/completions", body=json.dumps({"prompt": list(range(8, 40)), "max_tokens": 100000,
-                                                             "stream": True}))  # fmt: skip
+                                                             "logit_bias": {"0": -100}, "stream": True}))  # fmt: skip
     response = conn.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data: ")
     tic = time.perf_counter()
