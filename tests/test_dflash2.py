@@ -119,3 +119,20 @@ def test_sampled_generation_runs_through_the_selector(tiny_target, draft2_factor
     assert first == run(3) and len(first) >= 1
     cycles = [c for _, c in first if c is not None]
     assert sum(cycles) == len(first) - 1
+
+
+def test_a_dflash2_block_ingests_the_newest_context_rows_in_its_own_forward(tiny_target, draft2_factory):
+    target_dir = tiny_target("qwen3")
+    model, _, draft = load_pair(target_dir, draft2_factory(target_dir))
+    adapter = TargetAdapter(model, tuple(draft.config.target_layer_ids))
+    feats = adapter.forward(mx.array([prompt_ids(12, seed=5)]), adapter.make_cache())[1]
+    block = mx.array([[17] + [draft.config.mask_token_id] * 4])
+    apart, fused = draft.make_cache(), draft.make_cache()
+    for cache in (apart, fused):
+        draft.extend_context(feats[:, :8], cache)
+    draft.extend_context(feats[:, 8:], apart)
+    want = np.array(draft.hidden_states(block, apart, adapter))
+    got = np.array(draft.hidden_states(block, fused, adapter, feats[:, 8:]))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert [c.end for c in fused] == [c.end for c in apart] == [12, 12]
+    np.testing.assert_allclose(np.array(draft.hidden_states(block, fused, adapter)), want, atol=1e-5, rtol=1e-5)

@@ -421,6 +421,30 @@ def test_drafting_writes_the_block_after_the_context_and_leaves_it_intact(tiny_d
                                _logits(draft, model, (520,), feats=feats), atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
+@pytest.mark.parametrize("kind", ["full", "causal", "sliding", "bounded"])
+@pytest.mark.parametrize("split", [7, 3])  # sliding at 3: more fused rows (7) than the window shows (3)
+def test_a_block_ingests_the_newest_context_rows_in_its_own_forward(kind, split, tiny_draft, qwen3_target, model):
+    """`draft(block, cache, hooks, features)` = ingesting `features` with `extend_context`, then the
+    block: the same logits, the same cache (positions, visible rows, keys and values), and a later
+    block sees the same context."""
+    extra = {"full": {}, "causal": {"is_causal": True}, "sliding": SLIDING, "bounded": {}}[kind]
+    draft = load_draft(tiny_draft(qwen3_target, target_layer_ids=[1, 2], **extra), model)
+    adapter, feats = TargetAdapter(model, (1, 2)), _features(model, (1, 2))[None]
+    bound = 5 if kind == "bounded" else None
+    apart, fused = draft.make_cache(bound), draft.make_cache(bound)
+    draft.extend_context(feats[:, :split], apart)
+    draft.extend_context(feats[:, split:], apart)
+    want = np.array(draft(BLOCK[None], apart, adapter))
+    draft.extend_context(feats[:, :split], fused)
+    got = np.array(draft(BLOCK[None], fused, adapter, feats[:, split:]))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    for a, f in zip(apart, fused):
+        assert f.end == a.end == 10 and (f.visible_rows, f.start) == (a.visible_rows, a.start)
+        for x, y in zip(f.fetch(), a.fetch()):
+            np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.array(draft(BLOCK[None], fused, adapter)), want, atol=1e-5, rtol=1e-5)
+
+
 def test_sliding_window_rule(tiny_draft, qwen3_target, model):
     """Context key visible iff query_pos - key_pos < window. One causal layer, window 4, block
     [anchor, mask] after 10 rows: row 1 sees the last 2 context rows only, like a full layer fed

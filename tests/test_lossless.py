@@ -180,6 +180,32 @@ def test_draft_context_holds_committed_positions_only(pair):
             assert all(c.visible_rows == anchor_position for c in proposer.cache)
 
 
+def test_the_proposer_hands_its_newest_context_to_the_next_block(pair):
+    """The last rows handed over wait for the next block's forward (fused there); a second handover,
+    the state, or a look at the cache ingests them first. Drafts equal those of a proposer whose
+    context was ingested apart."""
+    model, tokenizer, draft = pair("qwen3")
+    prompt = mx.array([prompt_ids(13)])
+    waiting, apart = DFlashProposer(draft), DFlashProposer(draft)
+    target = TargetAdapter(model, waiting.layer_ids)
+    features = target.forward(prompt, target.make_cache())[1]
+    for p in (waiting, apart):
+        p.start(target, prompt[0])
+    waiting.add_context(features[:, :5])
+    assert waiting._pending is not None and waiting.context_end == 5 and waiting._cache[0].end == 0
+    waiting.add_context(features[:, 5:12])  # the first batch is ingested, the second waits
+    assert waiting._cache[0].end == 5 and waiting.context_end == 12
+    apart.add_context(features[:, :12])
+    apart.state()  # ingested
+    assert apart._pending is None and apart._cache[0].end == 12
+    anchor = mx.array([int(prompt[0, 12])])
+    fused = waiting.propose(anchor, 12, 5).tokens
+    assert waiting._pending is None and waiting._cache[0].end == 12
+    assert fused.tolist() == apart.propose(anchor, 12, 5).tokens.tolist()
+    waiting.add_context(features[:, 12:])
+    assert [c.end for c in waiting.cache] == [13, 13] and waiting._pending is None  # `cache` ingests
+
+
 def test_bounded_draft_context_stays_lossless(pair):
     model, tokenizer, draft = pair("qwen3")
     prompt = prompt_ids(30, seed=2)

@@ -60,9 +60,9 @@ class DFlash2Layer(DraftLayer):
         self.attention_conv = GroupedDynamicConv(H, K, G)
         self.mlp_conv = GroupedDynamicConv(H, K, G)
 
-    def __call__(self, x: mx.array, cache: DraftContextCache, rope) -> mx.array:
+    def __call__(self, x: mx.array, cache: DraftContextCache, rope, context: mx.array | None = None) -> mx.array:
         u, dynamic = self.attention_conv.prepare(self.input_layernorm(x))
-        h = x + self.attention_conv.finish(self.self_attn(u, cache, rope), dynamic)
+        h = x + self.attention_conv.finish(self.self_attn(u, cache, rope, context), dynamic)
         u, dynamic = self.mlp_conv.prepare(self.post_attention_layernorm(h))
         return h + self.mlp_conv.finish(self.mlp(u), dynamic)
 

@@ -4,7 +4,9 @@ The drafter is a short stack of Qwen3-style layers whose attention takes its
 queries from the block being drafted and its keys/values from both the block
 and the *context*: the target's hidden states of committed positions, fused by
 `fc` + `hidden_norm`. Context K/V are cached across cycles; block rows are never
-stored, so nothing in the drafter needs rolling back. It owns no embedding and no
+stored, so nothing in the drafter needs rolling back. Context rows committed
+since the last block can be ingested by the block's own forward (`context=`):
+one K/V projection over [new context rows, block] per layer instead of two. It owns no embedding and no
 head: both come from the target (see `dflash_mlx.targets.adapter.TargetAdapter`).
 """
 
@@ -77,19 +79,23 @@ class DraftContextCache:
         self._rows += n
         self.end += n
 
-    def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, int]:
+    def with_block(self, keys: mx.array, values: mx.array, commit: int = 0) -> tuple[mx.array, mx.array, int]:
         """The visible context rows followed by a block's `keys` / `values`, and the context's row count.
 
         The block is written into the buffers right after the held rows (which stay `held_rows`:
         the next `append` overwrites it), so a long context is not copied every cycle, as
-        concatenating it with the block would.
+        concatenating it with the block would. With `commit`, the first `commit` of the given rows
+        are new context rows (appended, as `append` would) and the rest the block.
         """
         n = keys.shape[2]
         if self.keys is None or self._rows + n > self.keys.shape[2]:
             self._grow(keys, values, n)
-        lo, hi = self._rows - self.visible_rows, self._rows + n
+        hi = self._rows + n
         self.keys[..., self._rows : hi, :] = keys
         self.values[..., self._rows : hi, :] = values
+        self._rows += commit
+        self.end += commit
+        lo = self._rows - self.visible_rows
         return self.keys[..., lo:hi, :], self.values[..., lo:hi, :], self._rows - lo
 
     def fetch(self) -> tuple[mx.array, mx.array] | tuple[None, None]:
@@ -172,11 +178,19 @@ class DraftAttention(nn.Module):
             context = context[:, -cache.max_rows :]
         cache.append(*self._keys_values(context, rope, cache.end))
 
-    def __call__(self, x: mx.array, cache: DraftContextCache, rope) -> mx.array:
+    def __call__(self, x: mx.array, cache: DraftContextCache, rope, context: mx.array | None = None) -> mx.array:
+        """The block `x`'s attention output; `context` (fused rows of newly committed positions, at
+        `cache.end..`) is added to the cache on the way, in the same K/V projection as the block."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
-        q = rope(q.transpose(0, 2, 1, 3), offset=cache.end)
-        k, v, ctx_len = cache.with_block(*self._keys_values(x, rope, cache.end))
+        if context is None:
+            q = rope(q.transpose(0, 2, 1, 3), offset=cache.end)
+            k, v, ctx_len = cache.with_block(*self._keys_values(x, rope, cache.end))
+        else:
+            n = context.shape[1]
+            q = rope(q.transpose(0, 2, 1, 3), offset=cache.end + n)
+            rows = mx.concatenate([context, x], axis=1)
+            k, v, ctx_len = cache.with_block(*self._keys_values(rows, rope, cache.end), commit=n)
         mask = cache.block_mask(L, ctx_len, self.causal, self.window)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -211,8 +225,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: DraftContextCache, rope) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache, rope)
+    def __call__(self, x: mx.array, cache: DraftContextCache, rope, context: mx.array | None = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache, rope, context)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -246,19 +260,26 @@ class DFlashDraftModel(nn.Module):
             caches.append(DraftContextCache(min(bounds) if bounds else None))
         return caches
 
+    def fuse_context(self, features: mx.array) -> mx.array:
+        """The context rows [B, S, H] of target features [B, S, n_ids * H]."""
+        return self.hidden_norm(self.fc(features))
+
     def extend_context(self, features: mx.array, cache: list[DraftContextCache]) -> None:
         """Ingest target features [B, S, n_ids * H] of newly committed positions."""
-        context = self.hidden_norm(self.fc(features))
+        context = self.fuse_context(features)
         for layer, c in zip(self.layers, cache):
             layer.self_attn.extend_context(context, c, self.rope)
 
-    def hidden_states(self, block_ids: mx.array, cache, target: TargetHooks) -> mx.array:
-        """Final normed hidden states of block rows 1.. (the anchor row dropped)."""
+    def hidden_states(self, block_ids: mx.array, cache, target: TargetHooks, features: mx.array | None = None
+                      ) -> mx.array:  # fmt: skip
+        """Final normed hidden states of block rows 1.. (the anchor row dropped). `features` (target
+        features of positions committed right before the block) are ingested by the same forward."""
         h = target.embed(block_ids)
         if self.config.input_embedding_scale != 1.0:
             h = h * self.config.input_embedding_scale
+        context = None if features is None else self.fuse_context(features)
         for layer, c in zip(self.layers, cache):
-            h = layer(h, c, self.rope)
+            h = layer(h, c, self.rope) if context is None else layer(h, c, self.rope, context)
         return self.norm(h[:, 1:])
 
     def logits(self, hidden: mx.array, target: TargetHooks) -> mx.array:
@@ -270,6 +291,7 @@ class DFlashDraftModel(nn.Module):
             logits = mx.tanh(logits / cap) * cap
         return logits
 
-    def __call__(self, block_ids: mx.array, cache, target: TargetHooks) -> mx.array:
-        """Draft logits [B, b - 1, V] for the block `[anchor, mask, ...]`."""
-        return self.logits(self.hidden_states(block_ids, cache, target), target)
+    def __call__(self, block_ids: mx.array, cache, target: TargetHooks, features: mx.array | None = None
+                 ) -> mx.array:  # fmt: skip
+        """Draft logits [B, b - 1, V] for the block `[anchor, mask, ...]` (`features`: see `hidden_states`)."""
+        return self.logits(self.hidden_states(block_ids, cache, target, features), target)

@@ -4,6 +4,9 @@
 (the target's features of every committed position, see `draft.model`), rewind
 it when a session reuses a prefix, and draft `count` tokens after an anchor.
 Whether drafts are sampled is the call's choice (`sampling`), never state.
+The last context handed over is held back and ingested by the next block's
+own forward (one K/V projection per layer for both, see `draft.model`);
+anything that reads the cache (`cache`, `state`, a save) ingests it first.
 """
 
 from __future__ import annotations
@@ -29,7 +32,23 @@ class DFlashProposer:
         self.max_context = max_context
         self._mask_id = drafter.config.mask_token_id
         self.target = None
-        self.cache = None
+        self._cache = None
+        self._pending: mx.array | None = None  # features of the newest context rows, not yet ingested
+
+    @property
+    def cache(self) -> list[DraftContextCache] | None:
+        """The drafter's context caches, holding every context row handed over."""
+        self._ingest()
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache: list[DraftContextCache] | None) -> None:
+        self._cache, self._pending = cache, None
+
+    def _ingest(self) -> None:
+        if self._pending is not None:
+            features, self._pending = self._pending, None
+            self.drafter.extend_context(features, self._cache)
 
     def fork(self, context: bool = False) -> DFlashProposer:
         """An independent proposer on the same drafter: an empty context (the calibration's), or
@@ -66,15 +85,18 @@ class DFlashProposer:
         return True
 
     def add_context(self, features: mx.array) -> None:
-        self.drafter.extend_context(features, self.cache)
+        self._ingest()  # at most one batch of rows waits
+        self._pending = features
 
     def state(self) -> list:
         return [c.state for c in self.cache or []]
 
     @property
     def context_end(self) -> int:
-        """Absolute position right after the last context row the drafter has seen."""
-        return self.cache[0].end if self.cache else 0
+        """Absolute position right after the last context row handed over."""
+        if not self._cache:
+            return 0
+        return self._cache[0].end + (0 if self._pending is None else self._pending.shape[1])
 
     def propose(self, anchor: mx.array, position: int, count: int, *, sampling=None, key=None) -> Proposal:
         if self.context_end != position:
@@ -83,10 +105,11 @@ class DFlashProposer:
             )
         masks = mx.full((count,), self._mask_id, dtype=mx.int32)
         block = mx.concatenate([anchor.reshape(1).astype(mx.int32), masks])[None]
-        return self._choose(block, anchor, sampling, key)
+        features, self._pending = self._pending, None
+        return self._choose(block, anchor, features, sampling, key)
 
-    def _choose(self, block: mx.array, anchor: mx.array, sampling, key) -> Proposal:
-        logits = self.drafter(block, self.cache, self.target)[0]
+    def _choose(self, block: mx.array, anchor: mx.array, features, sampling, key) -> Proposal:
+        logits = self.drafter(block, self._cache, self.target, features)[0]
         if sampling is None:
             return Proposal(tokens=mx.argmax(logits, axis=-1).astype(mx.int32))
         probs = distribution(logits, sampling)
@@ -98,8 +121,8 @@ class DFlash2Proposer(DFlashProposer):
     """A DFlash 2 drafter: its candidate selector walks the block (greedy, or sampling at the
     temperature with q living on each row's candidates)."""
 
-    def _choose(self, block: mx.array, anchor: mx.array, sampling, key) -> Proposal:
-        hidden = self.drafter.hidden_states(block, self.cache, self.target)[0]
+    def _choose(self, block: mx.array, anchor: mx.array, features, sampling, key) -> Proposal:
+        hidden = self.drafter.hidden_states(block, self._cache, self.target, features)[0]
         logits = self.drafter.logits(hidden, self.target)
         temperature = sampling.temperature if sampling is not None else 0.0
         path, candidates, q = self.drafter.candidate_selector.select(hidden, logits, anchor, temperature, key)
