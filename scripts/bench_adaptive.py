@@ -11,8 +11,9 @@ Legs, after one warm-up of each: mlx-lm's `stream_generate` (the baseline),
 dflash-mlx with no drafter (the plain path), DFlash adaptive, DFlash at each
 fixed block in {2, 3, 4, 5, 6, 8}; and at the engine level (cycles, no
 detokenizing) the adaptive policy, fixed block 8, and fixed block 8 through the
-engine of the main branch before adaptive blocks (commit 798f512, read with
-git, executed against today's package). A *unit* is one prompt in one round:
+engine and drafter of the main branch before adaptive blocks (commit 798f512:
+its engine.py, draft/model.py and proposers/dflash.py read with git and
+executed against today's package, the drafter given the same weights). A *unit* is one prompt in one round:
 every leg runs it, in a new random order each time, before any leg runs the
 next. Greedy; every leg's tokens are checked against the baseline's.
 
@@ -31,7 +32,7 @@ six noisy legs measured on the same units is biased upwards).
 
 For the trained pairs (demo-gsm8k, synthetic) it also reports the engine's
 overhead at block 8 end to end: per unit, the reply's prefill plus as many
-separately timed drafter (context ingest + draft) and target verify forwards
+separately timed drafter (context ingest fused with the draft) and target verify forwards
 as it had cycles, at its middle context, measured right after the reply,
 over the reply's time (`overhead_at_8`).
 
@@ -71,15 +72,34 @@ MAIN_COMMIT = "798f512"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def old_engine():
-    """The main branch's engine module before adaptive blocks, bound to today's package."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{MAIN_COMMIT}:dflash_mlx/engine.py"],
+def main_module(path: str, name: str, package: str, edit=lambda source: source) -> types.ModuleType:
+    """A module of the main branch before adaptive blocks (`path` at MAIN_COMMIT), bound to today's
+    package as `package.name` (benchmark only)."""
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{MAIN_COMMIT}:{path}"],
                             capture_output=True, text=True, check=True).stdout  # fmt: skip
-    module = types.ModuleType("dflash_mlx._engine_main", "the main branch's engine (benchmark only)")
-    module.__package__ = "dflash_mlx"
+    module = types.ModuleType(f"{package}.{name}", f"{path} of the main branch (benchmark only)")
+    module.__package__ = package
     sys.modules[module.__name__] = module  # dataclasses look their module up
-    exec(compile(source, f"{MAIN_COMMIT}:engine.py", "exec"), module.__dict__)
-    return module.speculative_cycles
+    exec(compile(edit(source), f"{MAIN_COMMIT}:{path}", "exec"), module.__dict__)
+    return module
+
+
+def old_engine():
+    """The main branch's engine (`speculative_cycles`)."""
+    return main_module("dflash_mlx/engine.py", "_engine_main", "dflash_mlx").speculative_cycles
+
+
+def old_proposer(draft):
+    """A main-branch proposer on a main-branch drafter with `draft`'s weights and config: the whole
+    visible context concatenated with the block every cycle, the context ingested on its own."""
+    model = main_module("dflash_mlx/draft/model.py", "_model_main", "dflash_mlx.draft")
+    proposers = main_module("dflash_mlx/proposers/dflash.py", "_dflash_main", "dflash_mlx.proposers",
+                            lambda src: src.replace("from ..draft.model import", "from ..draft._model_main import"))
+    if draft.config.is_dflash2:
+        raise ValueError("the main-branch drafter leg runs DFlash (v1) drafters only")
+    old = model.DFlashDraftModel(draft.config)
+    old.update(draft.parameters())
+    return proposers.DFlashProposer(old)
 
 
 def prompts_for(tokenizer, dataset: str, n: int, raw_file: Path | None = None) -> list[mx.array]:
@@ -118,12 +138,12 @@ def timed_cycles(cycles) -> tuple[list[int], float, int, float]:
 
 def make_legs(model, tokenizer, draft, max_tokens, largest):
     eos = tokenizer.eos_token_ids
-    main_cycles = old_engine()
+    main_cycles, main_draft = old_engine(), old_proposer(draft)
 
-    def engine(fn, block):
+    def engine(fn, block, drafter=draft):
         def leg(prompt):  # timed from the session and the policy on, as stream_generate's legs are
             tic = time.perf_counter()
-            session = make_session(model, draft)
+            session = make_session(model, drafter)
             b = block() if callable(block) else block
             tokens, decode, cycles, _ = timed_cycles(fn(session.target, prompt, session.proposer,
                                                         max_tokens=max_tokens, block_size=b, stop_tokens=eos,
@@ -146,7 +166,7 @@ def make_legs(model, tokenizer, draft, max_tokens, largest):
                                                              block_size=b))  # fmt: skip
     legs["engine adaptive"] = engine(speculative_cycles, policy)
     legs["engine b8"] = engine(speculative_cycles, 8)
-    legs[f"engine b8 main@{MAIN_COMMIT}"] = engine(main_cycles, 8)
+    legs[f"engine b8 main@{MAIN_COMMIT}"] = engine(main_cycles, 8, main_draft)
     return legs
 
 
@@ -232,9 +252,9 @@ def run_setting(name, model, tokenizer, draft, prompts, max_tokens, largest, rou
 
 
 def forward_times(model, draft, prompt, block: int, kept: int, repeats: int) -> list[float]:
-    """Seconds of `repeats` cycles' forwards, each evaluated on its own: the drafter's work (ingesting
-    `kept` context rows, drafting block - 1 tokens) plus one target verify of `block` rows, after the
-    prompt (after 3 untimed ones)."""
+    """Seconds of `repeats` cycles' forwards, each evaluated on its own: the drafter's forward (ingesting
+    `kept` context rows while drafting block - 1 tokens, as the loop does) plus one target verify of
+    `block` rows, after the prompt (after 3 untimed ones)."""
     session = make_session(model, draft)
     cycles = speculative_cycles(session.target, prompt, session.proposer, max_tokens=-1, block_size=1,
                                 session=session)  # fmt: skip
@@ -244,21 +264,17 @@ def forward_times(model, draft, prompt, block: int, kept: int, repeats: int) -> 
     anchor, position = mx.array(first.tokens, mx.int32), len(session.tokens)
     times, features = [], None
     for _ in range(repeats + 3):
-        context = 0.0
-        if features is not None:
-            tic = time.perf_counter()
-            proposer.add_context(features[:, :kept])
-            mx.eval(proposer.state())
-            context = time.perf_counter() - tic
-            for c in proposer.cache:
-                c.trim(kept)
         tic = time.perf_counter()
-        drafts = proposer.propose(anchor, position, block - 1).tokens
+        if features is not None:  # ingested by the block's forward, as in the loop
+            proposer.add_context(features[:, :kept])
+        drafts = proposer.propose(anchor, proposer.context_end, block - 1).tokens
         mx.eval(drafts)
         logits, features, record = target.verify(mx.concatenate([anchor, drafts])[None], cache)
         mx.eval(logits, features)
-        times.append(context + time.perf_counter() - tic)
+        times.append(time.perf_counter() - tic)
         rollback(cache, record, keep=0)
+        for c in proposer.cache:
+            c.trim(c.end - position)
     return times[3:]
 
 
