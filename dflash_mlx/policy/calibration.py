@@ -57,7 +57,7 @@ from .base import ScheduledBlocks
 from .cost import CostCurve
 from .fit import fitted_curve
 
-FORMAT = 4  # bump when what is measured changes
+FORMAT = 5  # bump when what is measured changes (5: the block forward ingests the context)
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 ROUNDS = 4  # timed rounds, after a warm-up cycle of each block
 MIN_ROUNDS = 2  # the rounds run whatever the budget
