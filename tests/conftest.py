@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -144,6 +145,11 @@ def pytest_configure(config):
         from dflash_mlx.cli.openblas import maybe_reexec
 
         maybe_reexec()
+    # Servers started by the tests are stopped with SIGINT, as Ctrl-C in a terminal would. A suite
+    # started in the background by a non-interactive shell inherits SIGINT ignored, and so would
+    # every server it starts (they could not be stopped): give the children the terminal's default.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # Block-size calibrations go to a private cache (subprocesses inherit it), never the user's.
     if "DFLASH_MLX_CACHE_DIR" not in os.environ:
         import tempfile
