@@ -13,9 +13,10 @@ fixed block in {2, 3, 4, 5, 6, 8}; and at the engine level (cycles, no
 detokenizing) the adaptive policy, fixed block 8, and fixed block 8 through the
 engine and drafter of the main branch before adaptive blocks (commit 798f512:
 its engine.py, draft/model.py and proposers/dflash.py read with git and
-executed against today's package, the drafter given the same weights). A *unit* is one prompt in one round:
-every leg runs it, in a new random order each time, before any leg runs the
-next. Greedy; every leg's tokens are checked against the baseline's.
+executed against today's package, the drafter given the same weights). A
+*unit* is one prompt in one round: every leg runs it, in a new random order
+each time, before any leg runs the next. Greedy; every leg's tokens are
+checked against the baseline's.
 
 End-to-end speed = all of a reply's tokens over the time from the call
 (prefill included), summed over units; decode speed = the tokens after each
@@ -32,9 +33,9 @@ six noisy legs measured on the same units is biased upwards).
 
 For the trained pairs (demo-gsm8k, synthetic) it also reports the engine's
 overhead at block 8 end to end: per unit, the reply's prefill plus as many
-separately timed drafter (context ingest fused with the draft) and target verify forwards
-as it had cycles, at its middle context, measured right after the reply,
-over the reply's time (`overhead_at_8`).
+separately timed drafter (context ingest fused with the draft) and target
+verify forwards as it had cycles, at its middle context, measured right after
+the reply, over the reply's time (`overhead_at_8`).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python3 scripts/bench_adaptive.py --synthetic /tmp/dflash-synthetic --out report.json

@@ -5,9 +5,10 @@ queries from the block being drafted and its keys/values from both the block
 and the *context*: the target's hidden states of committed positions, fused by
 `fc` + `hidden_norm`. Context K/V are cached across cycles; block rows are never
 stored, so nothing in the drafter needs rolling back. Context rows committed
-since the last block can be ingested by the block's own forward (`context=`):
-one K/V projection over [new context rows, block] per layer instead of two. It owns no embedding and no
-head: both come from the target (see `dflash_mlx.targets.adapter.TargetAdapter`).
+since the last block can be ingested by the block's own forward (`features=`):
+one K/V projection over [new context rows, block] per layer instead of two.
+It owns no embedding and no head: both come from the target (see
+`dflash_mlx.targets.adapter.TargetAdapter`).
 """
 
 from __future__ import annotations
@@ -279,7 +280,7 @@ class DFlashDraftModel(nn.Module):
             h = h * self.config.input_embedding_scale
         context = None if features is None else self.fuse_context(features)
         for layer, c in zip(self.layers, cache):
-            h = layer(h, c, self.rope) if context is None else layer(h, c, self.rope, context)
+            h = layer(h, c, self.rope, context)
         return self.norm(h[:, 1:])
 
     def logits(self, hidden: mx.array, target: TargetHooks) -> mx.array:
