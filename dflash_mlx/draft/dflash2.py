@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import DraftConfig
+from .fused_ops import HeadProjection, rms_norm
 from .model import DFlashDraftModel, DraftContextCache, DraftLayer
 
 
@@ -60,10 +61,11 @@ class DFlash2Layer(DraftLayer):
         self.attention_conv = GroupedDynamicConv(H, K, G)
         self.mlp_conv = GroupedDynamicConv(H, K, G)
 
-    def __call__(self, x: mx.array, cache: DraftContextCache, rope, context: mx.array | None = None) -> mx.array:
-        u, dynamic = self.attention_conv.prepare(self.input_layernorm(x))
-        h = x + self.attention_conv.finish(self.self_attn(u, cache, rope, context), dynamic)
-        u, dynamic = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+    def __call__(self, x: mx.array, cache: DraftContextCache, heads: HeadProjection, context: mx.array | None = None
+                 ) -> mx.array:  # fmt: skip
+        u, dynamic = self.attention_conv.prepare(rms_norm(self.input_layernorm, x))
+        h = x + self.attention_conv.finish(self.self_attn(u, cache, heads, context), dynamic)
+        u, dynamic = self.mlp_conv.prepare(rms_norm(self.post_attention_layernorm, h))
         return h + self.mlp_conv.finish(self.mlp(u), dynamic)
 
 

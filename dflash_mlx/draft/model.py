@@ -22,6 +22,7 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DraftConfig
+from .fused_ops import HeadProjection, rms_norm
 
 
 class TargetHooks(Protocol):
@@ -166,32 +167,30 @@ class DraftAttention(nn.Module):
         self.window = config.sliding_window if config.layer_is_sliding(layer) else None
         self.causal = config.layer_is_causal(layer)
 
-    def _keys_values(self, x: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
+    def _keys_values(self, x: mx.array, heads: HeadProjection, offset: int) -> tuple[mx.array, mx.array]:
         B, L, _ = x.shape
-        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1))
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
-        return rope(k.transpose(0, 2, 1, 3), offset=offset), v.transpose(0, 2, 1, 3)
+        return heads(self.k_proj(x), self.k_norm, offset), v.transpose(0, 2, 1, 3)
 
-    def extend_context(self, context: mx.array, cache: DraftContextCache, rope) -> None:
+    def extend_context(self, context: mx.array, cache: DraftContextCache, heads: HeadProjection) -> None:
         """Add K/V for context rows at positions `cache.end..`."""
         if cache.max_rows is not None and context.shape[1] > cache.max_rows:
             cache.skip(context.shape[1] - cache.max_rows)
             context = context[:, -cache.max_rows :]
-        cache.append(*self._keys_values(context, rope, cache.end))
+        cache.append(*self._keys_values(context, heads, cache.end))
 
-    def __call__(self, x: mx.array, cache: DraftContextCache, rope, context: mx.array | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: DraftContextCache, heads: HeadProjection, context: mx.array | None = None
+                 ) -> mx.array:  # fmt: skip
         """The block `x`'s attention output; `context` (fused rows of newly committed positions, at
         `cache.end..`) is added to the cache on the way, in the same K/V projection as the block."""
         B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
+        n = 0 if context is None else context.shape[1]
+        q = heads(self.q_proj(x), self.q_norm, cache.end + n)
         if context is None:
-            q = rope(q.transpose(0, 2, 1, 3), offset=cache.end)
-            k, v, ctx_len = cache.with_block(*self._keys_values(x, rope, cache.end))
+            k, v, ctx_len = cache.with_block(*self._keys_values(x, heads, cache.end))
         else:
-            n = context.shape[1]
-            q = rope(q.transpose(0, 2, 1, 3), offset=cache.end + n)
             rows = mx.concatenate([context, x], axis=1)
-            k, v, ctx_len = cache.with_block(*self._keys_values(rows, rope, cache.end), commit=n)
+            k, v, ctx_len = cache.with_block(*self._keys_values(rows, heads, cache.end), commit=n)
         mask = cache.block_mask(L, ctx_len, self.causal, self.window)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -226,9 +225,10 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: DraftContextCache, rope, context: mx.array | None = None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache, rope, context)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def __call__(self, x: mx.array, cache: DraftContextCache, heads: HeadProjection, context: mx.array | None = None
+                 ) -> mx.array:  # fmt: skip
+        h = x + self.self_attn(rms_norm(self.input_layernorm, x), cache, heads, context)
+        return h + self.mlp(rms_norm(self.post_attention_layernorm, h))
 
 
 class DFlashDraftModel(nn.Module):
@@ -251,6 +251,7 @@ class DFlashDraftModel(nn.Module):
             scaling_config=config.rope_scaling,
             max_position_embeddings=config.max_position_embeddings,
         )
+        self.heads = HeadProjection(self.rope)
 
     def make_cache(self, max_context: int | None = None) -> list[DraftContextCache]:
         """One context cache per layer; sliding layers keep window - 1 rows."""
@@ -263,13 +264,13 @@ class DFlashDraftModel(nn.Module):
 
     def fuse_context(self, features: mx.array) -> mx.array:
         """The context rows [B, S, H] of target features [B, S, n_ids * H]."""
-        return self.hidden_norm(self.fc(features))
+        return rms_norm(self.hidden_norm, self.fc(features))
 
     def extend_context(self, features: mx.array, cache: list[DraftContextCache]) -> None:
         """Ingest target features [B, S, n_ids * H] of newly committed positions."""
         context = self.fuse_context(features)
         for layer, c in zip(self.layers, cache):
-            layer.self_attn.extend_context(context, c, self.rope)
+            layer.self_attn.extend_context(context, c, self.heads)
 
     def hidden_states(self, block_ids: mx.array, cache, target: TargetHooks, features: mx.array | None = None
                       ) -> mx.array:  # fmt: skip
@@ -280,8 +281,8 @@ class DFlashDraftModel(nn.Module):
             h = h * self.config.input_embedding_scale
         context = None if features is None else self.fuse_context(features)
         for layer, c in zip(self.layers, cache):
-            h = layer(h, c, self.rope, context)
-        return self.norm(h[:, 1:])
+            h = layer(h, c, self.heads, context)
+        return rms_norm(self.norm, h[:, 1:])
 
     def logits(self, hidden: mx.array, target: TargetHooks) -> mx.array:
         logits = target.head(hidden)
