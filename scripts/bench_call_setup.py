@@ -1,0 +1,87 @@
+"""Per-call cost of the adaptive block on short replies: `stream_generate` legs alternated in one process.
+
+Legs (greedy, every one committing the same tokens): `block_size=8` twice,
+`FixedBlock(8)` passed as a policy object twice, an adaptive policy built
+before the call and passed in (`prebuilt adaptive`: the policy's per-cycle
+work only), `block_size=8` after building an adaptive policy inside the timed
+call (`b8 + policy setup`: the setup only), and the adaptive default. Each
+round runs every prompt through every leg in a new random order. The
+duplicated legs show the noise.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        python3 scripts/bench_call_setup.py --synthetic /tmp/dflash-synthetic
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import dflash_mlx
+from dflash_mlx.generation import encode_prompt, stream_generate
+from dflash_mlx.policy import adaptive_policy
+from dflash_mlx.policy.base import FixedBlock
+from dflash_mlx.session import make_session
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--synthetic", type=Path, default=Path("/tmp/dflash-synthetic"),
+                    help="A scripts/train_synthetic.py work directory (target/, drafter/, prompts.jsonl).")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    args = ap.parse_args()
+    model, tokenizer, draft = dflash_mlx.load(args.synthetic / "target", args.synthetic / "drafter")
+    lines = (args.synthetic / "prompts.jsonl").read_text().splitlines()[: args.num_prompts]
+    prompts = [encode_prompt(tokenizer, json.loads(line)["prompt"]) for line in lines]
+    session = make_session(model, draft)
+    largest = draft.config.block_size
+
+    def reply(prompt, before=None, **kwargs) -> tuple[float, int]:
+        tic, n = time.perf_counter(), 0
+        if before is not None:
+            before()
+        for _ in stream_generate(model, draft, tokenizer, prompt, max_tokens=args.max_tokens, **kwargs):
+            n += 1
+        return time.perf_counter() - tic, n
+
+    def prebuilt(prompt):
+        policy = adaptive_policy(session.target, session.proposer, largest, carry=True)
+        return reply(prompt, block_size=policy)
+
+    def setup():
+        adaptive_policy(session.target, session.proposer, largest, carry=True)
+
+    legs = {
+        "b8": lambda p: reply(p, block_size=8),
+        "b8 again": lambda p: reply(p, block_size=8),
+        "FixedBlock(8)": lambda p: reply(p, block_size=FixedBlock(8)),
+        "FixedBlock(8) again": lambda p: reply(p, block_size=FixedBlock(8)),
+        "prebuilt adaptive": prebuilt,
+        "b8 + policy setup": lambda p: reply(p, before=setup, block_size=8),
+        "adaptive": lambda p: reply(p, max_block_size=largest),
+    }
+    for p in prompts:  # warm-up
+        for leg in legs.values():
+            leg(p)
+    totals = {name: [0.0, 0] for name in legs}
+    for _ in range(args.rounds):
+        for p in prompts:
+            order = list(legs)
+            random.shuffle(order)
+            for name in order:
+                seconds, tokens = legs[name](p)
+                totals[name][0] += seconds
+                totals[name][1] += tokens
+    replies = args.rounds * len(prompts)
+    print(f"{replies} replies per leg, {totals['b8'][1] / replies:.1f} tokens each on average")
+    for name, (seconds, tokens) in totals.items():
+        print(f"{name:22s} {tokens / seconds:7.1f} tok/s  {1000 * seconds / replies:6.2f} ms per reply")
+
+
+if __name__ == "__main__":
+    main()
