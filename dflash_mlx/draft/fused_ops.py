@@ -25,7 +25,9 @@ import mlx.nn as nn
 TABLE_STEP = 1024  # positions the rotary tables grow by
 
 
-def on_cpu() -> bool:
+def default_device_is_cpu() -> bool:
+    """Whether ops now run on the CPU (per call: unlike `models.loading.on_cpu`, which asks whether
+    the machine has Metal, a Mac that chose the CPU counts)."""
     return mx.default_device().type == mx.DeviceType.cpu
 
 
@@ -38,7 +40,7 @@ _compiled_rms_norm = mx.compile(_rms_norm, shapeless=True)
 
 def rms_norm(norm: nn.RMSNorm, x: mx.array) -> mx.array:
     """`norm(x)` (compiled on a CPU)."""
-    return _compiled_rms_norm(x, norm.weight, norm.eps) if on_cpu() else norm(x)
+    return _compiled_rms_norm(x, norm.weight, norm.eps) if default_device_is_cpu() else norm(x)
 
 
 class RotaryTables:
@@ -84,6 +86,6 @@ class HeadProjection:
         """`offset`: the first row's position, or one per batch row (an int32 array)."""
         B, L, _ = x.shape
         h = rms_norm(norm, x.reshape(B, L, -1, norm.weight.shape[-1])).transpose(0, 2, 1, 3)
-        if self.tables is not None and h.dtype == mx.float32 and not isinstance(offset, mx.array) and on_cpu():
+        if self.tables is not None and h.dtype == mx.float32 and not isinstance(offset, mx.array) and default_device_is_cpu():
             return self.tables(h, offset)
         return self.rope(h, offset=offset)
