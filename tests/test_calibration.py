@@ -17,7 +17,9 @@ from dflash_mlx.policy import calibration
 from dflash_mlx.policy.calibration import (
     GRID, cached_curve, calibration_file, calibration_key, clear_calibrations, cost_curve, grid_for,
 )
-from dflash_mlx.policy.fit import affine_past_one, fitted_curve, non_decreasing, polished
+from dflash_mlx.policy.fit import (
+    affine_past_one, draft_floor, fitted_curve, non_decreasing, plausible, polished, with_floor,
+)
 from helpers import prompt_ids, without_eos
 
 
@@ -104,6 +106,7 @@ def test_clear_and_force(cache_dir, setup, monkeypatch):
     calls = []
     real = calibration.measure
     monkeypatch.setattr(calibration, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(calibration, "draft_seconds", lambda t, p, blocks: [0.0] * len(blocks))  # no re-measuring
     cost_curve(target, proposer, 4)
     cost_curve(target, proposer, 4)
     cost_curve(target, proposer, 4, force=True)
@@ -178,3 +181,67 @@ def test_the_rounds_stop_at_the_time_budget_after_the_minimum(setup):
     assert len(spent) == calibration.MIN_ROUNDS and all(len(row) == len(grid) for row in spent)
     assert len(calibration.measure(target, proposer, grid, rounds=4, budget=None)) == 4
     assert len(calibration.measure(target, proposer, grid, rounds=3, budget=60.0)) == 3
+
+
+def test_the_drafters_floor_tells_a_busy_machines_curve():
+    grid = [1, 2, 3, 4, 6, 8]
+    floor = draft_floor(grid, [2, 8], [1.2, 1.8])
+    assert floor == pytest.approx([0.0, 1.2, 1.3, 1.4, 1.6, 1.8])
+    assert draft_floor([1, 2, 4], [2], [1.0]) == [0.0, 1.0, 1.0] and draft_floor([1], [], []) == [0.0]
+    quiet = [4.5, 6.8, 7.0, 7.3, 7.8, 8.3]  # the demo pair here: T(2) - T(1) = 2.3 ms, its drafter 1.2 ms
+    busy = [7.2, 7.4, 7.5, 7.6, 7.8, 9.2]  # half a core taken 30 ms at a time: blocks look almost free
+    assert plausible(quiet, floor) and with_floor(quiet, floor) == quiet
+    assert not plausible(busy, floor)
+    lifted = with_floor(busy, floor)
+    assert lifted == pytest.approx([7.2, 8.4, 8.5, 8.6, 8.8, 9.2]) and lifted == sorted(lifted)
+    assert plausible(lifted, floor)
+
+
+def test_a_curve_under_the_drafters_floor_is_measured_again_and_kept_on_it(cache_dir, setup, monkeypatch):
+    _, _, _, target, proposer = setup
+    grid = grid_for(4)
+    busy = [[0.0072, 0.0073, 0.0074, 0.0075]] * 4  # blocks that look free over a plain step
+    quiet = [[0.0045, 0.0068, 0.0070, 0.0073]] * 4
+    tables = [busy, quiet]
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: tables.pop(0))
+    monkeypatch.setattr(calibration, "draft_seconds", lambda t, p, blocks: [0.0012 if b == 2 else 0.0016
+                                                                              for b in blocks])
+    curve = cost_curve(target, proposer, 4)
+    assert not tables  # measured twice
+    doc = json.loads(calibration_file(target, proposer, 4).read_text())
+    assert doc["remeasured"] and doc["rounds"] == 8 and doc["draft_seconds"] == {"2": 0.0012, "4": 0.0016}
+    floor = draft_floor(grid, [2, 4], [0.0012, 0.0016])
+    assert all(t >= curve.seconds[0] + d - 1e-12 for t, d in zip(curve.seconds, floor))
+    assert doc["seconds"] == curve.seconds and doc["plausible"] == plausible(curve.seconds, floor)
+
+    calibration._memo.clear()  # busy every time: measured twice, lifted onto the floor, cached
+    tables[:] = [busy, busy]
+    curve = cost_curve(target, proposer, 4, force=True)
+    doc = json.loads(calibration_file(target, proposer, 4).read_text())
+    assert not tables and doc["remeasured"] and not doc["plausible"]
+    assert curve.seconds == pytest.approx([0.0072, 0.0072 + 0.0012, 0.0072 + 0.0014, 0.0072 + 0.0016])
+
+    tables[:] = [quiet, busy]  # a plausible curve is measured once
+    curve = cost_curve(target, proposer, 4, force=True)
+    assert tables == [busy] and curve.seconds == pytest.approx(fitted_curve(grid, quiet))
+    assert not json.loads(calibration_file(target, proposer, 4).read_text())["remeasured"]
+
+
+def test_the_drafter_is_timed_alone_on_a_private_copy(setup):
+    model, tokenizer, draft, target, proposer = setup
+    session = make_session(model, draft)
+    with without_eos(tokenizer) as tok:
+        before = [r.token for r in stream_generate(model, draft, tok, prompt_ids(8), max_tokens=12, block_size=4,
+                                                   session=session)]  # fmt: skip
+        state = [a.tolist() for c in session.proposer.cache for a in c.state]
+        seconds = calibration.draft_seconds(session.target, session.proposer, [2, 16])
+        assert len(seconds) == 2 and all(t > 0 for t in seconds)
+        assert [a.tolist() for c in session.proposer.cache for a in c.state] == state  # the session's drafter untouched
+        again = [r.token for r in stream_generate(model, draft, tok, prompt_ids(8), max_tokens=12, block_size=4,
+                                                  session=session)]  # fmt: skip
+    assert again == before and session.reused > 0
+
+    class NoFork:
+        layer_ids = ()
+
+    assert calibration.draft_seconds(target, NoFork(), [2, 8]) == [0.0, 0.0]

@@ -86,6 +86,7 @@ class HeadProjection:
         """`offset`: the first row's position, or one per batch row (an int32 array)."""
         B, L, _ = x.shape
         h = rms_norm(norm, x.reshape(B, L, -1, norm.weight.shape[-1])).transpose(0, 2, 1, 3)
-        if self.tables is not None and h.dtype == mx.float32 and not isinstance(offset, mx.array) and default_device_is_cpu():
+        tabled = self.tables is not None and h.dtype == mx.float32 and not isinstance(offset, mx.array)
+        if tabled and default_device_is_cpu():
             return self.tables(h, offset)
         return self.rope(h, offset=offset)

@@ -20,7 +20,11 @@ starts after BUDGET_SECONDS, so a large model on a slow machine calibrates
 in about that time). The curve is fitted to their table of times
 (`fit.fitted_curve`: median polish across rounds, non-decreasing in b, a
 line past b = 1), as noise in a single block's time would otherwise make
-the argmax pick the block. A cache
+the argmax pick the block. The drafter's forward is also timed alone
+(`draft_seconds`): a curve whose blocks cost less over a plain step than
+half of it was measured on a busy machine (`fit.plausible`), so the rounds
+are measured again and pooled with the first, and the curve is kept on the
+floor T(b) >= T(1) + D(b) either way (`fit.with_floor`). A cache
 file that cannot be read, is of another format or describes another setup is
 ignored and rewritten (atomically). `<cache>` is $DFLASH_MLX_CACHE_DIR, else
 $XDG_CACHE_HOME/dflash-mlx, else ~/.cache/dflash-mlx;
@@ -29,7 +33,8 @@ A tensor-sharded target is calibrated sharded (its key names the group
 size), by all ranks together when rank 0 has no cached curve; every rank
 then takes rank 0's curve, so they all choose the same blocks. The ranks'
 exchanges make single cycles noisy, so a sharded calibration runs
-SHARDED_ROUNDS rounds.
+SHARDED_ROUNDS rounds (and skips the floor check, whose retry is one rank's
+decision).
 """
 
 from __future__ import annotations
@@ -55,9 +60,9 @@ from ..utils.io import write_json_atomic
 from ..utils.machine import chip, loaded_blas
 from .base import ScheduledBlocks
 from .cost import CostCurve
-from .fit import fitted_curve
+from .fit import draft_floor, fitted_curve, plausible, with_floor
 
-FORMAT = 5  # bump when what is measured changes (5: the block forward ingests the context)
+FORMAT = 6  # bump when what is measured changes (5: the block forward ingests the context; 6: the drafter floor)
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 ROUNDS = 4  # timed rounds, after a warm-up cycle of each block
 MIN_ROUNDS = 2  # the rounds run whatever the budget
@@ -65,6 +70,7 @@ BUDGET_SECONDS = 1.5  # past MIN_ROUNDS, no round starts after this long (a larg
 SHARDED_ROUNDS = 5
 STRETCH = {1: 6}  # cycles per block in a stretch (2 unless given), the first one not timed
 PROMPT_TOKENS = 16
+DRAFT_REPEATS = 3  # timed drafter forwards per block, after a warm-up one
 
 _memo: dict[str, CostCurve] = {}
 _lock = threading.Lock()
@@ -185,9 +191,7 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS,
     # timed: all but a stretch's first cycle, and for b = 1 its last step too (it queues the next block)
     timed = [0 < i < n - (b == 1) for b, n in stretches for i in range(n)]
     policy = ScheduledBlocks(list(grid) + one_round * rounds)
-    vocab = target.vocab_size
-    prompt = mx.array([(7919 * i + 13) % vocab for i in range(PROMPT_TOKENS)], mx.int32)
-    cycles = speculative_cycles(target, prompt, private, max_tokens=-1, block_size=policy,
+    cycles = speculative_cycles(target, _prompt(target), private, max_tokens=-1, block_size=policy,
                                 session=Session(target, private))  # fmt: skip
     per_round, began = len(one_round), time.perf_counter()
     try:
@@ -209,6 +213,38 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS,
     return table
 
 
+def _prompt(target) -> mx.array:
+    vocab = target.vocab_size
+    return mx.array([(7919 * i + 13) % vocab for i in range(PROMPT_TOKENS)], mx.int32)
+
+
+def draft_seconds(target, proposer, blocks: list[int]) -> list[float]:
+    """Seconds of one drafter forward at each block in `blocks` (proposing b - 1 tokens), timed alone
+    (median of DRAFT_REPEATS after a warm-up) on a private fork holding a short context; zeros for a
+    proposer that cannot be forked."""
+    from ..engine import speculative_cycles
+    from ..session import Session
+
+    fork = getattr(proposer, "fork", None)
+    if not callable(fork):
+        return [0.0] * len(blocks)
+    private = fork()
+    session = Session(target, private)
+    for _ in speculative_cycles(target, _prompt(target), private, max_tokens=2, block_size=max(blocks),
+                                session=session):  # fmt: skip
+        pass  # the prompt and one cycle: the drafter's context ends where the caches do
+    position, anchor = len(session.tokens), mx.array([session.tokens[-1]], mx.int32)
+    out = []
+    for b in blocks:
+        times = []
+        for _ in range(DRAFT_REPEATS + 1):
+            tic = time.perf_counter()
+            mx.eval(private.propose(anchor, position, b - 1).tokens)
+            times.append(time.perf_counter() - tic)
+        out.append(statistics.median(times[1:]))
+    return out
+
+
 def calibration_file(target, proposer, max_block: int) -> Path:
     """Where this setup's calibration is cached."""
     return calibration_dir() / f"{_digest(calibration_key(target, proposer, max_block))}.json"
@@ -217,6 +253,22 @@ def calibration_file(target, proposer, max_block: int) -> Path:
 def cached_curve(target, proposer, max_block: int) -> CostCurve | None:
     """This setup's valid cached calibration, or None (nothing is measured)."""
     return _read(calibration_file(target, proposer, max_block), calibration_key(target, proposer, max_block))
+
+
+def _checked(target, proposer, grid: list[int], table: list[list[float]]) -> tuple[list[float], dict]:
+    """The fitted curve of `table`, measured again (rounds pooled) when it breaks the drafter's floor
+    and kept on the floor; and what the cache file records about it."""
+    timed = sorted({min(2, grid[-1]), grid[-1]} - {1})
+    drafts = draft_seconds(target, proposer, timed) if timed else []
+    floor = draft_floor(grid, timed, drafts)
+    seconds = fitted_curve(grid, table)
+    first_plausible = plausible(seconds, floor)
+    if not first_plausible:
+        table = table + measure(target, proposer, grid)
+        seconds = fitted_curve(grid, table)
+    notes = {"rounds": len(table), "draft_seconds": dict(zip(map(str, timed), drafts)),
+             "remeasured": not first_plausible, "plausible": plausible(seconds, floor)}  # fmt: skip
+    return with_floor(seconds, floor), notes
 
 
 def cost_curve(target, proposer, max_block: int, *, force: bool = False) -> CostCurve:
@@ -238,17 +290,17 @@ def cost_curve(target, proposer, max_block: int, *, force: bool = False) -> Cost
                                                                       len(key["grid"])))  # fmt: skip
         if curve is None:
             tic = time.perf_counter()
+            grid = key["grid"]
             if group is None:
-                table = measure(target, proposer, key["grid"])
+                table = measure(target, proposer, grid)
+                seconds, checked = _checked(target, proposer, grid, table)
             else:
-                table = measure(target, proposer, key["grid"], rounds=SHARDED_ROUNDS, budget=None)
-            seconds = fitted_curve(key["grid"], table)
-            if group is not None:
-                seconds = broadcast_floats(group, seconds if leader else None, len(seconds))
-            curve = CostCurve(list(key["grid"]), seconds)
-            doc = {"key": key, "grid": curve.grid, "seconds": curve.seconds,
-                   "rounds": len(table), "calibration_seconds": round(time.perf_counter() - tic, 3),
-                   "measured_at": time.time()}  # fmt: skip
+                table = measure(target, proposer, grid, rounds=SHARDED_ROUNDS, budget=None)
+                seconds = broadcast_floats(group, fitted_curve(grid, table) if leader else None, len(grid))
+                checked = {"rounds": len(table)}
+            curve = CostCurve(list(grid), seconds)
+            doc = {"key": key, "grid": curve.grid, "seconds": curve.seconds, **checked,
+                   "calibration_seconds": round(time.perf_counter() - tic, 3), "measured_at": time.time()}  # fmt: skip
             try:
                 if leader:
                     path.parent.mkdir(parents=True, exist_ok=True)

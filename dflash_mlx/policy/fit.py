@@ -19,6 +19,16 @@ best):
   block's measurement into each point. Where the line misses a point by
   more than AFFINE_TOLERANCE the measured shape is kept (a knee the line
   cannot follow). b = 1 (plain decoding, no drafter) stays as measured.
+
+A physical floor guards the result: a cycle of block b >= 2 is a drafter
+forward and a verify of b rows, and verifying b rows costs at least what a
+plain step (one row) does, so T(b) >= T(1) + D(b), D(b) the drafter forward
+timed alone. A busy machine breaks this, mostly by slowing the plain steps:
+on the project's 2-core CPU, a process taking half of one core for 30 ms at
+a time made calibrations of the demo pair give T(2) / T(1) = 1.0-1.2 where a
+quiet one gives 1.3-1.7, and a block that looks free makes even a useless
+drafter draft. `plausible` tells such a curve (T(b) - T(1) below
+FLOOR_MARGIN D(b)); `with_floor` lifts it onto the floor.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import math
 import statistics
 
 POLISH_SWEEPS = 6
+FLOOR_MARGIN = 0.5  # share of a drafter forward a block must cost over a plain step to be plausible
 AFFINE_TOLERANCE = 0.2  # largest relative miss of the line before the measured shape is kept
 
 
@@ -80,3 +91,33 @@ def affine_past_one(grid: list[int], seconds: list[float]) -> list[float]:
 def fitted_curve(grid: list[int], table: list[list[float]]) -> list[float]:
     """The cost curve from a rounds x blocks table: polished, non-decreasing, affine past b = 1."""
     return non_decreasing(affine_past_one(grid, non_decreasing(polished(table))))
+
+
+def draft_floor(grid: list[int], blocks: list[int], seconds: list[float]) -> list[float]:
+    """D(b) at every grid block from drafter forwards timed at `blocks` (ascending, >= 2): 0 at b = 1,
+    linear in b between the timed blocks (a forward's rows grow with b), flat beyond them."""
+    if not blocks:
+        return [0.0] * len(grid)
+    out = []
+    for b in grid:
+        if b < 2:
+            out.append(0.0)
+        elif b <= blocks[0] or len(blocks) == 1:
+            out.append(seconds[0] if b <= blocks[0] else seconds[-1])
+        elif b >= blocks[-1]:
+            out.append(seconds[-1])
+        else:
+            i = next(i for i in range(1, len(blocks)) if b <= blocks[i])
+            lo, hi = blocks[i - 1], blocks[i]
+            out.append(seconds[i - 1] + (seconds[i] - seconds[i - 1]) * (b - lo) / (hi - lo))
+    return out
+
+
+def plausible(seconds: list[float], floor: list[float]) -> bool:
+    """Whether every block costs at least FLOOR_MARGIN of its drafter forward more than a plain step."""
+    return all(t - seconds[0] >= FLOOR_MARGIN * d for t, d in zip(seconds[1:], floor[1:]))
+
+
+def with_floor(seconds: list[float], floor: list[float]) -> list[float]:
+    """`seconds` lifted to T(1) + D(b) where below it (still non-decreasing when D is)."""
+    return [seconds[0]] + [max(t, seconds[0] + d) for t, d in zip(seconds[1:], floor[1:])]
