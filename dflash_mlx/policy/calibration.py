@@ -219,9 +219,10 @@ def _prompt(target) -> mx.array:
 
 
 def draft_seconds(target, proposer, blocks: list[int]) -> list[float]:
-    """Seconds of one drafter forward at each block in `blocks` (proposing b - 1 tokens), timed alone
-    (median of DRAFT_REPEATS after a warm-up) on a private fork holding a short context; zeros for a
-    proposer that cannot be forked."""
+    """Seconds of one drafter forward at each block in `blocks` (ascending; proposing b - 1 tokens),
+    timed alone on a private fork holding a short context: the least of DRAFT_REPEATS after a warm-up
+    (a floor wants what the forward costs, not what a busy moment adds), never more than a larger
+    block's. Zeros for a proposer that cannot be forked."""
     from ..engine import speculative_cycles
     from ..session import Session
 
@@ -241,8 +242,8 @@ def draft_seconds(target, proposer, blocks: list[int]) -> list[float]:
             tic = time.perf_counter()
             mx.eval(private.propose(anchor, position, b - 1).tokens)
             times.append(time.perf_counter() - tic)
-        out.append(statistics.median(times[1:]))
-    return out
+        out.append(min(times[1:]))
+    return [min(out[i:]) for i in range(len(out))]
 
 
 def calibration_file(target, proposer, max_block: int) -> Path:

@@ -119,5 +119,9 @@ def plausible(seconds: list[float], floor: list[float]) -> bool:
 
 
 def with_floor(seconds: list[float], floor: list[float]) -> list[float]:
-    """`seconds` lifted to T(1) + D(b) where below it (still non-decreasing when D is)."""
-    return [seconds[0]] + [max(t, seconds[0] + d) for t, d in zip(seconds[1:], floor[1:])]
+    """`seconds` lifted to T(1) + D(b) where below it, and to the largest smaller block's time (a noisy
+    D must not make a larger block look cheaper)."""
+    out = [seconds[0]]
+    for t, d in zip(seconds[1:], floor[1:]):
+        out.append(max(t, seconds[0] + d, out[-1]))
+    return out
