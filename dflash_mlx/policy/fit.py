@@ -23,11 +23,10 @@ best):
 A physical floor guards the result: a cycle of block b >= 2 is a drafter
 forward and a verify of b rows, and verifying b rows costs at least what a
 plain step (one row) does, so T(b) >= T(1) + D(b), D(b) the drafter forward
-timed alone. A busy machine breaks this, mostly by slowing the plain steps:
-on the project's 2-core CPU, a process taking half of one core for 30 ms at
-a time made calibrations of the demo pair give T(2) / T(1) = 1.0-1.2 where a
-quiet one gives 1.3-1.7, and a block that looks free makes even a useless
-drafter draft. `plausible` tells such a curve (T(b) - T(1) below
+timed alone. A busy machine breaks this, mostly by slowing the plain steps
+(`scripts/bench_calibration_noise.py`: on the project's 2-core CPU, beside a
+process busy 30 ms of every 60, half the demo pair's calibrations broke it),
+and a block that looks free makes even a useless drafter draft. `plausible` tells such a curve (T(b) - T(1) below
 FLOOR_MARGIN D(b)); `with_floor` lifts it onto the floor.
 """
 
@@ -96,18 +95,16 @@ def fitted_curve(grid: list[int], table: list[list[float]]) -> list[float]:
 def draft_floor(grid: list[int], blocks: list[int], seconds: list[float]) -> list[float]:
     """D(b) at every grid block from drafter forwards timed at `blocks` (ascending, >= 2): 0 at b = 1,
     linear in b between the timed blocks (a forward's rows grow with b), flat beyond them."""
-    if not blocks:
-        return [0.0] * len(grid)
     out = []
     for b in grid:
-        if b < 2:
+        if b < 2 or not blocks:
             out.append(0.0)
-        elif b <= blocks[0] or len(blocks) == 1:
-            out.append(seconds[0] if b <= blocks[0] else seconds[-1])
-        elif b >= blocks[-1]:
-            out.append(seconds[-1])
+            continue
+        b = min(max(b, blocks[0]), blocks[-1])
+        i = next(i for i, timed in enumerate(blocks) if b <= timed)
+        if i == 0:
+            out.append(seconds[0])
         else:
-            i = next(i for i in range(1, len(blocks)) if b <= blocks[i])
             lo, hi = blocks[i - 1], blocks[i]
             out.append(seconds[i - 1] + (seconds[i] - seconds[i - 1]) * (b - lo) / (hi - lo))
     return out
