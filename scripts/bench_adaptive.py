@@ -10,7 +10,9 @@ Settings (each skipped with a note when its models are missing):
 Legs, after one warm-up of each: mlx-lm's `stream_generate` (the baseline),
 dflash-mlx with no drafter (the plain path), DFlash adaptive, DFlash at each
 fixed block in {2, 3, 4, 5, 6, 8}; and at the engine level (cycles, no
-detokenizing) the adaptive policy, fixed block 8, and fixed block 8 through the
+detokenizing) the adaptive policy, the adaptive policy taking the plain
+argmax of E(b) / T(b) (`resolution` 0: no preference for the largest block
+near the best), fixed block 8, and fixed block 8 through the
 engine and drafter of the main branch before adaptive blocks (commit 798f512:
 its engine.py, draft/model.py and proposers/dflash.py read with git and
 executed against today's package, the drafter given the same weights). A
@@ -31,6 +33,10 @@ fixed block is cross-fitted: alternate units form two halves and each half
 is measured at the block that was fastest on the other half (the maximum of
 six noisy legs measured on the same units is biased upwards).
 
+Each setting also reports every leg's tokens per cycle, its milliseconds per
+cycle in the decode window (the caller's per-token work included) and, for
+the adaptive legs, how many cycles ran at each block.
+
 For the trained pairs (demo-gsm8k, synthetic) it also reports the engine's
 overhead at block 8 end to end: per unit, the reply's prefill plus as many
 separately timed drafter (context ingest fused with the draft) and target
@@ -50,6 +56,7 @@ import subprocess
 import sys
 import time
 import types
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -113,28 +120,32 @@ def prompts_for(tokenizer, dataset: str, n: int, raw_file: Path | None = None) -
     return [encode_prompt(tokenizer, t) for t in texts]
 
 
-def timed(responses) -> tuple[list[int], float, int, float]:
-    """(tokens, decode seconds, cycles, seconds from the call) of one reply (a lazy generator)."""
-    tokens, first, cycles, start = [], None, 0, time.perf_counter()
+def timed(responses) -> tuple[list[int], float, int, float, Counter]:
+    """(tokens, decode seconds, cycles, seconds from the call, cycles per block) of one reply (a lazy
+    generator)."""
+    tokens, first, cycles, blocks, start = [], None, 0, Counter(), time.perf_counter()
     for r in responses:
         if first is None:
             first = time.perf_counter()
         tokens.append(r.token)
-        cycles += getattr(r, "cycle_tokens", None) is not None
+        if getattr(r, "cycle_tokens", None) is not None:
+            cycles += 1
+            blocks[r.cycle_block_size or 1] += 1
     end = time.perf_counter()
-    return tokens, end - first, cycles, end - start
+    return tokens, end - first, cycles, end - start, blocks
 
 
-def timed_cycles(cycles) -> tuple[list[int], float, int, float]:
-    tokens, first, n, start = [], None, 0, time.perf_counter()
+def timed_cycles(cycles) -> tuple[list[int], float, int, float, Counter]:
+    tokens, first, n, blocks, start = [], None, 0, Counter(), time.perf_counter()
     for c in cycles:
         if first is None:
             first = time.perf_counter()
         else:
             n += 1
+            blocks[c.block_size] += 1
         tokens += c.tokens
     end = time.perf_counter()
-    return tokens, end - first, n, end - start
+    return tokens, end - first, n, end - start, blocks
 
 
 def make_legs(model, tokenizer, draft, max_tokens, largest):
@@ -146,15 +157,18 @@ def make_legs(model, tokenizer, draft, max_tokens, largest):
             tic = time.perf_counter()
             session = make_session(model, drafter)
             b = block() if callable(block) else block
-            tokens, decode, cycles, _ = timed_cycles(fn(session.target, prompt, session.proposer,
-                                                        max_tokens=max_tokens, block_size=b, stop_tokens=eos,
-                                                        session=session))  # fmt: skip
-            return tokens, decode, cycles, time.perf_counter() - tic
+            tokens, decode, cycles, _, blocks = timed_cycles(fn(session.target, prompt, session.proposer,
+                                                                max_tokens=max_tokens, block_size=b,
+                                                                stop_tokens=eos, session=session))  # fmt: skip
+            return tokens, decode, cycles, time.perf_counter() - tic, blocks
         return leg
 
-    def policy():
+    def policy(resolution=None):
         session = make_session(model, draft)
-        return adaptive_policy(session.target, session.proposer, largest, carry=True)  # as stream_generate greedy
+        chosen = adaptive_policy(session.target, session.proposer, largest, carry=True)  # as stream_generate greedy
+        if resolution is not None:
+            chosen.resolution = resolution
+        return chosen
 
     legs = {
         "mlx-lm": lambda p: timed(mlx_lm_stream_generate(model, tokenizer, p, max_tokens=max_tokens)),
@@ -166,6 +180,7 @@ def make_legs(model, tokenizer, draft, max_tokens, largest):
         legs[f"b{b}"] = lambda p, b=b: timed(stream_generate(model, draft, tokenizer, p, max_tokens=max_tokens,
                                                              block_size=b))  # fmt: skip
     legs["engine adaptive"] = engine(speculative_cycles, policy)
+    legs["engine adaptive argmax"] = engine(speculative_cycles, lambda: policy(resolution=0.0))
     legs["engine b8"] = engine(speculative_cycles, 8)
     legs[f"engine b8 main@{MAIN_COMMIT}"] = engine(main_cycles, 8, main_draft)
     return legs
@@ -177,7 +192,7 @@ class Units:
 
     def __init__(self, legs: list[str]):
         self.legs = legs
-        self.rows: list[dict] = []  # {leg: (tokens, decode seconds, cycles, seconds from the call)}
+        self.rows: list[dict] = []  # {leg: (tokens, decode seconds, cycles, seconds from the call, blocks)}
 
     def speed(self, leg: str, units=None, end_to_end: bool = True) -> float:
         units = self.rows if units is None else units
@@ -230,7 +245,7 @@ def run_setting(name, model, tokenizer, draft, prompts, max_tokens, largest, rou
             unit = {k: legs[k](p) for k in order}
             baseline.setdefault(i, unit["mlx-lm"][0])
             mismatches.update(k for k, v in unit.items() if v[0] != baseline[i])
-            units.rows.append({k: (len(v[0]), v[1], v[2], v[3]) for k, v in unit.items()})
+            units.rows.append({k: (len(v[0]), *v[1:]) for k, v in unit.items()})
     main = f"engine b8 main@{MAIN_COMMIT}"
     out = {"setting": name, "prompts": len(prompts), "rounds": rounds, "max_tokens": max_tokens, "max_block": largest,
            "greedy_mismatches": sorted(mismatches)}  # fmt: skip
@@ -245,10 +260,16 @@ def run_setting(name, model, tokenizer, draft, prompts, max_tokens, largest, rou
             "plain_vs_mlx_lm": units.ratio("plain", "mlx-lm", e2e),
             "engine_adaptive_vs_main_b8": units.ratio("engine adaptive", main, e2e),
             "engine_b8_vs_main_b8": units.ratio("engine b8", main, e2e),
+            "engine_adaptive_vs_argmax": units.ratio("engine adaptive", "engine adaptive argmax", e2e),
             "adaptive_vs_better_of_mlx_lm_and_best_fixed": units.ratio("adaptive", "better", e2e),
         }  # fmt: skip
     out["tokens_per_cycle"] = {k: round(sum(u[k][0] - 1 for u in units.rows) / c, 3) for k in legs
                                if (c := sum(u[k][2] for u in units.rows))}  # fmt: skip
+    # milliseconds per cycle in the decode window (the caller's per-token work included), and the blocks run
+    out["cycle_ms"] = {k: round(1000 * sum(u[k][1] for u in units.rows) / c, 3) for k in legs
+                       if (c := sum(u[k][2] for u in units.rows))}  # fmt: skip
+    out["blocks"] = {k: dict(sorted(sum((u[k][4] for u in units.rows), Counter()).items()))
+                     for k in ("adaptive", "engine adaptive", "engine adaptive argmax")}  # fmt: skip
     return out
 
 
@@ -299,13 +320,13 @@ def overhead_at_8(model, draft, prompts, max_tokens, eos, rounds: int = 3) -> di
         engine(p, max_tokens)  # warm-up
     for _ in range(rounds):
         for p in prompts:
-            tokens, _, c, seconds = engine(p, max_tokens)
+            tokens, _, c, seconds, _ = engine(p, max_tokens)
             n = len(tokens)
             prefill = engine(p, 1)[3]
             middle = mx.concatenate([p, mx.array(tokens[: n // 2], p.dtype)])
             kept = max(1, round((n - 1) / max(c, 1)) - 1)
             ideal = prefill + sum(forward_times(model, draft, middle, 8, kept=kept, repeats=c))
-            units.rows.append({"measured": (n, 0.0, c, seconds), "ideal": (n, 0.0, c, ideal)})
+            units.rows.append({"measured": (n, 0.0, c, seconds, None), "ideal": (n, 0.0, c, ideal, None)})
     tokens = sum(u["measured"][0] - 1 for u in units.rows)
     cycles = sum(u["measured"][2] for u in units.rows)
     return {"tokens_per_cycle": round(tokens / cycles, 3),
