@@ -18,7 +18,10 @@ its engine.py, draft/model.py and proposers/dflash.py read with git and
 executed against today's package, the drafter given the same weights). A
 *unit* is one prompt in one round: every leg runs it, in a new random order
 each time, before any leg runs the next. Greedy; every leg's tokens are
-checked against the baseline's.
+checked against the baseline's. Each adaptive leg carries its own drafter
+history across its calls (`adaptive_policy(carry=True)`, as greedy
+`stream_generate` does), as if it ran in a process of its own: the engine
+legs run shallow copies of the drafter (other objects, the same weights).
 
 End-to-end speed = all of a reply's tokens over the time from the call
 (prefill included), summed over units; decode speed = the tokens after each
@@ -50,6 +53,7 @@ the reply, over the reply's time (`overhead_at_8`).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import subprocess
@@ -163,8 +167,8 @@ def make_legs(model, tokenizer, draft, max_tokens, largest):
             return tokens, decode, cycles, time.perf_counter() - tic, blocks
         return leg
 
-    def policy(resolution=None):
-        session = make_session(model, draft)
+    def policy(drafter, resolution=None):
+        session = make_session(model, drafter)
         chosen = adaptive_policy(session.target, session.proposer, largest, carry=True)  # as stream_generate greedy
         if resolution is not None:
             chosen.resolution = resolution
@@ -179,8 +183,11 @@ def make_legs(model, tokenizer, draft, max_tokens, largest):
     for b in FIXED:
         legs[f"b{b}"] = lambda p, b=b: timed(stream_generate(model, draft, tokenizer, p, max_tokens=max_tokens,
                                                              block_size=b))  # fmt: skip
-    legs["engine adaptive"] = engine(speculative_cycles, policy)
-    legs["engine adaptive argmax"] = engine(speculative_cycles, lambda: policy(resolution=0.0))
+    # each adaptive leg its own drafter history (carried across its greedy calls), as in a process of its own:
+    # a shallow copy is another drafter object with the same weights
+    own, argmax = copy.copy(draft), copy.copy(draft)
+    legs["engine adaptive"] = engine(speculative_cycles, lambda: policy(own), own)
+    legs["engine adaptive argmax"] = engine(speculative_cycles, lambda: policy(argmax, resolution=0.0), argmax)
     legs["engine b8"] = engine(speculative_cycles, 8)
     legs[f"engine b8 main@{MAIN_COMMIT}"] = engine(main_cycles, 8, main_draft)
     return legs
