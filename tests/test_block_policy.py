@@ -288,3 +288,35 @@ def test_a_probe_that_does_not_pay_doubles_the_gap():
     steep = CostCurve([1, 2, 3, 4, 5], [0.0084, 0.0187, 0.0249, 0.0310, 0.0372])
     assert AdaptiveBlock(steep.fresh(), 5).probe_block(5) is None
     assert set(simulate(AdaptiveBlock(steep.fresh(), 5), [0.9], 300)) == {1}
+
+
+class FreshEveryCycle(AdaptiveBlock):
+    """The policy computing its choice afresh every cycle (no memo)."""
+
+    def _remembered(self, what, limit, compute):
+        return compute()
+
+
+@pytest.mark.parametrize("refine", [False, True])
+def test_plain_steps_reuse_the_choice_until_the_estimate_or_curve_changes(refine):
+    limits = [8, 8, 3, 8, 1, 5, 8, 8]
+    for curve in (FLAT, MODERATE, STEEP, DRAFTING_COSTS, NO_BLOCK_PAYS):
+        for rates in ([0.0], [0.3, 0.0], [0.9], [0.95] * 5 + [0.2]):
+            runs = []
+            for cls in (AdaptiveBlock, FreshEveryCycle):
+                policy, rng, chosen = cls(curve.fresh(), 8, refine=refine), random.Random(5), []
+                for i in range(400):
+                    b = policy.choose(limits[i % len(limits)])
+                    accepted = 0
+                    while accepted < b - 1 and rng.random() < rates[min(accepted, len(rates) - 1)]:
+                        accepted += 1
+                    policy.observe(b, accepted, policy.curve.calibrated(b) * rng.uniform(0.8, 1.2))
+                    chosen.append(b)
+                runs.append(chosen)
+            assert runs[0] == runs[1], (curve, rates)
+    # a useless drafter at b = 1: the choice is worked out again only after a probe changed the estimate
+    policy, computed = AdaptiveBlock(DRAFTING_COSTS.fresh(), 8, refine=False), []
+    best = policy._best
+    policy._best = lambda limit: computed.append(limit) or best(limit)
+    chosen = simulate(policy, [0.0], 300)
+    assert chosen.count(1) > 250 and len(computed) <= 3 * sum(b > 1 for b in chosen) + 3

@@ -43,6 +43,7 @@ a machine with the same calibration.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -113,12 +114,38 @@ class AdaptiveBlock:
         self.resolution = BLOCK_RESOLUTION  # (0: the plain argmax)
         self._excursion: list[float] | None = None  # [tokens, calibrated seconds] since the last probe
         self._hoping = False  # in an excursion that has not had a draft accepted yet
+        self._refined = 0  # cycles that refined the curve
+        self._costs: tuple[int, object, list[float]] | None = None  # (_refined, curve, T(1..max_block))
+        self._memo: dict[tuple, object] = {}  # answers while the estimate and the curve stand still
+        self._memo_state: tuple | None = None
+
+    def _remembered(self, what: str, limit: int, compute):
+        """`compute()`, computed again only once the estimate (its version), the curve (when refined),
+        the hope or the resolution changed: plain steps observe nothing, so a policy at b = 1 asks
+        the same questions every cycle."""
+        state = (id(self.estimate), self.estimate.version, self._refined, self._hoping, self.resolution)
+        if state != self._memo_state:
+            self._memo.clear()
+            self._memo_state = state
+        key = (what, limit)
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     def best(self, limit: int) -> int:
         """The block of b <= limit by E(b) / T(b) (`block_for`)."""
+        return self._remembered("best", limit, lambda: self._best(limit))
+
+    def _best(self, limit: int) -> int:
         expected = self.estimate.expected_tokens(min(limit, self.max_block))
-        rates = [e / self.curve(b) for b, e in enumerate(expected, 1)]
+        rates = [e / t for e, t in zip(expected, self.costs())]
         return block_for(rates, 0.0 if self._hoping else self.resolution)
+
+    def costs(self) -> list[float]:
+        """[T(1), ..., T(max_block)], worked out again only when the curve was refined or replaced."""
+        if self._costs is None or self._costs[0] != self._refined or self._costs[1] is not self.curve:
+            self._costs = (self._refined, self.curve, [self.curve(b) for b in range(1, self.max_block + 1)])
+        return self._costs[2]
 
     def choose(self, limit: int) -> int:
         limit = min(limit, self.max_block)
@@ -132,15 +159,20 @@ class AdaptiveBlock:
             tokens, seconds = self._excursion
             self.probes.observed(tokens * self.curve(1) >= seconds)
             self._excursion, self._hoping = None, False
-        probe = self.probe_block(limit)
-        if probe is None:
-            return 1
-        affordable = (self.curve(probe) / self.curve(1) - 1) / PROBE_BUDGET  # gap where probes cost the budget
-        if not self.probes.probe_now(max_gap=max(PROBE_GAP, affordable)):
+        probe, max_gap = self._remembered("probe", limit, lambda: self._probe_and_gap(limit))
+        if probe is None or not self.probes.probe_now(max_gap=max_gap):
             return 1
         self.estimate.soften(PROBE_SOFTEN)
         self._excursion, self._hoping = [0.0, 0.0], True
         return probe
+
+    def _probe_and_gap(self, limit: int) -> tuple[int | None, float]:
+        """The probe block, and the longest gap between probes (where failing probes cost the budget)."""
+        probe = self.probe_block(limit)
+        if probe is None:
+            return None, math.inf
+        affordable = (self.curve(probe) / self.curve(1) - 1) / PROBE_BUDGET
+        return probe, max(PROBE_GAP, affordable)
 
     def probe_block(self, limit: int) -> int | None:
         """The smallest block from PROBE_BLOCK up to `limit` that would beat plain decoding if the drafts
@@ -158,6 +190,7 @@ class AdaptiveBlock:
     def observe(self, block_size: int, accepted: int | None, seconds: float) -> None:
         if self.refine and seconds > 0:
             self.curve.observe(block_size, seconds)
+            self._refined += 1
         if block_size > 1 and accepted is not None:  # (b = 1 cycles are observed late when pipelined)
             self.estimate.observe(block_size - 1, accepted)
             if self._excursion is not None:  # the probe and the larger blocks it led to, judged together

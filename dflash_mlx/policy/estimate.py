@@ -47,6 +47,7 @@ class AcceptanceEstimate:
             raise ValueError(f"positions must be >= 0, got {positions}.")
         self.prior, self.weight, self.discount = prior, weight, discount
         self.accepted = [0.0] * positions  # discounted successes per position
+        self.version = 0  # counts the changes to the rates (observations, softening, growth)
         self.seen = [0.0] * positions  # discounted observations per position
         self.learnt = learnt
         self._priors: list[float] | None = None  # per position: the history's rates when this one began
@@ -62,6 +63,7 @@ class AcceptanceEstimate:
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A cycle offered `drafted` drafts and the target accepted the first `accepted`."""
+        self.version += 1
         for k in range(min(drafted, accepted + 1, self.positions)):
             self.seen[k] = self.seen[k] * self.discount + 1.0
             self.accepted[k] = self.accepted[k] * self.discount + (1.0 if k < accepted else 0.0)
@@ -74,11 +76,13 @@ class AcceptanceEstimate:
         """Make room for `positions` positions (new ones unobserved)."""
         extra = positions - self.positions
         if extra > 0:
+            self.version += 1
             self.accepted += [0.0] * extra
             self.seen += [0.0] * extra
 
     def soften(self, factor: float) -> None:
         """Weigh the whole history by `factor` (before a probe, after a long pause)."""
+        self.version += 1
         for k in range(self.positions):
             self.seen[k] *= factor
             self.accepted[k] *= factor
