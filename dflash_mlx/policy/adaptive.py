@@ -120,10 +120,11 @@ class AdaptiveBlock:
         self._memo_state: tuple | None = None
 
     def _remembered(self, what: str, limit: int, compute):
-        """`compute()`, computed again only once the estimate (its version), the curve (when refined),
-        the hope or the resolution changed: plain steps observe nothing, so a policy at b = 1 asks
-        the same questions every cycle."""
-        state = (id(self.estimate), self.estimate.version, self._refined, self._hoping, self.resolution)
+        """`compute()`, computed again only once the estimate (its version), the curve (refined or
+        replaced), the hope or the resolution changed: plain steps observe nothing, so a policy at
+        b = 1 asks the same questions every cycle."""
+        state = (id(self.estimate), self.estimate.version, id(self.curve), self._refined, self._hoping,
+                 self.resolution)  # fmt: skip
         if state != self._memo_state:
             self._memo.clear()
             self._memo_state = state
