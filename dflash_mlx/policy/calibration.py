@@ -14,10 +14,14 @@ b = 1 step's time includes queueing the next cycle, so the last b = 1 step
 of a stretch (which queues the next block) is not timed either. Plain steps
 are short and their time decides whether drafting pays at all, so b = 1
 stretches are longer (STRETCH) and a round's b = 1 time is the median of
-its timed steps. Rounds alternate the blocks, after a warm-up cycle of
-each: ROUNDS of them, fewer where they take long (past MIN_ROUNDS, none
-starts after BUDGET_SECONDS, so a large model on a slow machine calibrates
-in about that time). The curve is fitted to their table of times
+its timed steps; a drafting block's is the median of its stretch's timed
+cycles (DRAFT_STRETCH). Longer stretches than the 6 and 2 cycles of
+FORMAT 6 make fewer outlying curves (a curve that puts plain decoding
+too close to the largest block is cached for good):
+`scripts/bench_calibration_noise.py --stretches "6,2 12,3"`. Rounds
+alternate the blocks, after a warm-up cycle of each: ROUNDS of them, fewer
+where they take long (past MIN_ROUNDS, none starts after BUDGET_SECONDS, so
+a large model on a slow machine calibrates in about that time). The curve is fitted to their table of times
 (`fit.fitted_curve`: median polish across rounds, non-decreasing in b, a
 line past b = 1), as noise in a single block's time would otherwise make
 the argmax pick the block. The drafter's forward is also timed alone
@@ -62,13 +66,15 @@ from .base import ScheduledBlocks
 from .cost import CostCurve
 from .fit import draft_floor, fitted_curve, plausible, with_floor
 
-FORMAT = 6  # bump when what is measured changes (5: the block forward ingests the context; 6: the drafter floor)
+FORMAT = 7  # bump when what is measured changes (5: the block forward ingests the context; 6: the drafter floor;
+# 7: longer stretches)
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 ROUNDS = 4  # timed rounds, after a warm-up cycle of each block
 MIN_ROUNDS = 2  # the rounds run whatever the budget
 BUDGET_SECONDS = 1.5  # past MIN_ROUNDS, no round starts after this long (a large model on a slow machine)
 SHARDED_ROUNDS = 5
-STRETCH = {1: 6}  # cycles per block in a stretch (2 unless given), the first one not timed
+STRETCH = {1: 12}  # cycles per block in a stretch (DRAFT_STRETCH unless given), the first one not timed
+DRAFT_STRETCH = 3
 PROMPT_TOKENS = 16
 DRAFT_REPEATS = 3  # timed drafter forwards per block, after a warm-up one
 
@@ -186,7 +192,7 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS,
 
     fork = getattr(proposer, "fork", None)
     private = fork() if callable(fork) else _DummyDrafts(max(grid))
-    stretches = [(b, STRETCH.get(b, 2)) for b in grid]
+    stretches = [(b, STRETCH.get(b, DRAFT_STRETCH)) for b in grid]
     one_round = [b for b, n in stretches for _ in range(n)]
     # timed: all but a stretch's first cycle, and for b = 1 its last step too (it queues the next block)
     timed = [0 < i < n - (b == 1) for b, n in stretches for i in range(n)]
