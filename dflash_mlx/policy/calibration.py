@@ -21,10 +21,10 @@ too close to the largest block is cached for good):
 `scripts/bench_calibration_noise.py --stretches "6,2 12,3"`. Rounds
 alternate the blocks, after a warm-up cycle of each: ROUNDS of them, fewer
 where they take long (past MIN_ROUNDS, none starts after BUDGET_SECONDS, so
-a large model on a slow machine calibrates in about that time). The curve is fitted to their table of times
-(`fit.fitted_curve`: median polish across rounds, non-decreasing in b, a
-line past b = 1), as noise in a single block's time would otherwise make
-the argmax pick the block. The drafter's forward is also timed alone
+a large model on a slow machine calibrates in about that time). The curve
+is fitted to their table of times (`fit.fitted_curve`: median polish across
+rounds, non-decreasing in b, a line past b = 1), as noise in a single
+block's time would otherwise make the argmax pick the block. The drafter's forward is also timed alone
 (`draft_seconds`): a curve whose blocks cost less over a plain step than
 half of it was measured on a busy machine (`fit.plausible`), so the rounds
 are measured again and pooled with the first, and the curve is kept on the
