@@ -174,13 +174,18 @@ def test_blocks_past_one_are_fitted_with_a_line_unless_it_misses():
 
 def test_the_rounds_stop_at_the_time_budget_after_the_minimum(setup):
     """A model whose rounds take long calibrates in about BUDGET_SECONDS: past MIN_ROUNDS no round starts
-    after the budget; without one (sharded ranks) every round runs."""
+    that would end after the budget; without one (sharded ranks) every round runs."""
     _, _, _, target, proposer = setup
     grid = grid_for(4)
     spent = calibration.measure(target, proposer, grid, rounds=4, budget=0.0)
     assert len(spent) == calibration.MIN_ROUNDS and all(len(row) == len(grid) for row in spent)
     assert len(calibration.measure(target, proposer, grid, rounds=4, budget=None)) == 4
     assert len(calibration.measure(target, proposer, grid, rounds=3, budget=60.0)) == 3
+    another = calibration.another_round
+    assert another(0, 5.0, 5.0, 1.5) and another(calibration.MIN_ROUNDS - 1, 5.0, 5.0, 1.5)  # the minimum
+    # a large model (0.5 s rounds) stops where the next round would overrun, not after it
+    assert another(2, 0.9, 0.45, 1.5) and not another(3, 1.35, 0.45, 1.5)
+    assert not another(2, 1.1, 0.5, 1.5) and another(2, 1.0, 0.5, 1.5)
 
 
 def test_the_drafters_floor_tells_a_busy_machines_curve():

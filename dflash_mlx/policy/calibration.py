@@ -20,8 +20,9 @@ FORMAT 6 make fewer outlying curves (a curve that puts plain decoding
 too close to the largest block is cached for good):
 `scripts/bench_calibration_noise.py --stretches "6,2 12,3"`. Rounds
 alternate the blocks, after a warm-up cycle of each: ROUNDS of them, fewer
-where they take long (past MIN_ROUNDS, none starts after BUDGET_SECONDS, so
-a large model on a slow machine calibrates in about that time). The curve
+where they take long (past MIN_ROUNDS, none starts that would end after
+BUDGET_SECONDS, judged by the round before it, so a large model on a slow
+machine calibrates in about that time). The curve
 is fitted to their table of times (`fit.fitted_curve`: median polish across
 rounds, non-decreasing in b, a line past b = 1), as noise in a single
 block's time would otherwise make the argmax pick the block. The drafter's forward is also timed alone
@@ -71,7 +72,7 @@ FORMAT = 7  # bump when what is measured changes (5: the block forward ingests t
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 ROUNDS = 4  # timed rounds, after a warm-up cycle of each block
 MIN_ROUNDS = 2  # the rounds run whatever the budget
-BUDGET_SECONDS = 1.5  # past MIN_ROUNDS, no round starts after this long (a large model on a slow machine)
+BUDGET_SECONDS = 1.5  # past MIN_ROUNDS, no round starts that would end after this (a large model, a slow machine)
 SHARDED_ROUNDS = 5
 STRETCH = {1: 12}  # cycles per block in a stretch (DRAFT_STRETCH unless given), the first one not timed
 DRAFT_STRETCH = 3
@@ -186,7 +187,8 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS,
             budget: float | None = BUDGET_SECONDS) -> list[list[float]]:  # fmt: skip
     """Seconds per cycle at each grid block, one row per round (after a warm-up cycle of each block),
     measured by the loop itself on private state. Once MIN_ROUNDS rounds are done, no round starts
-    after `budget` seconds (None: all `rounds`, as sharded ranks must run the same cycles)."""
+    that would end after `budget` seconds (`another_round`; None: all `rounds`, as sharded ranks must
+    run the same cycles)."""
     from ..engine import speculative_cycles  # the engine imports this package
     from ..session import Session
 
@@ -200,12 +202,16 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS,
     cycles = speculative_cycles(target, _prompt(target), private, max_tokens=-1, block_size=policy,
                                 session=Session(target, private))  # fmt: skip
     per_round, began = len(one_round), time.perf_counter()
+    ended: dict[int, float] = {}  # rounds done (0: the warm-up) -> when the last of them ended
     try:
         for _ in cycles:
             done, within = divmod(len(policy.seconds) - len(grid), per_round)
-            if policy.done or (budget is not None and within == 0 and done >= MIN_ROUNDS
-                               and time.perf_counter() - began > budget):  # fmt: skip
+            if policy.done:
                 break
+            if budget is not None and within == 0 and done >= 0 and done not in ended:
+                ended[done] = now = time.perf_counter()
+                if not another_round(done, now - began, now - ended.get(done - 1, began), budget):
+                    break
     finally:
         cycles.close()
     table = []
@@ -217,6 +223,12 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS,
                 samples[b].append(seconds)
         table.append([statistics.median(samples[b]) for b in grid])
     return table
+
+
+def another_round(done: int, elapsed: float, last: float, budget: float) -> bool:
+    """Whether a calibration that has `done` rounds after `elapsed` seconds, the last taking `last`,
+    starts another: always below MIN_ROUNDS, then while one more like the last ends within `budget`."""
+    return done < MIN_ROUNDS or elapsed + last <= budget
 
 
 def _prompt(target) -> mx.array:
