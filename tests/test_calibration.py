@@ -14,6 +14,7 @@ import pytest
 
 from dflash_mlx import make_session, stream_generate
 from dflash_mlx.policy import calibration
+from dflash_mlx.policy.base import ScheduledBlocks
 from dflash_mlx.policy.calibration import (
     GRID, cached_curve, calibration_file, calibration_key, clear_calibrations, cost_curve, grid_for,
 )
@@ -186,6 +187,40 @@ def test_the_rounds_stop_at_the_time_budget_after_the_minimum(setup):
     # a large model (0.5 s rounds) stops where the next round would overrun, not after it
     assert another(2, 0.9, 0.45, 1.5) and not another(3, 1.35, 0.45, 1.5)
     assert not another(2, 1.1, 0.5, 1.5) and another(2, 1.0, 0.5, 1.5)
+
+
+def test_long_rounds_take_the_shorter_stretches():
+    """A model whose MIN_ROUNDS rounds of the long stretches would overrun the budget (judged by its
+    warm-up cycles) is timed in the short ones; sharded ranks (no budget) always take the long ones."""
+    grid = [1, 2, 4]
+    long = {1: calibration.STRETCH[1], 2: calibration.DRAFT_STRETCH, 4: calibration.DRAFT_STRETCH}
+    short = {1: calibration.SHORT_STRETCH[1], 2: calibration.SHORT_DRAFT_STRETCH, 4: calibration.SHORT_DRAFT_STRETCH}
+    assert sum(short.values()) < sum(long.values())
+    fast, slow = [0.004, 0.007, 0.008], [0.05, 0.07, 0.08]  # the demo pair here; a large model on a Mac
+    assert calibration.stretches(grid, fast, 1.5, 0.1) == long
+    assert calibration.stretches(grid, slow, 1.5, 0.1) == short
+    assert calibration.stretches(grid, slow, None, 0.1) == long
+    assert calibration.stretches(grid, slow[:1], 1.5, 0.1) == long  # no warm-up seen (a b = 1 chain)
+    round_seconds = sum(long[b] * t for b, t in zip(grid, fast))
+    edge = 0.1 + calibration.MIN_ROUNDS * round_seconds
+    assert calibration.stretches(grid, fast, edge, 0.1) == long
+    assert calibration.stretches(grid, fast, edge * 0.99, 0.1) == short
+
+
+def test_a_schedule_asks_for_its_rest_once_it_runs_out():
+    asked = []
+
+    def rest(seconds):
+        asked.append(list(seconds))
+        return [2, 9, 1]
+
+    policy = ScheduledBlocks([1, 4], then=rest)
+    picks = []
+    for _ in range(5):
+        picks.append(policy.choose(16))
+        policy.observe(picks[-1], 0, 0.5)
+    assert picks == [1, 4, 2, 4, 1] and asked == [[(1, 0.5), (4, 0.5)]]  # capped at the given maximum
+    assert policy.done
 
 
 def test_the_drafters_floor_tells_a_busy_machines_curve():

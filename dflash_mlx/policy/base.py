@@ -9,7 +9,7 @@ sync (the cycle's cost as the loop sees it). b = 1 is plain decoding.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -37,19 +37,25 @@ class FixedBlock:
 
 
 class ScheduledBlocks:
-    """A given sequence of blocks (the calibration's), recording each cycle's seconds."""
+    """A given sequence of blocks (the calibration's), recording each cycle's seconds. `then`, when
+    given, is asked once for the rest of the schedule when the given one runs out (it sees the
+    seconds recorded so far; its blocks must not exceed the given ones)."""
 
-    def __init__(self, schedule: list[int]):
+    def __init__(self, schedule: list[int], then: Callable[[list[tuple[int, float]]], list[int]] | None = None):
         self.schedule = list(schedule)
         self.max_block = max(self.schedule)
         self.seconds: list[tuple[int, float]] = []  # (block, seconds) in cycle order
         self._next = 0
+        self._then = then
 
     @property
     def done(self) -> bool:
         return len(self.seconds) >= len(self.schedule)
 
     def choose(self, limit: int) -> int:
+        if self._next >= len(self.schedule) and self._then is not None:
+            more, self._then = self._then(list(self.seconds)), None
+            self.schedule += [min(b, self.max_block) for b in more]
         b = self.schedule[min(self._next, len(self.schedule) - 1)]
         self._next += 1
         return max(1, min(b, limit))

@@ -18,7 +18,11 @@ its timed steps; a drafting block's is the median of its stretch's timed
 cycles (DRAFT_STRETCH). Longer stretches than the 6 and 2 cycles of
 FORMAT 6 make fewer outlying curves (a curve that puts plain decoding
 too close to the largest block is cached for good):
-`scripts/bench_calibration_noise.py --stretches "6,2 12,3"`. Rounds
+`scripts/bench_calibration_noise.py --stretches "6,2 12,3"`. Where
+MIN_ROUNDS rounds of them would end after BUDGET_SECONDS, judged by the
+warm-up cycles (a large model, a slow machine: long cycles, which a moment's
+jitter disturbs less), the rounds take those shorter ones (SHORT_STRETCH,
+`stretches`). Rounds
 alternate the blocks, after a warm-up cycle of each: ROUNDS of them, fewer
 where they take long (past MIN_ROUNDS, none starts that would end after
 BUDGET_SECONDS, judged by the round before it, so a large model on a slow
@@ -76,6 +80,8 @@ BUDGET_SECONDS = 1.5  # past MIN_ROUNDS, no round starts that would end after th
 SHARDED_ROUNDS = 5
 STRETCH = {1: 12}  # cycles per block in a stretch (DRAFT_STRETCH unless given), the first one not timed
 DRAFT_STRETCH = 3
+SHORT_STRETCH = {1: 6}  # where MIN_ROUNDS rounds of the above would overrun the budget (SHORT_DRAFT_STRETCH)
+SHORT_DRAFT_STRETCH = 2
 PROMPT_TOKENS = 16
 DRAFT_REPEATS = 3  # timed drafter forwards per block, after a warm-up one
 
@@ -194,28 +200,37 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS,
 
     fork = getattr(proposer, "fork", None)
     private = fork() if callable(fork) else _DummyDrafts(max(grid))
-    stretches = [(b, STRETCH.get(b, DRAFT_STRETCH)) for b in grid]
-    one_round = [b for b, n in stretches for _ in range(n)]
-    # timed: all but a stretch's first cycle, and for b = 1 its last step too (it queues the next block)
-    timed = [0 < i < n - (b == 1) for b, n in stretches for i in range(n)]
-    policy = ScheduledBlocks(list(grid) + one_round * rounds)
+    began = time.perf_counter()
+    one_round: list[int] = []
+
+    def after_warm_up(seconds: list[tuple[int, float]]) -> list[int]:
+        stretch = stretches(grid, [t for _, t in seconds], budget, time.perf_counter() - began)
+        one_round.extend(b for b in grid for _ in range(stretch[b]))
+        return one_round * rounds
+
+    policy = ScheduledBlocks(list(grid), then=after_warm_up)
     cycles = speculative_cycles(target, _prompt(target), private, max_tokens=-1, block_size=policy,
                                 session=Session(target, private))  # fmt: skip
-    per_round, began = len(one_round), time.perf_counter()
     ended: dict[int, float] = {}  # rounds done (0: the warm-up) -> when the last of them ended
     try:
         for _ in cycles:
-            done, within = divmod(len(policy.seconds) - len(grid), per_round)
             if policy.done:
                 break
+            if not one_round:  # still in the warm-up
+                continue
+            done, within = divmod(len(policy.seconds) - len(grid), len(one_round))
             if budget is not None and within == 0 and done >= 0 and done not in ended:
                 ended[done] = now = time.perf_counter()
                 if not another_round(done, now - began, now - ended.get(done - 1, began), budget):
                     break
     finally:
         cycles.close()
+    per_round = len(one_round)
+    # timed: all but a stretch's first cycle, and for b = 1 its last step too (it queues the next block)
+    counts = {b: one_round.count(b) for b in grid}
+    timed = [0 < i < counts[b] - (b == 1) for b in grid for i in range(counts[b])]
     table = []
-    for r in range(min(rounds, (len(policy.seconds) - len(grid)) // per_round)):
+    for r in range(min(rounds, (len(policy.seconds) - len(grid)) // per_round) if per_round else 0):
         samples: dict[int, list[float]] = {b: [] for b in grid}
         start = len(grid) + r * per_round
         for (b, seconds), t in zip(policy.seconds[start : start + per_round], timed):
@@ -223,6 +238,20 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS,
                 samples[b].append(seconds)
         table.append([statistics.median(samples[b]) for b in grid])
     return table
+
+
+def stretches(grid: list[int], warm_up: list[float], budget: float | None, elapsed: float) -> dict[int, int]:
+    """Cycles per stretch at each grid block: STRETCH and DRAFT_STRETCH, or the shorter SHORT_STRETCH and
+    SHORT_DRAFT_STRETCH where MIN_ROUNDS rounds of the longer ones, judged by the warm-up cycle of each
+    block (`warm_up`, seconds in grid order), would end after `budget` (a large model, a slow machine:
+    its cycles are long, so a moment's jitter weighs less in each). None: the longer ones (sharded ranks
+    must run the same cycles)."""
+    long = {b: STRETCH.get(b, DRAFT_STRETCH) for b in grid}
+    if budget is None or len(warm_up) < len(grid):
+        return long
+    if elapsed + MIN_ROUNDS * sum(long[b] * t for b, t in zip(grid, warm_up)) <= budget:
+        return long
+    return {b: SHORT_STRETCH.get(b, SHORT_DRAFT_STRETCH) for b in grid}
 
 
 def another_round(done: int, elapsed: float, last: float, budget: float) -> bool:
