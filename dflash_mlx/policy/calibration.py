@@ -8,42 +8,40 @@ block per cycle, on private caches and a private copy of the proposer
 (`Proposer.fork()`; a proposer without one is timed with free dummy drafts),
 so the caller's session is untouched. Each block runs as a stretch of
 consecutive cycles timed as a steady run of that block costs: the engine
-queues the cycle after a b = 1 step before reading that step, so a
-stretch's first cycle overlaps the previous block and is not timed, and a
-b = 1 step's time includes queueing the next cycle, so the last b = 1 step
-of a stretch (which queues the next block) is not timed either. Plain steps
-are short and their time decides whether drafting pays at all, so b = 1
-stretches are longer (STRETCH) and a round's b = 1 time is the median of
-its timed steps; a drafting block's is the median of its stretch's timed
-cycles (DRAFT_STRETCH). Longer stretches than the 6 and 2 cycles of
-FORMAT 6 make fewer outlying curves (a curve that puts plain decoding
-too close to the largest block is cached for good):
-`scripts/bench_calibration_noise.py --stretches "6,2 12,3"`. Where
-MIN_ROUNDS rounds of them would end after BUDGET_SECONDS, judged by the
-warm-up cycles (a large model, a slow machine: long cycles, which a moment's
-jitter disturbs less), the rounds take those shorter ones (SHORT_STRETCH,
-`stretches`). Rounds
-alternate the blocks, after a warm-up cycle of each: ROUNDS of them, fewer
-where they take long (past MIN_ROUNDS, none starts that would end after
-BUDGET_SECONDS, judged by the round before it, so a large model on a slow
-machine calibrates in about that time). The curve
-is fitted to their table of times (`fit.fitted_curve`: median polish across
-rounds, non-decreasing in b, a line past b = 1), as noise in a single
-block's time would otherwise make the argmax pick the block. The drafter's forward is also timed alone
-(`draft_seconds`): a curve whose blocks cost less over a plain step than
-half of it was measured on a busy machine (`fit.plausible`), so the rounds
-are measured again and pooled with the first, and the curve is kept on the
-floor T(b) >= T(1) + D(b) either way (`fit.with_floor`). A cache
-file that cannot be read, is of another format or describes another setup is
-ignored and rewritten (atomically). `<cache>` is $DFLASH_MLX_CACHE_DIR, else
-$XDG_CACHE_HOME/dflash-mlx, else ~/.cache/dflash-mlx;
-`clear_calibrations()` (or `dflash-mlx calibrate --clear`) empties it.
-A tensor-sharded target is calibrated sharded (its key names the group
-size), by all ranks together when rank 0 has no cached curve; every rank
-then takes rank 0's curve, so they all choose the same blocks. The ranks'
-exchanges make single cycles noisy, so a sharded calibration runs
-SHARDED_ROUNDS rounds (and skips the floor check, whose retry is one rank's
-decision).
+queues the cycle after a b = 1 step before reading that step, so a stretch's
+first cycle overlaps the previous block and is not timed, and a b = 1 step's
+time includes queueing the next cycle, so the last b = 1 step of a stretch
+(which queues the next block) is not timed either. Plain steps are short and
+their time decides whether drafting pays at all, so b = 1 stretches are
+longer (STRETCH) and a round's b = 1 time is the median of its timed steps;
+a drafting block's is the median of its stretch's timed cycles
+(DRAFT_STRETCH). Longer stretches than the 6 and 2 cycles of FORMAT 6 make
+fewer outlying curves (a curve that puts plain decoding too close to the
+largest block is cached for good): `scripts/bench_calibration_noise.py
+--stretches "6,2 12,3"`. Where MIN_ROUNDS rounds of them would end after
+BUDGET_SECONDS, judged by the warm-up cycles (a large model, a slow machine:
+long cycles, which a moment's jitter disturbs less), the rounds take those
+shorter ones (SHORT_STRETCH, `stretches`). Rounds alternate the blocks,
+after a warm-up cycle of each: ROUNDS of them, fewer where they take long
+(past MIN_ROUNDS, none starts that would end after BUDGET_SECONDS, judged by
+the round before it, so a large model on a slow machine calibrates in about
+that time). The curve is fitted to their table of times (`fit.fitted_curve`:
+median polish across rounds, non-decreasing in b, a line past b = 1), as
+noise in a single block's time would otherwise make the argmax pick the
+block. The drafter's forward is also timed alone (`draft_seconds`): a curve
+whose blocks cost less over a plain step than half of it was measured on a
+busy machine (`fit.plausible`), so the rounds are measured again and pooled
+with the first, and the curve is kept on the floor T(b) >= T(1) + D(b)
+either way (`fit.with_floor`). A cache file that cannot be read, is of
+another format or describes another setup is ignored and rewritten
+(atomically). `<cache>` is $DFLASH_MLX_CACHE_DIR, else
+$XDG_CACHE_HOME/dflash-mlx, else ~/.cache/dflash-mlx; `clear_calibrations()`
+(or `dflash-mlx calibrate --clear`) empties it. A tensor-sharded target is
+calibrated sharded (its key names the group size), by all ranks together
+when rank 0 has no cached curve; every rank then takes rank 0's curve, so
+they all choose the same blocks. The ranks' exchanges make single cycles
+noisy, so a sharded calibration runs SHARDED_ROUNDS rounds (and skips the
+floor check, whose retry is one rank's decision).
 """
 
 from __future__ import annotations
