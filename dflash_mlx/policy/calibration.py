@@ -209,7 +209,7 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS,
     policy = ScheduledBlocks(list(grid), then=after_warm_up)
     cycles = speculative_cycles(target, _prompt(target), private, max_tokens=-1, block_size=policy,
                                 session=Session(target, private))  # fmt: skip
-    ended: dict[int, float] = {}  # rounds done (0: the warm-up) -> when the last of them ended
+    last_end = began  # when the warm-up or the last round ended (each cycle is handed out once)
     try:
         for _ in cycles:
             if policy.done:
@@ -217,10 +217,11 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS,
             if not one_round:  # still in the warm-up
                 continue
             done, within = divmod(len(policy.seconds) - len(grid), len(one_round))
-            if budget is not None and within == 0 and done >= 0 and done not in ended:
-                ended[done] = now = time.perf_counter()
-                if not another_round(done, now - began, now - ended.get(done - 1, began), budget):
+            if budget is not None and within == 0 and done >= 0:
+                now = time.perf_counter()
+                if not another_round(done, now - began, now - last_end, budget):
                     break
+                last_end = now
     finally:
         cycles.close()
     per_round = len(one_round)
