@@ -277,6 +277,26 @@ def test_greedy_generations_continue_the_drafters_probe_schedule():
     assert adaptive_policy(None, Drafter(), 16, carry=True, curve=FLAT).choose(100) > 8  # another drafter
 
 
+def test_a_probe_chosen_as_a_generation_ends_runs_at_the_next_ones_first_plain_cycle():
+    class Drafter:
+        pass
+
+    drafter = Drafter()
+    first = adaptive_policy(None, drafter, 8, carry=True, curve=DRAFTING_COSTS)
+    simulate(first, [0.0], 40)  # useless so far: plain decoding, probed now and then
+    plain = 0
+    while first.choose(100) == 1:  # the reply ends; the pipelined engine has chosen a probe it never runs
+        plain += 1
+    assert plain >= PROBE_GAP - 1
+    second = adaptive_policy(None, drafter, 8, carry=True, curve=DRAFTING_COSTS)
+    probe = second.choose(100)
+    assert probe > 1  # the probe, at once: the gap was waited for already
+    # a probe that ran (and failed) before its generation ended is not run again at the next one's start
+    second.observe(probe, 0, DRAFTING_COSTS.calibrated(probe))
+    third = adaptive_policy(None, drafter, 8, carry=True, curve=DRAFTING_COSTS)
+    assert [third.choose(100) for _ in range(PROBE_GAP)] == [1] * PROBE_GAP
+
+
 def test_a_probe_that_does_not_pay_doubles_the_gap():
     # drafting costs half a forward, rows are cheap: a drafter accepting 30% of first drafts does not pay
     demo_like = CostCurve([1, 2, 3, 4, 6, 8], [0.0070, 0.0106, 0.0110, 0.0113, 0.0120, 0.0128])

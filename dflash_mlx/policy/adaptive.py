@@ -76,20 +76,33 @@ class ProbeSchedule:
     def __init__(self):
         self.idle = 0  # cycles chosen at b = 1 since the last larger block
         self.gap = PROBE_GAP
-        self.probing = False  # a probe was chosen and not observed yet
+        self.probing = False  # a probe was chosen and not judged yet
+        self.unrun = False  # a probe was chosen and no cycle at a block > 1 has run since
+        self.due = False  # the next cycle chosen at b = 1 probes (`resume`)
 
     def larger(self) -> None:
         """A block > 1 was chosen on its merits."""
-        self.idle = 0
+        self.idle, self.due = 0, False
 
     def probe_now(self, min_gap: float = 0, max_gap: float = MAX_PROBE_GAP) -> bool:
         """Another cycle chosen at b = 1: whether to probe instead (the gap bounded by `min_gap` and
         `max_gap`, the state it has earned kept)."""
         self.idle += 1
-        if self.idle < max(min(self.gap, max_gap), min_gap):
+        if not self.due and self.idle < max(min(self.gap, max_gap), min_gap):
             return False
-        self.idle, self.probing = 0, True
+        self.idle, self.probing, self.unrun, self.due = 0, True, True, False
         return True
+
+    def ran(self) -> None:
+        """A cycle at a block > 1 ran (was observed)."""
+        self.unrun = False
+
+    def resume(self) -> None:
+        """A new generation takes the schedule over. A probe the last one chose but never ran (a
+        pipelined engine chooses the next cycle's block before it sees the reply end) is due at the
+        first plain cycle: the gap it waited for is not waited for again. A probe whose excursion
+        the last generation did not judge stays unjudged."""
+        self.due, self.probing, self.unrun = self.unrun, False, False
 
     def observed(self, paid: bool | None) -> None:
         """A cycle at a block > 1 was judged: it `paid` (for this policy: committed at least what plain
@@ -192,6 +205,8 @@ class AdaptiveBlock:
         if self.refine and seconds > 0:
             self.curve.observe(block_size, seconds)
             self._refined += 1
+        if block_size > 1:
+            self.probes.ran()
         if block_size > 1 and accepted is not None:  # (b = 1 cycles are observed late when pipelined)
             self.estimate.observe(block_size - 1, accepted)
             if self._excursion is not None:  # the probe and the larger blocks it led to, judged together
@@ -238,7 +253,7 @@ def adaptive_policy(target, proposer, max_block: int, refine: bool = False, carr
         if history is not None:
             policy.estimate = AcceptanceEstimate(max_block - 1, learnt=history.learnt)
             policy.probes = history.probes
-            policy.probes.probing = False  # a probe chosen when the last generation ended never ran
+            policy.probes.resume()
     return policy
 
 
