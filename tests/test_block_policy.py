@@ -277,7 +277,7 @@ def test_greedy_generations_continue_the_drafters_probe_schedule():
     assert adaptive_policy(None, Drafter(), 16, carry=True, curve=FLAT).choose(100) > 8  # another drafter
 
 
-def test_a_probe_chosen_as_a_generation_ends_runs_at_the_next_ones_first_plain_cycle():
+def test_a_probe_that_observed_nothing_runs_at_the_next_generations_first_plain_cycle():
     class Drafter:
         pass
 
@@ -291,6 +291,9 @@ def test_a_probe_chosen_as_a_generation_ends_runs_at_the_next_ones_first_plain_c
     second = adaptive_policy(None, drafter, 8, carry=True, curve=DRAFTING_COSTS)
     probe = second.choose(100)
     assert probe > 1  # the probe, at once: the gap was waited for already
+    second.observe(probe, None, DRAFTING_COSTS.calibrated(probe))  # a stop token in its first row: no verdict
+    second = adaptive_policy(None, drafter, 8, carry=True, curve=DRAFTING_COSTS)
+    assert second.choose(100) == probe  # so it is still due
     # a probe that ran (and failed) before its generation ended is not run again at the next one's start
     second.observe(probe, 0, DRAFTING_COSTS.calibrated(probe))
     third = adaptive_policy(None, drafter, 8, carry=True, curve=DRAFTING_COSTS)

@@ -77,7 +77,7 @@ class ProbeSchedule:
         self.idle = 0  # cycles chosen at b = 1 since the last larger block
         self.gap = PROBE_GAP
         self.probing = False  # a probe was chosen and not judged yet
-        self.unrun = False  # a probe was chosen and no cycle at a block > 1 has run since
+        self.unrun = False  # a probe was chosen and no cycle at a block > 1 has observed acceptance since
         self.due = False  # the next cycle chosen at b = 1 probes (`resume`)
 
     def larger(self) -> None:
@@ -94,14 +94,15 @@ class ProbeSchedule:
         return True
 
     def ran(self) -> None:
-        """A cycle at a block > 1 ran (was observed)."""
+        """A cycle at a block > 1 observed acceptance."""
         self.unrun = False
 
     def resume(self) -> None:
-        """A new generation takes the schedule over. A probe the last one chose but never ran (a
-        pipelined engine chooses the next cycle's block before it sees the reply end) is due at the
-        first plain cycle: the gap it waited for is not waited for again. A probe whose excursion
-        the last generation did not judge stays unjudged."""
+        """A new generation takes the schedule over. A probe the last one chose but that observed
+        nothing (a pipelined engine chooses the next cycle's block before it sees the reply end; a
+        stop token in its first row ends the reply with no verdict on the drafts) is due at the first
+        plain cycle: the gap it waited for is not waited for again. A probe whose excursion the last
+        generation did not judge stays unjudged."""
         self.due, self.probing, self.unrun = self.unrun, False, False
 
     def observed(self, paid: bool | None) -> None:
@@ -205,9 +206,8 @@ class AdaptiveBlock:
         if self.refine and seconds > 0:
             self.curve.observe(block_size, seconds)
             self._refined += 1
-        if block_size > 1:
-            self.probes.ran()
         if block_size > 1 and accepted is not None:  # (b = 1 cycles are observed late when pipelined)
+            self.probes.ran()
             self.estimate.observe(block_size - 1, accepted)
             if self._excursion is not None:  # the probe and the larger blocks it led to, judged together
                 self._excursion[0] += accepted + 1
