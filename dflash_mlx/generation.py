@@ -22,6 +22,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .acceptance import Acceptor
 from .models.block_size import default_block_size
+from .models.facts import facts_read_once
 from .engine import speculative_cycles
 from .policy import adaptive_policy
 from .sampling import SamplingSettings
@@ -126,12 +127,13 @@ def stream_generate(
     if max_block_size is not None and (not isinstance(max_block_size, int) or max_block_size < 1):
         raise ValueError(f"max_block_size must be an integer >= 1, got {max_block_size!r}.")
     if block_size is None or block_size == "auto":
-        largest = max_block_size or (default_block_size(model, draft) if proposer else 1)
-        # the calibrated curve alone: the loop's cycle times mix in the caller's per-token work and,
-        # with pipelined plain steps, the next step's launch (see dflash_mlx.policy.adaptive)
-        # greedy runs carry the drafter's acceptance history from one call to the next (their
-        # output cannot change); sampled runs start from the prior, so a seed reproduces them
-        block_size = adaptive_policy(target, proposer, largest, carry=settings.greedy) if proposer else 1
+        with facts_read_once():  # the cap and the calibration key read the same models' facts
+            largest = max_block_size or (default_block_size(model, draft) if proposer else 1)
+            # the calibrated curve alone: the loop's cycle times mix in the caller's per-token work and,
+            # with pipelined plain steps, the next step's launch (see dflash_mlx.policy.adaptive)
+            # greedy runs carry the drafter's acceptance history from one call to the next (their
+            # output cannot change); sampled runs start from the prior, so a seed reproduces them
+            block_size = adaptive_policy(target, proposer, largest, carry=settings.greedy) if proposer else 1
     elif max_block_size is not None:
         raise ValueError("max_block_size is for the adaptive block (block_size=None), not a fixed one.")
     elif isinstance(block_size, str):

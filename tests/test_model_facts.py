@@ -7,7 +7,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from dflash_mlx.models.block_size import capped_block_size, min_quantized_bits
-from dflash_mlx.models.facts import read_facts
+from dflash_mlx.models.facts import facts_read_once, read_facts
 
 
 class Tiny(nn.Module):
@@ -36,3 +36,14 @@ def test_counts_dtypes_and_the_smallest_quantized_width_as_mlx_lists_them():
     assert facts.float_dtypes == ("mlx.core.bfloat16", "mlx.core.float32") and facts.bits == 4
     assert min_quantized_bits(model) == 4 and capped_block_size(16, model, None) == 5
     assert capped_block_size(16, Tiny(), None) == 16
+
+
+def test_a_generations_setup_reads_each_model_once_and_a_later_one_sees_a_change():
+    model = Tiny()
+    with facts_read_once():
+        first = read_facts(model)
+        nn.quantize(model, group_size=32, bits=4)  # (not done during a real setup: shows the memo holds)
+        assert read_facts(model) is first and first.bits is None
+        assert read_facts(Tiny()) is not first  # another model: its own walk
+    assert read_facts(model).bits == 4  # the next setup walks the model again
+    assert capped_block_size(16, model, None) == 5

@@ -83,7 +83,7 @@ SHORT_DRAFT_STRETCH = 2
 PROMPT_TOKENS = 16
 DRAFT_REPEATS = 3  # timed drafter forwards per block, after a warm-up one
 
-_memo: dict[str, CostCurve] = {}
+_memo: dict[tuple, CostCurve] = {}  # `_frozen(key)` -> curve: a hit costs no JSON and no hash of it
 _lock = threading.Lock()
 
 
@@ -149,6 +149,15 @@ def _machine_facts() -> dict:
     """What cannot change within a process (read once: every adaptive generation builds a key)."""
     return {"machine": platform.machine(), "system": platform.system(), "chip": chip(),
             "cpu_count": os.cpu_count(), "blas": loaded_blas(), "mlx": mx.__version__}  # fmt: skip
+
+
+def _frozen(value):
+    """`value` (a calibration key) made hashable: dicts and lists as tuples, in their order."""
+    if isinstance(value, dict):
+        return tuple((k, _frozen(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
 
 
 def _digest(key: dict) -> str:
@@ -322,11 +331,11 @@ def cost_curve(target, proposer, max_block: int, *, force: bool = False) -> Cost
     """This setup's calibrated curve up to `max_block` (measured at first use, then cached;
     `force`: measure again and replace the cached one)."""
     key = calibration_key(target, proposer, max_block)
-    digest = _digest(key)
+    memo_key = _frozen(key)
     with _lock:
-        if digest in _memo and not force:
-            return _memo[digest]
-        path = calibration_dir() / f"{digest}.json"
+        if memo_key in _memo and not force:
+            return _memo[memo_key]
+        path = calibration_dir() / f"{_digest(key)}.json"
         group = _group(target)
         leader = group is None or group.rank() == 0
         curve = None if force or not leader else _read(path, key)
@@ -354,5 +363,5 @@ def cost_curve(target, proposer, max_block: int, *, force: bool = False) -> Cost
                     write_json_atomic(path, json.loads(json.dumps(doc, default=str)))
             except OSError as e:  # e.g. a read-only cache directory: keep the curve for this process only
                 warnings.warn(f"Cannot cache the block-size calibration in {path.parent}: {e}", stacklevel=2)
-        _memo[digest] = curve
+        _memo[memo_key] = curve
         return curve
