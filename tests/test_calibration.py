@@ -67,6 +67,26 @@ def test_a_cached_curve_is_reused_without_measuring(cache_dir, setup, monkeypatc
     assert cached_curve(target, proposer, 8).seconds == first.seconds
 
 
+def test_a_curve_in_memory_is_used_until_forgotten(cache_dir, setup, monkeypatch):
+    _, _, _, target, proposer = setup
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: pytest.fail("measured"))
+    path = calibration_file(target, proposer, 4)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(seconds):
+        path.write_text(json.dumps({"key": json.loads(json.dumps(calibration_key(target, proposer, 4), default=str)),
+                                    "grid": grid_for(4), "seconds": seconds}))  # fmt: skip
+
+    write([0.01, 0.02, 0.03, 0.04])
+    assert cost_curve(target, proposer, 4).seconds == [0.01, 0.02, 0.03, 0.04]
+    write([0.01, 0.011, 0.012, 0.013])
+    assert cost_curve(target, proposer, 4).seconds == [0.01, 0.02, 0.03, 0.04]  # the process's copy
+    calibration.forget_curve("not-this-one")
+    assert cost_curve(target, proposer, 4).seconds == [0.01, 0.02, 0.03, 0.04]
+    calibration.forget_curve(path.stem)
+    assert cost_curve(target, proposer, 4).seconds == [0.01, 0.011, 0.012, 0.013]
+
+
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "other key", "bad numbers", "empty"])
 def test_a_corrupt_or_stale_file_is_ignored_and_rewritten(cache_dir, setup, damage):
     _, _, _, target, proposer = setup

@@ -83,7 +83,7 @@ SHORT_DRAFT_STRETCH = 2
 PROMPT_TOKENS = 16
 DRAFT_REPEATS = 3  # timed drafter forwards per block, after a warm-up one
 
-_memo: dict[tuple, CostCurve] = {}  # `_frozen(key)` -> curve: a hit costs no JSON and no hash of it
+_memo: dict[tuple, tuple[str, CostCurve]] = {}  # `_frozen(key)` -> (its digest, curve): a hit hashes no JSON
 _lock = threading.Lock()
 
 
@@ -106,6 +106,13 @@ def clear_calibrations() -> int:
             path.unlink(missing_ok=True)
             removed += 1
     return removed
+
+
+def forget_curve(digest: str) -> None:
+    """Drop this process's copy of the curve cached as `<digest>.json`: the next lookup reads the file."""
+    with _lock:
+        for memo_key in [k for k, (d, _) in _memo.items() if d == digest]:
+            del _memo[memo_key]
 
 
 def grid_for(max_block: int) -> list[int]:
@@ -334,8 +341,9 @@ def cost_curve(target, proposer, max_block: int, *, force: bool = False) -> Cost
     memo_key = _frozen(key)
     with _lock:
         if memo_key in _memo and not force:
-            return _memo[memo_key]
-        path = calibration_dir() / f"{_digest(key)}.json"
+            return _memo[memo_key][1]
+        digest = _digest(key)
+        path = calibration_dir() / f"{digest}.json"
         group = _group(target)
         leader = group is None or group.rank() == 0
         curve = None if force or not leader else _read(path, key)
@@ -363,5 +371,5 @@ def cost_curve(target, proposer, max_block: int, *, force: bool = False) -> Cost
                     write_json_atomic(path, json.loads(json.dumps(doc, default=str)))
             except OSError as e:  # e.g. a read-only cache directory: keep the curve for this process only
                 warnings.warn(f"Cannot cache the block-size calibration in {path.parent}: {e}", stacklevel=2)
-        _memo[memo_key] = curve
+        _memo[memo_key] = (digest, curve)
         return curve

@@ -40,4 +40,4 @@ def write_cheap_blocks_curve(model, draft, per_token: float = 0.02) -> str:
 def forget_curve(path) -> None:
     """Drop this process's in-memory copy of the curve cached at `path` (its name is the key's digest),
     so the next lookup reads the file: before a test that wrote one, and after it."""
-    calibration._memo.pop(Path(path).stem, None)
+    calibration.forget_curve(Path(path).stem)
