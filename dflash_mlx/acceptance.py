@@ -5,7 +5,8 @@ tokens: mlx-lm style logits processors (each verified row sees the token
 history plain decoding would have given it), the processed distributions of
 `dflash_mlx.sampling`, the random keys (reproducible from a seed), and the
 verdict `[accepted, t_0, ..., t_{b-1}]` where t_0..t_accepted are the tokens
-the cycle commits. Everything stays on the device; the engine syncs once.
+the cycle commits (`next_token` for a row with no drafts: a plain step). Everything
+stays on the device; the engine syncs once.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ class Acceptor:
             rows.append(row)
         return mx.concatenate(rows, axis=0)
 
-    def first_token(self, logits: mx.array) -> mx.array:
-        """The token after the prompt, from its processed last row [1, V]."""
+    def next_token(self, logits: mx.array) -> mx.array:
+        """The next token [1] from a processed row [1, V] with no drafts to verify (the token after
+        the prompt, a plain decoding step): the verdict of a block of 1 without its accepted count."""
         if self.settings.greedy:
             return mx.argmax(logits, axis=-1).astype(mx.int32)
         if self._xtc_sampler is not None:

@@ -53,7 +53,10 @@ class Cycle:
 
 @dataclass
 class _Pending:
-    """A queued draft + verify: its block size, verdict, processed rows, features and record."""
+    """A queued draft + verify: its block size, verdict, processed rows, features and record.
+
+    The verdict is the `Acceptor`'s `[accepted, t_0, ..., t_{b-1}]`, or `[t_0]` for b = 1 (a plain
+    step, `Acceptor.next_token`: two ops on top of the forward, as mlx-lm's greedy step has)."""
 
     block_size: int
     verdict: mx.array
@@ -146,7 +149,7 @@ def speculative_cycles(
     context.add(features)
     row = acceptor.process(logits[0, -1:])
     logprobs = log_softmax(row)
-    anchor = acceptor.first_token(row)
+    anchor = acceptor.next_token(row)
     mx.eval(anchor, logprobs)
     progress(total, total)
     session.prefilled(prompt_ids)
@@ -173,7 +176,7 @@ def speculative_cycles(
             verify_ids = anchor.reshape(1)
         logits, features, record = target.verify(verify_ids[None], cache)
         rows = acceptor.process(logits[0], drafts)
-        verdict = acceptor.verdict(rows, drafts, draft_probs)
+        verdict = acceptor.verdict(rows, drafts, draft_probs) if b > 1 else acceptor.next_token(rows)
         mx.async_eval(verdict)
         return _Pending(b, verdict, rows, features, record)
 
@@ -194,12 +197,15 @@ def speculative_cycles(
             remaining = max_tokens < 0 or committed + 1 < max_tokens
             if chains and queued.block_size == 1 and remaining and not queue:
                 # a b = 1 cycle commits exactly one token: the next cycle (any block) can be built on it unread
-                queue.append(launch(queued.verdict[1:2], position + 1, committed + 1, choose(committed + 1)))
+                queue.append(launch(queued.verdict, position + 1, committed + 1, choose(committed + 1)))
             values = queued.verdict.tolist()
             now = time.perf_counter()
             seconds, synced = now - synced, now
-            accepted = values[0]
-            tokens = values[1 : accepted + 2]
+            if queued.block_size > 1:
+                accepted = values[0]
+                tokens = values[1 : accepted + 2]
+            else:  # a plain step's verdict is its token alone
+                accepted, tokens = 0, values
             stop = next((i for i, t in enumerate(tokens) if t in stop_tokens), None)
             if stop is not None:
                 tokens = tokens[: stop + 1]
