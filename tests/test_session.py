@@ -109,6 +109,29 @@ def test_a_stop_token_inside_a_block_keeps_nothing_after_it(pair, family):
     assert session.reused == len(p1) + stop
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_a_stop_token_first_undoes_the_cycle_queued_on_it(pair, family, block_size):
+    """The first cycle is built on the prompt's lazy token; when that token is a stop token the
+    cycle is undone whole: the caches hold the prompt alone and the next turn goes on exactly."""
+    model, tokenizer, _ = pair(family)
+    p1 = prompt_ids(15, seed=12)
+    with without_eos(tokenizer) as tok:
+        stream = tokens_of(reference(model, tok, p1, 20))
+    oracle = OracleProposer(stream + [0] * 16, [15], TINY_VOCAB, 16)  # accept every draft
+    session = make_session(model, oracle)
+    with with_eos(tokenizer, {stream[0]}) as tok:
+        got = run(model, oracle, tok, session, p1, 30, block_size=block_size)
+    assert tokens_of(got) == stream[:1] and got[-1].finish_reason == "stop"
+    assert session.tokens == p1
+    held = [c.offset for c in session.cache if isinstance(c, KVCache)]
+    assert not held or set(held) == {len(p1)}
+    with without_eos(tokenizer) as tok:
+        p2 = p1 + stream[:1] + prompt_ids(4, seed=13)
+        same(run(model, oracle, tok, session, p2, 12, block_size=block_size), p2, 12, model, tok)
+    assert session.reused == len(p1)
+
+
 def test_session_must_match_the_model_and_drafter(pair):
     model, tokenizer, draft = pair("qwen3")
     session = make_session(model, draft)

@@ -284,3 +284,27 @@ def test_cli_serve_answers_from_rank_0():
     finally:
         alone.stop()
     assert whole.choices[0].message.content == want.choices[0].message.content
+
+
+def test_the_shard_group_is_found_wherever_shard_puts_it():
+    """`tensor_group` finds the group on a sharded linear nested in a list, or on a module mlx-lm's
+    `shard()` marks with `sharding_group`; an unsharded target has none (one process, no ring)."""
+    from mlx.nn.layers.distributed import AllToShardedLinear
+    from mlx_lm.models import qwen3
+
+    from dflash_mlx.targets.adapter import tensor_group
+
+    args = qwen3.ModelArgs(
+        model_type="qwen3", hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2,
+        rms_norm_eps=1e-6, vocab_size=64, num_key_value_heads=1, max_position_embeddings=64, rope_theta=1e4,
+        head_dim=16, tie_word_embeddings=True,
+    )
+    group = mx.distributed.init()
+    assert tensor_group(qwen3.Model(args)) is None
+    model = qwen3.Model(args)
+    model.model.layers[0].mlp.sharding_group = group  # what shard() sets on the modules it splits in place
+    assert tensor_group(model) is group
+    model = qwen3.Model(args)
+    mlp = model.model.layers[0].mlp
+    mlp.experts = [mlp.up_proj, AllToShardedLinear.from_linear(mlp.gate_proj, group=group)]  # a list of children
+    assert tensor_group(model) is group

@@ -142,9 +142,17 @@ def tensor_group(text: nn.Module):
     """
     if getattr(text, "sharding_group", None) is not None:
         return text.sharding_group
-    for module in text.model.layers[0].modules() if len(text.model.layers) else ():
+    stack = [text.model.layers[0]] if len(text.model.layers) else []
+    while stack:  # the layer's modules, walked directly (`Module.modules()` costs ~50 us a call)
+        module = stack.pop()
         if isinstance(module, (AllToShardedLinear, QuantizedAllToShardedLinear)):
             return module.group
-        if getattr(module, "sharding_group", None) is not None:
-            return module.sharding_group
+        group = vars(module).get("sharding_group")  # an attribute mlx-lm's shard() sets, not a child
+        if group is not None:
+            return group
+        for value in module.values():
+            if isinstance(value, nn.Module):
+                stack.append(value)
+            elif isinstance(value, (list, tuple)):
+                stack.extend(v for v in value if isinstance(v, nn.Module))
     return None
