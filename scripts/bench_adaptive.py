@@ -97,8 +97,10 @@ def main_module(path: str, name: str, package: str, edit=lambda source: source) 
 
 
 def old_engine():
-    """The main branch's engine (`speculative_cycles`)."""
-    return main_module("dflash_mlx/engine.py", "_engine_main", "dflash_mlx").speculative_cycles
+    """The main branch's engine (`speculative_cycles`), on today's `Acceptor` (whose `first_token` is
+    now `next_token`)."""
+    return main_module("dflash_mlx/engine.py", "_engine_main", "dflash_mlx",
+                       lambda src: src.replace("acceptor.first_token(", "acceptor.next_token(")).speculative_cycles
 
 
 def old_proposer(draft):
