@@ -7,10 +7,11 @@ graph is queued with `mx.async_eval` before the current cycle is handed out,
 so there is one host sync per cycle (the first cycle is queued before the
 prefill's token is handed out, as mlx-lm queues its second step). A
 block-size policy (`policy.base`) chooses each cycle's block; b = 1 is plain
-decoding, and the cycle after a b = 1 cycle (of any block) is pipelined like
-mlx-lm's `generate_step` (queued on the lazy token before the current one is
-read) where the caches can undo it whole. At b = 1 the drafter's context still receives every committed
-position, batched until the next larger block. What a verify commits (greedy
+decoding, and the cycle after a b = 1 cycle or after the prefill (of any
+block) is pipelined like mlx-lm's `generate_step` (built on the lazy token
+before that token is read) where the caches can undo it whole should the
+token be a stop token. At b = 1 the drafter's context still receives every
+committed position, batched until the next larger block. What a verify commits (greedy
 or exact sampling, logits processors) is the `Acceptor`'s. Log-probabilities
 are left lazy (a full-vocabulary log-softmax over every verified row costs
 ~10% of a 240M-parameter verify on a CPU).
