@@ -57,7 +57,7 @@ class _Pending:
     """A queued draft + verify: its block size, verdict, processed rows, features and record.
 
     The verdict is the `Acceptor`'s `[accepted, t_0, ..., t_{b-1}]`, or `[t_0]` for b = 1 (a plain
-    step, `Acceptor.next_token`: two ops on top of the forward, as mlx-lm's greedy step has)."""
+    step, `Acceptor.next_token`: two ops on top of the forward, where mlx-lm's greedy step has three)."""
 
     block_size: int
     verdict: mx.array
