@@ -177,6 +177,12 @@ def speculative_cycles(
         mx.async_eval(verdict)
         return _Pending(b, verdict, rows, features, record)
 
+    def undo_chained() -> None:
+        """Undo whole the cycles built on a token that turned out to be a stop token (`chains`: the
+        caches can)."""
+        while queue:
+            rollback(cache, queue.pop().record, keep=0)
+
     def choose(committed: int) -> int:
         limit = policy.max_block if max_tokens < 0 else min(policy.max_block, max_tokens - committed)
         return 1 if proposer is None else policy.choose(limit)
@@ -193,8 +199,7 @@ def speculative_cycles(
     acceptor.commit([anchor_id])
     stopped = anchor_id in stop_tokens
     if stopped:
-        while queue:  # a cycle chained on the stop token: undo it whole
-            rollback(cache, queue.pop().record, keep=0)
+        undo_chained()
     elif not queue and committed != max_tokens:
         queue.append(launch(anchor, position, committed, choose(committed)))
     first = Cycle(tokens=[anchor_id], logprobs=logprobs, drafted=0, block_size=0, stopped=stopped)
@@ -219,8 +224,7 @@ def speculative_cycles(
             stop = next((i for i, t in enumerate(tokens) if t in stop_tokens), None)
             if stop is not None:
                 tokens = tokens[: stop + 1]
-                while queue:  # a step chained on the stop token: undo it whole
-                    rollback(cache, queue.pop().record, keep=0)
+                undo_chained()
             kept = len(tokens)  # rows kept: the anchor and the accepted drafts before the last token
             if queued.block_size > 1:
                 rollback(cache, queued.record, keep=kept)
