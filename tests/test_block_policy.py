@@ -237,6 +237,27 @@ def test_one_unlucky_first_cycle_does_not_turn_a_fresh_history():
     assert generation(DRAFTING_COSTS, learnt).choose(100) > 1
 
 
+def test_a_failed_probe_is_not_followed_by_a_larger_block():
+    """A process's first reply with a drafter that is always wrong (`dflash-mlx generate` off distribution):
+    once at b = 1, only its probes draft. Softening the observations alone before a probe pulled the young
+    estimate back to its optimistic prior, and a failed probe was followed by a block of 7."""
+    chosen = simulate(generation(DRAFTING_COSTS, learnt_estimate(7)), [0.0], 40)
+    plain = chosen.index(1)
+    assert plain <= 4 and [b for b in chosen[plain:] if b > 1] == [3, 3]
+
+
+def test_softening_keeps_the_rates_and_lowers_their_weight():
+    softened, kept = (AcceptanceEstimate(7, learnt=learnt_estimate(7)) for _ in range(2))
+    for est in (softened, kept):
+        for accepted in (0, 2, 0):
+            est.observe(7, accepted)
+    softened.soften(0.5)
+    assert softened.rates() == pytest.approx(kept.rates())  # the observed positions and the unobserved ones
+    for est in (softened, kept):
+        est.observe(7, 0)
+    assert softened.rate(0) < kept.rate(0) - 0.02  # the next observation counts more
+
+
 def test_a_drafter_usually_wrong_starts_the_next_generation_plainly():
     learnt = learnt_estimate(7)
     simulate(generation(DRAFTING_COSTS, learnt), [0.0], 40)

@@ -23,7 +23,12 @@ they counted twice, and a trained drafter whose first cycle in a process was
 rejected went to b = 1 for the rest of that reply and the start of the next.
 So one rejection at the start of a short reply does not send a drafter that
 is usually right to b = 1, and a drafter that is usually wrong starts at
-b = 1.
+b = 1. Softening the history before a probe weighs those priors down with
+the observations they are mixed with: softening the observations alone
+pulled a young estimate back to its prior, so in a fresh process a drafter
+always rejected at its first position followed each failed probe with a
+block of 7 or 8 (`dflash-mlx generate` on the demo pair, off distribution:
+blocks {1: 45, 2: 2, 7: 1, 8: 6}, now {1: 50, 2: 2, 8: 3}).
 E(b) = 1 + sum_{k=1}^{b-1} prod_{j<k} a_j is what a cycle at block b is
 expected to commit.
 """
@@ -81,11 +86,15 @@ class AcceptanceEstimate:
             self.seen += [0.0] * extra
 
     def soften(self, factor: float) -> None:
-        """Weigh the whole history by `factor` (before a probe, after a long pause)."""
+        """Weigh the whole history by `factor` (before a probe, after a long pause): the observed
+        positions' priors from the drafter's history too, so the rates stand and only their weight
+        falls (the next observations count more; a rate does not drift back to its prior)."""
         self.version += 1
         for k in range(self.positions):
             self.seen[k] *= factor
             self.accepted[k] *= factor
+            if self._priors is not None and self.seen[k] > 0:
+                self._prior_weights[k] *= factor
 
     def rates(self) -> list[float]:
         """The estimated a_k of every position."""
@@ -95,7 +104,8 @@ class AcceptanceEstimate:
                 prior, w = (self.prior if k == 0 else min(self.prior, out[0])), self.weight
             else:  # the history: what the drafter did at this depth
                 prior, w = self._priors[k], self._prior_weights[k]
-            out.append((self.accepted[k] + w * prior) / (self.seen[k] + w))
+            total = self.seen[k] + w  # (0 only once weights underflow after thousands of probes)
+            out.append((self.accepted[k] + w * prior) / total if total > 0 else prior)
         return out
 
     def rate(self, k: int) -> float:
