@@ -181,9 +181,9 @@ def test_draft_context_holds_committed_positions_only(pair):
 
 
 def test_the_proposer_hands_its_newest_context_to_the_next_block(pair):
-    """The last rows handed over wait for the next block's forward (fused there); a second handover,
-    the state, or a look at the cache ingests them first. Drafts equal those of a proposer whose
-    context was ingested apart."""
+    """The last rows handed over wait for the next block's forward (fused there); a second handover
+    or a look at the cache ingests them first, the state (what a prefill chunk evaluates) does not.
+    Drafts equal those of a proposer whose context was ingested apart."""
     model, tokenizer, draft = pair("qwen3")
     prompt = mx.array([prompt_ids(13)])
     waiting, apart = DFlashProposer(draft), DFlashProposer(draft)
@@ -196,8 +196,9 @@ def test_the_proposer_hands_its_newest_context_to_the_next_block(pair):
     waiting.add_context(features[:, 5:12])  # the first batch is ingested, the second waits
     assert waiting._cache[0].end == 5 and waiting.context_end == 12
     apart.add_context(features[:, :12])
-    apart.state()  # ingested
-    assert apart._pending is None and apart._cache[0].end == 12
+    assert all(arrays == [] for arrays in apart.state()) and apart._pending is not None  # still waiting
+    apart.cache  # ingests
+    assert apart._pending is None and apart._cache[0].end == 12 and all(len(a) == 2 for a in apart.state())
     anchor = mx.array([int(prompt[0, 12])])
     fused = waiting.propose(anchor, 12, 5).tokens
     assert waiting._pending is None and waiting._cache[0].end == 12

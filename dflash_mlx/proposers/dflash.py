@@ -6,7 +6,8 @@ it when a session reuses a prefix, and draft `count` tokens after an anchor.
 Whether drafts are sampled is the call's choice (`sampling`), never state.
 The last context handed over is held back and ingested by the next block's
 own forward (one K/V projection per layer for both, see `draft.model`);
-anything that reads the cache (`cache`, `state`, a save) ingests it first.
+anything that reads the cache (`cache`, a save) ingests it first; `state`
+(what a prefill evaluates) leaves it lazy.
 """
 
 from __future__ import annotations
@@ -89,7 +90,10 @@ class DFlashProposer:
         self._pending = features
 
     def state(self) -> list:
-        return [c.state for c in self.cache or []]
+        """The ingested context's arrays. The batch held back stays lazy: evaluating after a prefill
+        chunk must not run the drafter's projections of rows a plain step may never draft after (an
+        untrained drafter, a reply that ends before a probe); the next block's forward ingests them."""
+        return [c.state for c in self._cache or []]
 
     @property
     def context_end(self) -> int:
