@@ -11,7 +11,8 @@ decoding, and the cycle after a b = 1 cycle or after the prefill (of any
 block) is pipelined like mlx-lm's `generate_step` (built on the lazy token
 before that token is read) where the caches can undo it whole should the
 token be a stop token. At b = 1 the drafter's context still receives every
-committed position, batched until the next larger block. What a verify commits (greedy
+committed position, batched and left lazy until a larger block needs it (the
+prompt's too, when the first cycle is plain). What a verify commits (greedy
 or exact sampling, logits processors) is the `Acceptor`'s. Log-probabilities
 are left lazy (a full-vocabulary log-softmax over every verified row costs
 ~10% of a 240M-parameter verify on a CPU).
@@ -136,6 +137,10 @@ def speculative_cycles(
     cache = session.cache
     context = _DrafterContext(proposer)
 
+    def choose(committed: int) -> int:
+        limit = policy.max_block if max_tokens < 0 else min(policy.max_block, max_tokens - committed)
+        return 1 if proposer is None else policy.choose(limit)
+
     # Prefill exactly as mlx-lm does: chunks of all but the last token, then the last.
     total = prompt.size
     progress(done, total)
@@ -152,9 +157,13 @@ def speculative_cycles(
     row = acceptor.process(logits[0, -1:])
     logprobs = log_softmax(row)
     anchor = acceptor.next_token(row)
-    mx.async_eval(anchor, logprobs)
-    session.prefilled(prompt_ids)  # before a verify updates the caches (its checkpoint copies the state)
     committed, position = 1, total
+    # The prefill leaves the drafter's ingestion of the prompt lazy (`Proposer.state`): it runs with the
+    # prompt's last row when the first cycle drafts, and waits for a block that needs it when that
+    # cycle is a plain step (a drafter at b = 1 through the whole reply never runs it).
+    first_block = choose(committed) if committed != max_tokens else 1
+    mx.async_eval(anchor, logprobs, context.state() if first_block > 1 else [])
+    session.prefilled(prompt_ids)  # before a verify updates the caches (its checkpoint copies the state)
     # b = 1 steps are chained on the lazy token when nothing needs it on the host first
     # (logits processors read the history) and the caches can undo a step past a stop token.
     chains = not acceptor.processors and all(undoes_single_row(c) for c in cache)
@@ -183,17 +192,13 @@ def speculative_cycles(
         while queue:
             rollback(cache, queue.pop().record, keep=0)
 
-    def choose(committed: int) -> int:
-        limit = policy.max_block if max_tokens < 0 else min(policy.max_block, max_tokens - committed)
-        return 1 if proposer is None else policy.choose(limit)
-
     # The first cycle is queued before the first token is handed out, as mlx-lm queues its second
     # step, and built on the lazy token (its graph built while the prompt's last row computes) when
     # the caches can undo it should that token be a stop token.
     queue: deque[_Pending] = deque()
     synced = time.perf_counter()
     if chains and committed != max_tokens:
-        queue.append(launch(anchor, position, committed, choose(committed)))
+        queue.append(launch(anchor, position, committed, first_block))
     anchor_id = anchor.item()
     progress(total, total)
     acceptor.commit([anchor_id])
@@ -201,7 +206,7 @@ def speculative_cycles(
     if stopped:
         undo_chained()
     elif not queue and committed != max_tokens:
-        queue.append(launch(anchor, position, committed, choose(committed)))
+        queue.append(launch(anchor, position, committed, first_block))
     first = Cycle(tokens=[anchor_id], logprobs=logprobs, drafted=0, block_size=0, stopped=stopped)
     try:
         yield first

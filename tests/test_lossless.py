@@ -207,6 +207,31 @@ def test_the_proposer_hands_its_newest_context_to_the_next_block(pair):
     assert [c.end for c in waiting.cache] == [13, 13] and waiting._pending is None  # `cache` ingests
 
 
+class _StateCalls(DFlashProposer):
+    """Counts the engine's calls for the drafter state to evaluate."""
+
+    calls = 0
+
+    def state(self) -> list:
+        self.calls += 1
+        return super().state()
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_the_prompt_context_waits_for_a_drafting_cycle(pair, block_size):
+    """A one-chunk prompt: the prefill evaluates the drafter's ingested context after its chunk (nothing
+    yet), and with the prompt's last row only when the first cycle drafts (it then ingests the prompt
+    there, not in that cycle); a first cycle at b = 1 leaves it lazy. The output stays mlx-lm's."""
+    model, tokenizer, draft = pair("qwen3")
+    prompt = prompt_ids(13)
+    proposer = _StateCalls(draft)
+    target = TargetAdapter(model, proposer.layer_ids)
+    cycles = speculative_cycles(target, mx.array(prompt), proposer, max_tokens=12, block_size=block_size)
+    tokens = [t for c in cycles for t in c.tokens]
+    assert proposer.calls == (1 if block_size == 1 else 2)
+    assert tokens == [r.token for r in reference(model, tokenizer, prompt, 12)]
+
+
 def test_bounded_draft_context_stays_lossless(pair):
     model, tokenizer, draft = pair("qwen3")
     prompt = prompt_ids(30, seed=2)

@@ -4,7 +4,8 @@ A proposer is any object with the `Proposer` shape: it is told about each new
 generation (`start`; with `reused=n` when the caches kept the first n prompt
 positions from the previous generation, see `dflash_mlx.session`), fed the target's features of every newly committed
 position (`add_context`, in order, only if it asked for `layer_ids`), asked for
-the arrays to evaluate after each prefill chunk (`state`), and asked for
+the arrays to evaluate after each prefill chunk (`state`: what it has
+ingested, which may leave the newest batch of context lazy), and asked for
 `count` tokens to follow an anchor at an absolute position (`propose`).
 Optionally `fork(context=False)` returns an independent copy on the same
 weights, with an empty context (the block-size calibration times it on
