@@ -333,8 +333,8 @@ def overhead_at_8(model, draft, prompts, max_tokens, eos, rounds: int = 3) -> di
     prefill + the sum of those cycles (a sum, not a median: the reply pays the machine's hiccups too).
     Ratio of summed times, with a 95% bootstrap interval over the units.
     """
-    def engine(p, limit):
-        session = make_session(model, draft)
+    def engine(p, limit, session=None):
+        session = session or make_session(model, draft)
         return timed_cycles(speculative_cycles(session.target, p, session.proposer, max_tokens=limit,
                                                block_size=8, stop_tokens=eos, session=session))  # fmt: skip
 
@@ -343,8 +343,7 @@ def overhead_at_8(model, draft, prompts, max_tokens, eos, rounds: int = 3) -> di
         it lazy and the reply's first cycle runs it; the timed cycles ingest `kept` rows each)."""
         session = make_session(model, draft)
         tic = time.perf_counter()
-        timed_cycles(speculative_cycles(session.target, p, session.proposer, max_tokens=1, block_size=8,
-                                        stop_tokens=eos, session=session))  # fmt: skip
+        engine(p, 1, session)
         mx.eval(session.proposer.state())  # (the rows ingested, not the last one the first cycle fuses)
         return time.perf_counter() - tic
 
