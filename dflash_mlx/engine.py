@@ -146,7 +146,7 @@ def speculative_cycles(
     progress(done, total)
     while total - done > 1:
         n = min(prefill_step_size, total - done - 1)
-        _, features = target.forward(prompt[None, done : done + n], cache)
+        _, features = target.forward(prompt[None, done : done + n], cache, logits=False)
         context.add(features)
         mx.eval([c.state for c in cache if c is not None], context.state())
         done += n

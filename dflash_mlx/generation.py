@@ -40,8 +40,8 @@ class DFlashResponse(GenerationResponse):
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     """Encode like `mlx_lm.stream_generate`: add special tokens unless the text starts with BOS."""
-    if isinstance(prompt, mx.array):
-        return prompt.reshape(-1)
+    if isinstance(prompt, mx.array):  # a lazy reshape would cost a host sync when the engine reads the ids
+        return prompt if prompt.ndim == 1 else prompt.reshape(-1)
     if isinstance(prompt, str):
         add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
         prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
@@ -127,13 +127,16 @@ def stream_generate(
     if max_block_size is not None and (not isinstance(max_block_size, int) or max_block_size < 1):
         raise ValueError(f"max_block_size must be an integer >= 1, got {max_block_size!r}.")
     if block_size is None or block_size == "auto":
-        with facts_read_once():  # the cap and the calibration key read the same models' facts
-            largest = max_block_size or (default_block_size(model, draft) if proposer else 1)
-            # the calibrated curve alone: the loop's cycle times mix in the caller's per-token work and,
-            # with pipelined plain steps, the next step's launch (see dflash_mlx.policy.adaptive)
-            # greedy runs carry the drafter's acceptance history from one call to the next (their
-            # output cannot change); sampled runs start from the prior, so a seed reproduces them
-            block_size = adaptive_policy(target, proposer, largest, carry=settings.greedy) if proposer else 1
+        if proposer is None:  # plain decoding: nothing to choose
+            block_size = 1
+        else:
+            with facts_read_once():  # the cap and the calibration key read the same models' facts
+                largest = max_block_size or default_block_size(model, draft)
+                # the calibrated curve alone: the loop's cycle times mix in the caller's per-token work and,
+                # with pipelined plain steps, the next step's launch (see dflash_mlx.policy.adaptive)
+                # greedy runs carry the drafter's acceptance history from one call to the next (their
+                # output cannot change); sampled runs start from the prior, so a seed reproduces them
+                block_size = adaptive_policy(target, proposer, largest, carry=settings.greedy)
     elif max_block_size is not None:
         raise ValueError("max_block_size is for the adaptive block (block_size=None), not a fixed one.")
     elif isinstance(block_size, str):

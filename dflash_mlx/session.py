@@ -99,7 +99,7 @@ class Session:
         self._start_proposer(tokens, keep)
         rest = tokens[keep:]
         if rest:
-            _, features = self.target.forward(mx.array(rest, mx.int32)[None], self.cache)
+            _, features = self.target.forward(mx.array(rest, mx.int32)[None], self.cache, logits=False)
             feeds = self.proposer is not None and bool(self.proposer.layer_ids)
             if feeds:
                 self.proposer.add_context(features)

@@ -63,6 +63,15 @@ def test_prompt_as_list_array_or_string_agree(bos_pair):
     assert runs[0] == runs[1] == runs[2]
 
 
+def test_a_prompt_array_is_used_as_given_or_flattened(bos_pair):
+    """A 1-D array goes to the engine as it is (a lazy reshape would cost a host sync when the engine
+    reads the ids); a [1, L] array, as mlx-lm scripts sometimes pass, is flattened."""
+    _, tokenizer, _ = bos_pair
+    ids = mx.array(tokenizer.encode(TEXT))
+    assert encode_prompt(tokenizer, ids) is ids
+    assert encode_prompt(tokenizer, ids[None]).tolist() == ids.tolist()
+
+
 def test_responses_are_mlx_lm_generation_responses(bos_pair):
     model, tokenizer, draft = bos_pair
     responses = list(stream_generate(model, draft, tokenizer, TEXT, max_tokens=25, block_size=5))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
 from dflash_mlx import stream_generate
 from dflash_mlx.models.block_size import default_block_size
@@ -178,6 +179,23 @@ def test_draft_context_holds_committed_positions_only(pair):
             anchor_position = prompt.size + committed - 1
             assert proposer.context_end == anchor_position
             assert all(c.visible_rows == anchor_position for c in proposer.cache)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_a_forward_without_logits_leaves_the_same_caches_and_features(pair, family):
+    """Prefill chunks skip the output head (`forward(logits=False)`): the caches and features match."""
+    model, _, draft = pair(family)
+    target = TargetAdapter(model, DFlashProposer(draft).layer_ids)
+    ids = mx.array([prompt_ids(11)])
+    runs = []
+    for logits in (True, False):
+        cache = target.make_cache()
+        out, features = target.forward(ids, cache, logits=logits)
+        assert (out is None) == (not logits)
+        runs.append((features, [x for _, x in tree_flatten([c.state for c in cache])]))
+    assert mx.array_equal(runs[0][0], runs[1][0])
+    assert len(runs[0][1]) == len(runs[1][1]) > 0
+    assert all(x is y is None or mx.array_equal(x, y) for x, y in zip(runs[0][1], runs[1][1]))
 
 
 def test_the_proposer_hands_its_newest_context_to_the_next_block(pair):

@@ -88,20 +88,21 @@ class TargetAdapter:
             return logits if group is None else gather_last_axis(logits, group)
         return self.inner.embed_tokens.as_linear(hidden)
 
-    def forward(self, ids: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
+    def forward(self, ids: mx.array, cache: list, logits: bool = True) -> tuple[mx.array | None, mx.array | None]:
         """Run ids [1, L]; return (logits [1, L, V], captured features [1, L, n*H] or None).
 
-        Both are lazy: a caller that only needs the cache and the features never
-        pays for the output head.
+        Both are lazy. `logits=False` (a prefill chunk: only the caches and the
+        features are needed) returns None for the logits without building the
+        head: an unevaluated head is a graph kept alive, then torn down (~50 us).
         """
-        logits, features, _ = self._forward(ids, cache, None)
+        logits, features, _ = self._forward(ids, cache, None, logits)
         return logits, features
 
     def verify(self, ids: mx.array, cache: list) -> tuple[mx.array, mx.array | None, VerifyRecord]:
         """`forward`, plus the record `rollback(cache, record, keep)` needs to keep a prefix."""
         return self._forward(ids, cache, VerifyRecord(rows=ids.shape[1]))
 
-    def _forward(self, ids: mx.array, cache: list, record: VerifyRecord | None):
+    def _forward(self, ids: mx.array, cache: list, record: VerifyRecord | None, head: bool = True):
         captured: list[mx.array | None] = [None] * len(self.layer_ids)
 
         def on_layer(i: int, h: mx.array) -> None:
@@ -113,7 +114,7 @@ class TargetAdapter:
         else:
             h = self._run_layers(ids, cache, on_layer, record)
         features = mx.concatenate(captured, axis=-1) if captured else None
-        logits = self.family.final_logits(self.text, self.head(self.inner.norm(h)))
+        logits = self.family.final_logits(self.text, self.head(self.inner.norm(h))) if head else None
         return logits, features, record
 
     def _run_layers(self, ids: mx.array, cache: list, on_layer, record: VerifyRecord | None) -> mx.array:
@@ -140,19 +141,25 @@ def tensor_group(text: nn.Module):
     Every family's `shard()` splits the first layer: its sharded linears carry
     the group, and the modules mlx-lm shards in place carry `sharding_group`.
     """
-    if getattr(text, "sharding_group", None) is not None:
-        return text.sharding_group
-    stack = [text.model.layers[0]] if len(text.model.layers) else []
+    group = vars(text).get("sharding_group")  # an attribute mlx-lm's shard() sets, not a child
+    if group is not None:
+        return group
+    layers = text.model.layers
+    stack = [layers[0]] if len(layers) else []
+    pop, push = stack.pop, stack.append
     while stack:  # the layer's modules, walked directly (`Module.modules()` costs ~50 us a call)
-        module = stack.pop()
-        if isinstance(module, (AllToShardedLinear, QuantizedAllToShardedLinear)):
+        module = pop()
+        if isinstance(module, _SHARDED):
             return module.group
-        group = vars(module).get("sharding_group")  # an attribute mlx-lm's shard() sets, not a child
+        group = vars(module).get("sharding_group")
         if group is not None:
             return group
         for value in module.values():
             if isinstance(value, nn.Module):
-                stack.append(value)
+                push(value)
             elif isinstance(value, (list, tuple)):
                 stack.extend(v for v in value if isinstance(v, nn.Module))
     return None
+
+
+_SHARDED = (AllToShardedLinear, QuantizedAllToShardedLinear)

@@ -36,7 +36,7 @@ def target_features(target: TargetAdapter, ids: mx.array, chunk: int | None = No
     cache = target.make_cache()
     parts = []
     for start in range(0, L, chunk):
-        _, features = target.forward(ids[:, start : start + chunk], cache)
+        _, features = target.forward(ids[:, start : start + chunk], cache, logits=False)
         part = mx.stop_gradient(features.astype(mx.float32))
         if L > chunk:
             mx.eval(part)
