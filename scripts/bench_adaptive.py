@@ -378,6 +378,30 @@ def untrained_copy(draft):
     return other
 
 
+def load_setting(name: str, demo, synthetic: Path, num_prompts: int):
+    """(model, tokenizer, draft, prompts) of a setting (`demo`: the loaded demo pair), or None with a note
+    when its models are missing."""
+    model, tokenizer, draft = demo
+    dataset, raw = "gsm8k", None
+    if name == "demo-mtbench":
+        dataset = "mt-bench"
+    elif name == "untrained":
+        draft = untrained_copy(draft)
+    elif name == "4bit":
+        model = dflash_mlx.load("demo")[0]
+        nn.quantize(model, group_size=64, bits=4)
+        mx.eval(model.parameters())
+    elif name == "synthetic":
+        if not (synthetic / "drafter" / "config.json").exists():
+            print(f"synthetic: skipped ({synthetic} has no trained pair; run scripts/train_synthetic.py)")
+            return None
+        model, tokenizer, draft = dflash_mlx.load(synthetic / "target", synthetic / "drafter")
+        raw = synthetic / "prompts.jsonl"
+    elif name != "demo-gsm8k":
+        raise SystemExit(f"--settings: unknown setting {name!r} (known: {', '.join(TITLES)})")
+    return model, tokenizer, draft, prompts_for(tokenizer, dataset, num_prompts, raw)
+
+
 TITLES = {"demo-gsm8k": "demo pair, GSM8K", "demo-mtbench": "demo pair, MT-Bench", "untrained": "untrained drafter",
           "4bit": "4-bit target (blocks <= 5)", "synthetic": "synthetic pair"}  # fmt: skip
 
@@ -419,33 +443,19 @@ def main() -> None:
         report = json.loads(args.table.read_text())
         print(markdown_table(report), "", markdown_table(report, "decode"), sep="\n")
         return
-    wanted = args.settings.split(",")
     report = {"calibration": {}, "settings": []}
     demo = dflash_mlx.load("demo")
-    for name in wanted:
-        model, tokenizer, draft = demo
-        dataset, raw = "gsm8k", None
-        if name == "demo-mtbench":
-            dataset = "mt-bench"
-        elif name == "untrained":
-            draft = untrained_copy(draft)
-        elif name == "4bit":
-            model = dflash_mlx.load("demo")[0]
-            nn.quantize(model, group_size=64, bits=4)
-            mx.eval(model.parameters())
-        elif name == "synthetic":
-            if not (args.synthetic / "drafter" / "config.json").exists():
-                print(f"synthetic: skipped ({args.synthetic} has no trained pair; run scripts/train_synthetic.py)")
-                continue
-            model, tokenizer, draft = dflash_mlx.load(args.synthetic / "target", args.synthetic / "drafter")
-            raw = args.synthetic / "prompts.jsonl"
+    for name in args.settings.split(","):
+        loaded = load_setting(name, demo, args.synthetic, args.num_prompts)
+        if loaded is None:
+            continue
+        model, tokenizer, draft, prompts = loaded
         largest = default_block_size(model, draft)
         session = make_session(model, draft)
         tic = time.perf_counter()
         curve = cost_curve(session.target, session.proposer, largest, force=True)
         report["calibration"][name] = {"seconds": round(time.perf_counter() - tic, 3), "grid": curve.grid,
                                        "ms": [round(1000 * t, 3) for t in curve.seconds]}  # fmt: skip
-        prompts = prompts_for(tokenizer, dataset, args.num_prompts, raw)
         result = run_setting(name, model, tokenizer, draft, prompts, args.max_tokens, largest, args.rounds)
         if name in ("synthetic", "demo-gsm8k"):  # the trained pairs
             result["overhead_b8"] = overhead_at_8(model, draft, prompts, args.max_tokens, tokenizer.eos_token_ids)
