@@ -162,7 +162,7 @@ def speculative_cycles(
     # prompt's last row when the first cycle drafts, and waits for a block that needs it when that
     # cycle is a plain step (a drafter at b = 1 through the whole reply never runs it).
     first_block = choose(committed) if committed != max_tokens else 1
-    mx.async_eval(anchor, logprobs, context.state() if first_block > 1 else [])
+    mx.async_eval(anchor, context.state() if first_block > 1 else [])  # log-probabilities stay lazy, as every cycle's
     session.prefilled(prompt_ids)  # before a verify updates the caches (its checkpoint copies the state)
     # b = 1 steps are chained on the lazy token when nothing needs it on the host first
     # (logits processors read the history) and the caches can undo a step past a stop token.
