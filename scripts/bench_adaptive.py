@@ -378,6 +378,19 @@ def untrained_copy(draft):
     return other
 
 
+def loaded_settings(args):
+    """(name, model, tokenizer, draft, prompts) of each setting in `args.settings` whose models exist."""
+    names = args.settings.split(",")
+    unknown = [n for n in names if n not in TITLES]
+    if unknown:  # before an hour of measuring the known ones
+        raise SystemExit(f"--settings: unknown setting(s) {', '.join(unknown)} (known: {', '.join(TITLES)})")
+    demo = dflash_mlx.load("demo")
+    for name in names:
+        loaded = load_setting(name, demo, args.synthetic, args.num_prompts)
+        if loaded is not None:
+            yield (name, *loaded)
+
+
 def load_setting(name: str, demo, synthetic: Path, num_prompts: int):
     """(model, tokenizer, draft, prompts) of a setting (`demo`: the loaded demo pair), or None with a note
     when its models are missing."""
@@ -397,8 +410,6 @@ def load_setting(name: str, demo, synthetic: Path, num_prompts: int):
             return None
         model, tokenizer, draft = dflash_mlx.load(synthetic / "target", synthetic / "drafter")
         raw = synthetic / "prompts.jsonl"
-    elif name != "demo-gsm8k":
-        raise SystemExit(f"--settings: unknown setting {name!r} (known: {', '.join(TITLES)})")
     return model, tokenizer, draft, prompts_for(tokenizer, dataset, num_prompts, raw)
 
 
@@ -428,28 +439,28 @@ def markdown_table(report: dict, label: str = "end_to_end") -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--settings", default="demo-gsm8k,demo-mtbench,untrained,4bit,synthetic")
+def bench_arguments(description: str, settings: str, rounds: int) -> argparse.ArgumentParser:
+    """The flags this benchmark shares with scripts/bench_plain.py."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--settings", default=settings)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--synthetic", type=Path, default=Path("/tmp/dflash-synthetic"),
                     help="A scripts/train_synthetic.py work directory (target/, drafter/, prompts.jsonl).")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--table", type=Path, metavar="REPORT", help="Print the tables of a saved report and stop.")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = bench_arguments(__doc__.splitlines()[0], "demo-gsm8k,demo-mtbench,untrained,4bit,synthetic", 1).parse_args()
     if args.table:
         report = json.loads(args.table.read_text())
         print(markdown_table(report), "", markdown_table(report, "decode"), sep="\n")
         return
     report = {"calibration": {}, "settings": []}
-    demo = dflash_mlx.load("demo")
-    for name in args.settings.split(","):
-        loaded = load_setting(name, demo, args.synthetic, args.num_prompts)
-        if loaded is None:
-            continue
-        model, tokenizer, draft, prompts = loaded
+    for name, model, tokenizer, draft, prompts in loaded_settings(args):
         largest = default_block_size(model, draft)
         session = make_session(model, draft)
         tic = time.perf_counter()

@@ -18,7 +18,6 @@ paired difference of the time to the first token.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -28,9 +27,8 @@ from pathlib import Path
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_adaptive import TITLES, Units, load_setting, timed  # noqa: E402
+from bench_adaptive import TITLES, Units, bench_arguments, loaded_settings, timed  # noqa: E402
 
-import dflash_mlx  # noqa: E402
 from dflash_mlx.generation import stream_generate  # noqa: E402
 
 SETTINGS = "demo-gsm8k,demo-mtbench,4bit,synthetic"
@@ -74,26 +72,12 @@ def markdown_table(report: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--settings", default=SETTINGS)
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--synthetic", type=Path, default=Path("/tmp/dflash-synthetic"),
-                    help="A scripts/train_synthetic.py work directory (target/, drafter/, prompts.jsonl).")
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--table", type=Path, metavar="REPORT", help="Print the table of a saved report and stop.")
-    args = ap.parse_args()
+    args = bench_arguments(__doc__.splitlines()[0], SETTINGS, 20).parse_args()
     if args.table:
         print(markdown_table(json.loads(args.table.read_text())))
         return
     report = {"settings": []}
-    demo = dflash_mlx.load("demo")
-    for name in args.settings.split(","):
-        loaded = load_setting(name, demo, args.synthetic, args.num_prompts)
-        if loaded is None:
-            continue
-        model, tokenizer, _, prompts = loaded
+    for name, model, tokenizer, _, prompts in loaded_settings(args):
         result = run_setting(name, model, tokenizer, prompts, args.max_tokens, args.rounds)
         report["settings"].append(result)
         print(json.dumps(result), flush=True)
