@@ -1,19 +1,25 @@
-"""Benchmark the plain path (dflash-mlx with no drafter) against mlx-lm's `stream_generate`, two legs only.
+"""Benchmark dflash-mlx legs against mlx-lm's `stream_generate`, a few legs only (by default the plain path).
 
-`scripts/bench_adaptive.py` runs thirteen legs per setting, so its plain / mlx-lm
-ratio rests on few units and swings by a few percent from run to run; this runs
-just the two, alternated in a new random order for every prompt of every round
-(after one warm-up of each), so many rounds fit in minutes. Greedy; the plain
-path's tokens are checked against mlx-lm's.
+`scripts/bench_adaptive.py` runs thirteen legs per setting, so a ratio to
+mlx-lm rests on few units and swings by a few percent from run to run; this
+runs mlx-lm and the legs of `--legs` alone, alternated in a new random order
+for every prompt of every round (after two warm-ups of each), so many rounds
+fit in minutes. Greedy; every leg's tokens are checked against mlx-lm's.
 
-Per setting (those of bench_adaptive except `untrained`, whose target is the
-demo's): both legs' end-to-end tok/s (all of a reply's tokens over the time
-from the call), plain / mlx-lm end to end and in the decode window (after the
-first token) with 95% bootstrap intervals over the units, and the median
-paired difference of the time to the first token.
+Legs: `plain` (dflash-mlx with no drafter) and `adaptive` (the library's
+default: the setting's drafter, the adaptive block). The settings are
+bench_adaptive's; `untrained` runs the demo target with an untrained copy of
+its drafter, so with `--legs adaptive` it measures what a useless drafter
+costs (the plain leg there is the same as demo-gsm8k's).
+
+Per setting and leg: end-to-end tok/s (all of a reply's tokens over the time
+from the call), leg / mlx-lm end to end and in the decode window (after the
+first token) with 95% bootstrap intervals over the units, the median paired
+difference of the time to the first token, and the blocks the adaptive leg ran.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python3 scripts/bench_plain.py --rounds 40 --synthetic /tmp/dflash-synthetic --out plain.json
+    LD_PRELOAD=... python3 scripts/bench_plain.py --settings untrained --legs adaptive --rounds 30
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import json
 import random
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 from mlx_lm import stream_generate as mlx_lm_stream_generate
@@ -32,53 +39,77 @@ from bench_adaptive import TITLES, Units, bench_arguments, loaded_settings, time
 from dflash_mlx.generation import stream_generate  # noqa: E402
 
 SETTINGS = "demo-gsm8k,demo-mtbench,4bit,synthetic"
+LEGS = ("plain", "adaptive")
 
 
-def run_setting(name, model, tokenizer, prompts, max_tokens, rounds) -> dict:
-    legs = {
+def leg_names(value: str) -> list[str]:
+    names = [n for n in value.split(",") if n]
+    unknown = [n for n in names if n not in LEGS]
+    if unknown or not names:
+        raise SystemExit(f"--legs: expected a comma-separated list of {', '.join(LEGS)}, got {value!r}")
+    return names
+
+
+def run_setting(name, model, tokenizer, draft, prompts, max_tokens, rounds, compared) -> dict:
+    made = {
         "mlx-lm": lambda p: timed(mlx_lm_stream_generate(model, tokenizer, p, max_tokens=max_tokens)),
         "plain": lambda p: timed(stream_generate(model, None, tokenizer, p, max_tokens=max_tokens)),
+        "adaptive": lambda p: timed(stream_generate(model, draft, tokenizer, p, max_tokens=max_tokens)),
     }
-    for leg in legs.values():
+    legs = {k: made[k] for k in ["mlx-lm", *compared]}
+    for leg in legs.values():  # the adaptive leg's first call may calibrate; the second is a warm one
         leg(prompts[0])
-    units, mismatches, order, shuffle = Units(list(legs)), 0, list(legs), random.Random(1).shuffle
+        leg(prompts[-1])
+    units, mismatches, order, shuffle = Units(list(legs)), Counter(), list(legs), random.Random(1).shuffle
+    blocks = {k: Counter() for k in compared}
     for _ in range(rounds):
         for p in prompts:
             shuffle(order)
             unit = {k: legs[k](p) for k in order}
-            mismatches += unit["plain"][0] != unit["mlx-lm"][0]
+            for k in compared:
+                mismatches[k] += unit[k][0] != unit["mlx-lm"][0]
+                blocks[k].update(unit[k][4])
             units.rows.append({k: (len(v[0]), *v[1:]) for k, v in unit.items()})
-    # time to the first token = from the call minus the decode window
-    first = [(u["plain"][3] - u["plain"][1]) - (u["mlx-lm"][3] - u["mlx-lm"][1]) for u in units.rows]
+
+    def first_token_ms(leg: str) -> float:  # time to the first token = from the call minus the decode window
+        return round(1000 * statistics.median((u[leg][3] - u[leg][1]) - (u["mlx-lm"][3] - u["mlx-lm"][1])
+                                              for u in units.rows), 3)  # fmt: skip
+
     return {"setting": name, "prompts": len(prompts), "rounds": rounds, "max_tokens": max_tokens,
-            "greedy_mismatches": mismatches, "tokens": sum(u["plain"][0] for u in units.rows),
+            "tokens": sum(u["mlx-lm"][0] for u in units.rows),
             "tps": {k: round(units.speed(k), 2) for k in legs},
-            "plain_vs_mlx_lm": units.ratio("plain", "mlx-lm"),
-            "plain_vs_mlx_lm_decode": units.ratio("plain", "mlx-lm", end_to_end=False),
-            "first_token_ms_paired_median": round(1000 * statistics.median(first), 3)}  # fmt: skip
+            "legs": {k: {"greedy_mismatches": mismatches[k],
+                         "vs_mlx_lm": units.ratio(k, "mlx-lm"),
+                         "vs_mlx_lm_decode": units.ratio(k, "mlx-lm", end_to_end=False),
+                         "first_token_ms_paired_median": first_token_ms(k),
+                         "blocks": {str(b): n for b, n in sorted(blocks[k].items())}} for k in compared}}  # fmt: skip
 
 
 def markdown_table(report: dict) -> str:
     def r(x):
         return f"{x['ratio']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}]"
 
-    lines = ["| setting | units | mlx-lm tok/s | plain tok/s | plain / mlx-lm | decode window | first token, ms |",
-             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| setting | leg | units | mlx-lm tok/s | leg tok/s | leg / mlx-lm | decode window | first token, ms |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for st in report["settings"]:
-        lines.append(f"| {TITLES.get(st['setting'], st['setting'])} | {st['prompts'] * st['rounds']} "
-                     f"| {st['tps']['mlx-lm']:.1f} | {st['tps']['plain']:.1f} | {r(st['plain_vs_mlx_lm'])} "
-                     f"| {r(st['plain_vs_mlx_lm_decode'])} | {st['first_token_ms_paired_median']:+.3f} |")  # fmt: skip
+        for leg, x in st["legs"].items():
+            lines.append(f"| {TITLES.get(st['setting'], st['setting'])} | {leg} | {st['prompts'] * st['rounds']} "
+                         f"| {st['tps']['mlx-lm']:.1f} | {st['tps'][leg]:.1f} | {r(x['vs_mlx_lm'])} "
+                         f"| {r(x['vs_mlx_lm_decode'])} | {x['first_token_ms_paired_median']:+.3f} |")  # fmt: skip
     return "\n".join(lines)
 
 
 def main() -> None:
-    args = bench_arguments(__doc__.splitlines()[0], SETTINGS, 20).parse_args()
+    ap = bench_arguments(__doc__.splitlines()[0], SETTINGS, 20)
+    ap.add_argument("--legs", default="plain", help=f"Legs compared with mlx-lm, comma-separated: {', '.join(LEGS)}.")
+    args = ap.parse_args()
     if args.table:
         print(markdown_table(json.loads(args.table.read_text())))
         return
+    compared = leg_names(args.legs)
     report = {"settings": []}
-    for name, model, tokenizer, _, prompts in loaded_settings(args):
-        result = run_setting(name, model, tokenizer, prompts, args.max_tokens, args.rounds)
+    for name, model, tokenizer, draft, prompts in loaded_settings(args):
+        result = run_setting(name, model, tokenizer, draft, prompts, args.max_tokens, args.rounds, compared)
         report["settings"].append(result)
         print(json.dumps(result), flush=True)
     print(markdown_table(report))
