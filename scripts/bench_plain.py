@@ -6,20 +6,25 @@ runs mlx-lm and the legs of `--legs` alone, alternated in a new random order
 for every prompt of every round (after two warm-ups of each), so many rounds
 fit in minutes. Greedy; every leg's tokens are checked against mlx-lm's.
 
-Legs: `plain` (dflash-mlx with no drafter) and `adaptive` (the library's
-default: the setting's drafter, the adaptive block). The settings are
-bench_adaptive's; `untrained` runs the demo target with an untrained copy of
-its drafter, so with `--legs adaptive` it measures what a useless drafter
-costs (the plain leg there is the same as demo-gsm8k's).
+Legs are bench_adaptive's, by short names: `plain` (dflash-mlx with no
+drafter), `adaptive` (the library's default: the setting's drafter, the
+adaptive block), `b2` ... `b8` (a fixed block), and at the engine level
+`engine-adaptive`, `engine-b8` and `main-b8` (block 8 through the engine of
+the main branch before adaptive blocks). The settings are bench_adaptive's;
+`untrained` runs the demo target with an untrained copy of its drafter, so
+with `--legs adaptive` it measures what a useless drafter costs (the plain
+leg there is the same as demo-gsm8k's).
 
 Per setting and leg: end-to-end tok/s (all of a reply's tokens over the time
 from the call), leg / mlx-lm end to end and in the decode window (after the
 first token) with 95% bootstrap intervals over the units, the median paired
-difference of the time to the first token, and the blocks the adaptive leg ran.
+difference of the time to the first token, and the blocks the leg ran; and
+each pair of the legs given, end to end (the earlier over the later).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python3 scripts/bench_plain.py --rounds 40 --synthetic /tmp/dflash-synthetic --out plain.json
-    LD_PRELOAD=... python3 scripts/bench_plain.py --settings untrained --legs adaptive --rounds 30
+    LD_PRELOAD=... python3 scripts/bench_plain.py --settings untrained --legs plain,adaptive --rounds 30
+    LD_PRELOAD=... python3 scripts/bench_plain.py --settings demo-gsm8k --legs adaptive,b8,engine-adaptive,main-b8
 """
 
 from __future__ import annotations
@@ -31,33 +36,30 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from mlx_lm import stream_generate as mlx_lm_stream_generate
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_adaptive import TITLES, Units, bench_arguments, loaded_settings, timed  # noqa: E402
+from bench_adaptive import (  # noqa: E402
+    FIXED, MAIN_COMMIT, TITLES, Units, bench_arguments, loaded_settings, make_legs,
+)  # fmt: skip
 
-from dflash_mlx.generation import stream_generate  # noqa: E402
+from dflash_mlx.models.block_size import default_block_size  # noqa: E402
 
 SETTINGS = "demo-gsm8k,demo-mtbench,4bit,synthetic"
-LEGS = ("plain", "adaptive")
+SHORT = {"engine-adaptive": "engine adaptive", "engine-b8": "engine b8", "main-b8": f"engine b8 main@{MAIN_COMMIT}"}
+LEGS = ("plain", "adaptive", *(f"b{b}" for b in FIXED), *SHORT)  # bench_adaptive's legs, short names
 
 
 def leg_names(value: str) -> list[str]:
     names = [n for n in value.split(",") if n]
     unknown = [n for n in names if n not in LEGS]
-    if unknown or not names:
-        raise SystemExit(f"--legs: expected a comma-separated list of {', '.join(LEGS)}, got {value!r}")
+    if unknown or not names or len(set(names)) != len(names):
+        raise SystemExit(f"--legs: expected distinct names among {', '.join(LEGS)}, comma-separated; got {value!r}")
     return names
 
 
 def run_setting(name, model, tokenizer, draft, prompts, max_tokens, rounds, compared) -> dict:
-    made = {
-        "mlx-lm": lambda p: timed(mlx_lm_stream_generate(model, tokenizer, p, max_tokens=max_tokens)),
-        "plain": lambda p: timed(stream_generate(model, None, tokenizer, p, max_tokens=max_tokens)),
-        "adaptive": lambda p: timed(stream_generate(model, draft, tokenizer, p, max_tokens=max_tokens)),
-    }
-    legs = {k: made[k] for k in ["mlx-lm", *compared]}
-    for leg in legs.values():  # the adaptive leg's first call may calibrate; the second is a warm one
+    made = make_legs(model, tokenizer, draft, max_tokens, default_block_size(model, draft))
+    legs = {k: made[SHORT.get(k, k)] for k in ["mlx-lm", *compared]}
+    for leg in legs.values():  # an adaptive leg's first call may calibrate; the second is a warm one
         leg(prompts[0])
         leg(prompts[-1])
     units, mismatches, order, shuffle = Units(list(legs)), Counter(), list(legs), random.Random(1).shuffle
@@ -82,7 +84,9 @@ def run_setting(name, model, tokenizer, draft, prompts, max_tokens, rounds, comp
                          "vs_mlx_lm": units.ratio(k, "mlx-lm"),
                          "vs_mlx_lm_decode": units.ratio(k, "mlx-lm", end_to_end=False),
                          "first_token_ms_paired_median": first_token_ms(k),
-                         "blocks": {str(b): n for b, n in sorted(blocks[k].items())}} for k in compared}}  # fmt: skip
+                         "blocks": {str(b): n for b, n in sorted(blocks[k].items())}} for k in compared},
+            "pairs": {f"{a} / {b}": units.ratio(a, b)
+                      for i, a in enumerate(compared) for b in compared[i + 1 :]}}  # fmt: skip
 
 
 def markdown_table(report: dict) -> str:
@@ -96,6 +100,10 @@ def markdown_table(report: dict) -> str:
             lines.append(f"| {TITLES.get(st['setting'], st['setting'])} | {leg} | {st['prompts'] * st['rounds']} "
                          f"| {st['tps']['mlx-lm']:.1f} | {st['tps'][leg]:.1f} | {r(x['vs_mlx_lm'])} "
                          f"| {r(x['vs_mlx_lm_decode'])} | {x['first_token_ms_paired_median']:+.3f} |")  # fmt: skip
+    pairs = [(st, pair, x) for st in report["settings"] for pair, x in st.get("pairs", {}).items()]
+    if pairs:
+        lines += ["", "| setting | legs | ratio, end to end |", "|---|---|---:|"]
+        lines += [f"| {TITLES.get(st['setting'], st['setting'])} | {pair} | {r(x)} |" for st, pair, x in pairs]
     return "\n".join(lines)
 
 
