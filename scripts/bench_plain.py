@@ -89,6 +89,14 @@ def run_setting(name, model, tokenizer, draft, prompts, max_tokens, rounds, comp
                       for i, a in enumerate(compared) for b in compared[i + 1 :]}}  # fmt: skip
 
 
+def _legs(setting: dict) -> dict:
+    """A setting's legs; a report of the two-leg version (before --legs) has the plain leg's keys inline."""
+    if "legs" in setting:
+        return setting["legs"]
+    return {"plain": {"vs_mlx_lm": setting["plain_vs_mlx_lm"], "vs_mlx_lm_decode": setting["plain_vs_mlx_lm_decode"],
+                      "first_token_ms_paired_median": setting["first_token_ms_paired_median"]}}  # fmt: skip
+
+
 def markdown_table(report: dict) -> str:
     def r(x):
         return f"{x['ratio']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}]"
@@ -96,7 +104,7 @@ def markdown_table(report: dict) -> str:
     lines = ["| setting | leg | units | mlx-lm tok/s | leg tok/s | leg / mlx-lm | decode window | first token, ms |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for st in report["settings"]:
-        for leg, x in st["legs"].items():
+        for leg, x in _legs(st).items():
             lines.append(f"| {TITLES.get(st['setting'], st['setting'])} | {leg} | {st['prompts'] * st['rounds']} "
                          f"| {st['tps']['mlx-lm']:.1f} | {st['tps'][leg]:.1f} | {r(x['vs_mlx_lm'])} "
                          f"| {r(x['vs_mlx_lm_decode'])} | {x['first_token_ms_paired_median']:+.3f} |")  # fmt: skip
