@@ -183,19 +183,20 @@ def test_draft_context_holds_committed_positions_only(pair):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_a_forward_without_logits_leaves_the_same_caches_and_features(pair, family):
-    """Prefill chunks skip the output head (`forward(logits=False)`): the caches and features match."""
+    """Prefill chunks skip the output head (`forward` / `verify` with `logits=False`): caches and features match."""
     model, _, draft = pair(family)
     target = TargetAdapter(model, DFlashProposer(draft).layer_ids)
     ids = mx.array([prompt_ids(11)])
-    runs = []
-    for logits in (True, False):
-        cache = target.make_cache()
-        out, features = target.forward(ids, cache, logits=logits)
-        assert (out is None) == (not logits)
-        runs.append((features, [x for _, x in tree_flatten([c.state for c in cache])]))
-    assert mx.array_equal(runs[0][0], runs[1][0])
-    assert len(runs[0][1]) == len(runs[1][1]) > 0
-    assert all(x is y is None or mx.array_equal(x, y) for x, y in zip(runs[0][1], runs[1][1]))
+    for run in (target.forward, lambda ids, cache, logits: target.verify(ids, cache, logits)[:2]):
+        runs = []
+        for logits in (True, False):
+            cache = target.make_cache()
+            out, features = run(ids, cache, logits=logits)
+            assert (out is None) == (not logits)
+            runs.append((features, [x for _, x in tree_flatten([c.state for c in cache])]))
+        assert mx.array_equal(runs[0][0], runs[1][0])
+        assert len(runs[0][1]) == len(runs[1][1]) > 0
+        assert all(x is y is None or mx.array_equal(x, y) for x, y in zip(runs[0][1], runs[1][1]))
 
 
 def test_the_proposer_hands_its_newest_context_to_the_next_block(pair):

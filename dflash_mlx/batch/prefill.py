@@ -34,11 +34,12 @@ def _empty_batch(like: list, rows: int) -> list:
     return out
 
 
-def _feed(target, ids: list[list[int]], cache: list) -> tuple[mx.array, mx.array | None]:
-    """One forward of rows padded at the end; each row keeps only its own tokens."""
+def _feed(target, ids: list[list[int]], cache: list, logits: bool = True) -> tuple[mx.array | None, mx.array | None]:
+    """One forward of rows padded at the end; each row keeps only its own tokens (`logits=False`: no head,
+    as `TargetAdapter.forward`)."""
     width = max(len(r) for r in ids)
     padded = mx.array([r + [r[-1]] * (width - len(r)) for r in ids], mx.int32)
-    logits, features, record = target.verify(padded, cache)
+    logits, features, record = target.verify(padded, cache, logits)
     keep_rows(cache, record, [len(r) for r in ids])
     return logits, features
 
@@ -50,7 +51,7 @@ def prefill_together(target, sessions: list, prompts: list[list[int]], acceptors
             raise ValueError("prefill_together takes sessions that hold nothing of their prompts.")
     cache = _empty_batch(sessions[0].cache, len(sessions))
     feeds = [s.proposer is not None and bool(s.proposer.layer_ids) for s in sessions]
-    _, features = _feed(target, [p[:-1] for p in prompts], cache)
+    _, features = _feed(target, [p[:-1] for p in prompts], cache, logits=False)
     for i, (session, prompt) in enumerate(zip(sessions, prompts)):
         if feeds[i]:
             session.proposer.add_context(features[i : i + 1, : len(prompt) - 1])

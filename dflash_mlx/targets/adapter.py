@@ -98,9 +98,11 @@ class TargetAdapter:
         logits, features, _ = self._forward(ids, cache, None, logits)
         return logits, features
 
-    def verify(self, ids: mx.array, cache: list) -> tuple[mx.array, mx.array | None, VerifyRecord]:
-        """`forward`, plus the record `rollback(cache, record, keep)` needs to keep a prefix."""
-        return self._forward(ids, cache, VerifyRecord(rows=ids.shape[1]))
+    def verify(
+        self, ids: mx.array, cache: list, logits: bool = True
+    ) -> tuple[mx.array | None, mx.array | None, VerifyRecord]:
+        """`forward` (`logits` as there), plus the record `rollback(cache, record, keep)` needs to keep a prefix."""
+        return self._forward(ids, cache, VerifyRecord(rows=ids.shape[1]), logits)
 
     def _forward(self, ids: mx.array, cache: list, record: VerifyRecord | None, head: bool = True):
         captured: list[mx.array | None] = [None] * len(self.layer_ids)
