@@ -141,29 +141,22 @@ def speculative_cycles(
         limit = policy.max_block if max_tokens < 0 else min(policy.max_block, max_tokens - committed)
         return 1 if proposer is None else policy.choose(limit)
 
-    # Prefill exactly as mlx-lm does: chunks of all but the last token, then the last.
     total = prompt.size
-    progress(done, total)
-    while total - done > 1:
-        n = min(prefill_step_size, total - done - 1)
-        _, features = target.forward(prompt[None, done : done + n], cache, logits=False)
-        context.add(features)
-        mx.eval([c.state for c in cache if c is not None], context.state())
-        done += n
-        progress(done, total)
-        mx.clear_cache()
-    logits, features = target.forward(prompt[None, done:], cache)
-    context.add(features)
-    row = acceptor.process(logits[0, -1:])
-    logprobs = log_softmax(row)
-    anchor = acceptor.next_token(row)
-    committed, position = 1, total
-    # The prefill leaves the drafter's ingestion of the prompt lazy (`Proposer.state`): it runs with the
-    # prompt's last row when the first cycle drafts, and waits for a block that needs it when that
-    # cycle is a plain step (a drafter at b = 1 through the whole reply never runs it).
-    first_block = choose(committed) if committed != max_tokens else 1
-    mx.async_eval(anchor, context.state() if first_block > 1 else [])  # log-probabilities stay lazy, as every cycle's
-    session.prefilled(prompt_ids)  # before a verify updates the caches (its checkpoint copies the state)
+    try:  # a prefill stopped midway (a progress callback cancelling) must not leave unrecorded positions
+        logits = _prefill(target, prompt, done, cache, context, prefill_step_size, progress)
+        row = acceptor.process(logits[0, -1:])
+        logprobs = log_softmax(row)
+        anchor = acceptor.next_token(row)
+        committed, position = 1, total
+        # The prefill leaves the drafter's ingestion of the prompt lazy (`Proposer.state`): it runs with the
+        # prompt's last row when the first cycle drafts, and waits for a block that needs it when that
+        # cycle is a plain step (a drafter at b = 1 through the whole reply never runs it).
+        first_block = choose(committed) if committed != max_tokens else 1
+        mx.async_eval(anchor, context.state() if first_block > 1 else [])  # log-probabilities stay lazy
+        session.prefilled(prompt_ids)  # before a verify updates the caches (its checkpoint copies the state)
+    except BaseException:
+        session.abandon_prompt()
+        raise
     # b = 1 steps are chained on the lazy token when nothing needs it on the host first
     # (logits processors read the history) and the caches can undo a step past a stop token.
     chains = not acceptor.processors and all(undoes_single_row(c) for c in cache)
@@ -251,3 +244,21 @@ def speculative_cycles(
         if queue:  # the consumer stopped early: undo the queued verify but for its anchor
             pending = queue.popleft()
             session.keep_anchor_only(pending.record, anchor_id, pending.features if context.proposer else None)
+
+
+def _prefill(target, prompt, done, cache, context, step, progress) -> mx.array:
+    """Feed the prompt from `done` on exactly as mlx-lm does (chunks of all but the last token, each
+    evaluated, then the last, left lazy); return the last forward's logits."""
+    total = prompt.size
+    progress(done, total)
+    while total - done > 1:
+        n = min(step, total - done - 1)
+        _, features = target.forward(prompt[None, done : done + n], cache, logits=False)
+        context.add(features)
+        mx.eval([c.state for c in cache if c is not None], context.state())
+        done += n
+        progress(done, total)
+        mx.clear_cache()
+    logits, features = target.forward(prompt[None, done:], cache)
+    context.add(features)
+    return logits

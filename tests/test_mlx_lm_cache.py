@@ -180,3 +180,41 @@ def test_load_by_mlx_lms_keyword_names(qwen3_target, qwen3_draft):
     model, tokenizer, config = plugin.load(path_or_hf_repo=str(qwen3_target), return_config=True, lazy=False,
                                            draft=str(qwen3_draft))  # fmt: skip
     assert config["model_type"] == "qwen3" and plugin.remembered_draft(model) is not None
+
+
+class Cancelled(Exception):
+    pass
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_a_prefill_cancelled_by_the_progress_callback_leaves_a_usable_list(pair, family):
+    """A callback that raises stops the prefill after some chunks: a plain KV list goes back to what it
+    held before the call; a hybrid list cannot, and keeps the fed chunks as mlx-lm's own list does."""
+    model, tokenizer, _ = pair(family)
+    oracle = PositionOracle()
+    ours, theirs = mlx_lm_cache.make_prompt_cache(model), mlx_lm_cache.make_prompt_cache(model)
+    assert_same_turn(model, tokenizer, oracle, ours, theirs, prompt_ids(12, seed=21), 9)
+    before = held_length(ours)
+
+    def cancelling(calls):
+        def cancel(done, total):  # mlx-lm's counts: this call's prompt tokens only
+            calls.append((done, total))
+            if done >= 16:
+                raise Cancelled
+
+        return dict(prefill_step_size=8, prompt_progress_callback=cancel)
+
+    ids, ours_calls, theirs_calls = prompt_ids(40, seed=22), [], []
+    with pytest.raises(Cancelled):
+        run(plugin.stream_generate, model, tokenizer, ids, ours, 5, draft_model=oracle, **cancelling(ours_calls))
+    trimmable = mlx_lm_cache.can_trim_prompt_cache(ours)
+    with pytest.raises(Cancelled):  # a list that can be cut back is compared with one that never saw the call
+        run(mlx_lm.stream_generate, model, tokenizer, ids,
+            mlx_lm_cache.make_prompt_cache(model) if trimmable else theirs, 5, **cancelling(theirs_calls))  # fmt: skip
+    assert ours_calls == theirs_calls == [(0, 40), (8, 40), (16, 40)]
+    if trimmable:
+        assert held_length(ours) == before
+    else:  # both hold the chunks fed
+        assert held_length(ours) == held_length(theirs) == before + 16
+    assert_same_turn(model, tokenizer, oracle, ours, theirs, prompt_ids(6, seed=23), 20)
+    assert_same_state(ours, theirs)

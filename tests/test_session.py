@@ -86,6 +86,33 @@ def test_an_interrupted_reply_leaves_the_session_usable(pair, family):
         assert session.reused > len(p1)
 
 
+class Cancelled(Exception):
+    pass
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prefill_cancelled_midway_leaves_the_session_usable(pair, family):
+    """A progress callback that raises (a caller cancelling a long prompt) stops the prefill after
+    some chunks reached the caches: the next turn must not build on them as if they were not there."""
+    model, tokenizer, draft = pair(family)
+    session = make_session(model, draft)
+    with without_eos(tokenizer) as tok:
+        p1 = prompt_ids(20, seed=11)
+        r1 = same(run(model, draft, tok, session, p1, 10), p1, 10, model, tok)
+        p2 = p1 + r1 + prompt_ids(30, seed=12)
+
+        def cancel(done, total):
+            if done > len(p1) + len(r1):  # after a chunk of the new tokens was fed
+                raise Cancelled
+
+        with pytest.raises(Cancelled):
+            list(stream_generate(model, draft, tok, p2, max_tokens=10, block_size=4, session=session,
+                                 prefill_step_size=8, prompt_progress_callback=cancel))  # fmt: skip
+        same(run(model, draft, tok, session, p2, 25), p2, 25, model, tok)
+        if family in TRIMMABLE:  # cut back to what the caches held before the cancelled turn
+            assert session.reused == len(p1) + len(r1) - 1
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_a_stop_token_inside_a_block_keeps_nothing_after_it(pair, family):
     model, tokenizer, _ = pair(family)

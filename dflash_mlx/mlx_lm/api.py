@@ -255,6 +255,9 @@ def _dflash(model, tokenizer, prompt, max_tokens, draft, *, sampler=None, logits
     elif prompt_cache is not None:  # mlx-lm's list (checked by _fallback_reason)
         session = list_session(model, draft, prompt_cache)
         earlier = list(session.tokens)
+    if prompt_progress_callback is not None and earlier:
+        # mlx-lm counts this call's prompt tokens only (from 0), not the cached ones
+        prompt_progress_callback = _counting_from(prompt_progress_callback, len(earlier))
     if logits_processors and earlier:
         # mlx-lm's processors see the tokens of this call only, not the cached ones.
         logits_processors = [_skipping(p, len(earlier)) for p in logits_processors]
@@ -266,6 +269,13 @@ def _dflash(model, tokenizer, prompt, max_tokens, draft, *, sampler=None, logits
         prompt_progress_callback=prompt_progress_callback, session=session,
     )
     return _relabelled(responses, len(ids), prompt_cache, session, earlier + ids)
+
+
+def _counting_from(callback, n: int):
+    def progress_of_this_prompt(done: int, total: int) -> None:
+        callback(max(done - n, 0), total - n)
+
+    return progress_of_this_prompt
 
 
 def _skipping(processor, n: int):
