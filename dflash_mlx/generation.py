@@ -22,7 +22,6 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .acceptance import Acceptor
 from .models.block_size import default_block_size
-from .models.facts import facts_read_once
 from .engine import speculative_cycles
 from .policy import adaptive_policy
 from .sampling import SamplingSettings
@@ -130,13 +129,12 @@ def stream_generate(
         if proposer is None:  # plain decoding: nothing to choose
             block_size = 1
         else:
-            with facts_read_once():  # the cap and the calibration key read the same models' facts
-                largest = max_block_size or default_block_size(model, draft)
-                # the calibrated curve alone: the loop's cycle times mix in the caller's per-token work and,
-                # with pipelined plain steps, the next step's launch (see dflash_mlx.policy.adaptive)
-                # greedy runs carry the drafter's acceptance history from one call to the next (their
-                # output cannot change); sampled runs start from the prior, so a seed reproduces them
-                block_size = adaptive_policy(target, proposer, largest, carry=settings.greedy)
+            largest = max_block_size or default_block_size(model, draft)
+            # the calibrated curve alone: the loop's cycle times mix in the caller's per-token work and,
+            # with pipelined plain steps, the next step's launch (see dflash_mlx.policy.adaptive)
+            # greedy runs carry the drafter's acceptance history from one call to the next (their
+            # output cannot change); sampled runs start from the prior, so a seed reproduces them
+            block_size = adaptive_policy(target, proposer, largest, carry=settings.greedy)
     elif max_block_size is not None:
         raise ValueError("max_block_size is for the adaptive block (block_size=None), not a fixed one.")
     elif isinstance(block_size, str):
