@@ -141,25 +141,8 @@ def speculative_cycles(
         limit = policy.max_block if max_tokens < 0 else min(policy.max_block, max_tokens - committed)
         return 1 if proposer is None else policy.choose(limit)
 
+    queue: deque[_Pending] = deque()
     total = prompt.size
-    try:  # a prefill stopped midway (a progress callback cancelling) must not leave unrecorded positions
-        logits = _prefill(target, prompt, done, cache, context, prefill_step_size, progress)
-        row = acceptor.process(logits[0, -1:])
-        logprobs = log_softmax(row)
-        anchor = acceptor.next_token(row)
-        committed, position = 1, total
-        # The prefill leaves the drafter's ingestion of the prompt lazy (`Proposer.state`): it runs with the
-        # prompt's last row when the first cycle drafts, and waits for a block that needs it when that
-        # cycle is a plain step (a drafter at b = 1 through the whole reply never runs it).
-        first_block = choose(committed) if committed != max_tokens else 1
-        mx.async_eval(anchor, context.state() if first_block > 1 else [])  # log-probabilities stay lazy
-        session.prefilled(prompt_ids)  # before a verify updates the caches (its checkpoint copies the state)
-    except BaseException:
-        session.abandon_prompt()
-        raise
-    # b = 1 steps are chained on the lazy token when nothing needs it on the host first
-    # (logits processors read the history) and the caches can undo a step past a stop token.
-    chains = not acceptor.processors and all(undoes_single_row(c) for c in cache)
 
     def launch(anchor: mx.array, position: int, committed: int, b: int) -> _Pending:
         """Queue one draft + verify of block b."""
@@ -185,23 +168,37 @@ def speculative_cycles(
         while queue:
             rollback(cache, queue.pop().record, keep=0)
 
-    # The first cycle is queued before the first token is handed out, as mlx-lm queues its second
-    # step, and built on the lazy token (its graph built while the prompt's last row computes) when
-    # the caches can undo it should that token be a stop token.
-    queue: deque[_Pending] = deque()
-    synced = time.perf_counter()
-    if chains and committed != max_tokens:
-        queue.append(launch(anchor, position, committed, first_block))
-    anchor_id = anchor.item()
-    progress(total, total)
-    acceptor.commit([anchor_id])
-    stopped = anchor_id in stop_tokens
-    if stopped:
-        undo_chained()
-    elif not queue and committed != max_tokens:
-        queue.append(launch(anchor, position, committed, first_block))
-    first = Cycle(tokens=[anchor_id], logprobs=logprobs, drafted=0, block_size=0, stopped=stopped)
     try:
+        logits = _prefill(target, prompt, done, cache, context, prefill_step_size, progress)
+        row = acceptor.process(logits[0, -1:])
+        logprobs = log_softmax(row)
+        anchor = acceptor.next_token(row)
+        committed, position = 1, total
+        # The prefill leaves the drafter's ingestion of the prompt lazy (`Proposer.state`): it runs with the
+        # prompt's last row when the first cycle drafts, and waits for a block that needs it when that
+        # cycle is a plain step (a drafter at b = 1 through the whole reply never runs it).
+        first_block = choose(committed) if committed != max_tokens else 1
+        mx.async_eval(anchor, context.state() if first_block > 1 else [])  # log-probabilities stay lazy
+        session.prefilled(prompt_ids)  # before a verify updates the caches (its checkpoint copies the state)
+        # b = 1 steps are chained on the lazy token when nothing needs it on the host first
+        # (logits processors read the history) and the caches can undo a step past a stop token.
+        chains = not acceptor.processors and all(undoes_single_row(c) for c in cache)
+
+        # The first cycle is queued before the first token is handed out, as mlx-lm queues its second
+        # step, and built on the lazy token (its graph built while the prompt's last row computes) when
+        # the caches can undo it should that token be a stop token.
+        synced = time.perf_counter()
+        if chains and committed != max_tokens:
+            queue.append(launch(anchor, position, committed, first_block))
+        anchor_id = anchor.item()
+        progress(total, total)
+        acceptor.commit([anchor_id])
+        stopped = anchor_id in stop_tokens
+        if stopped:
+            undo_chained()
+        elif not queue and committed != max_tokens:
+            queue.append(launch(anchor, position, committed, first_block))
+        first = Cycle(tokens=[anchor_id], logprobs=logprobs, drafted=0, block_size=0, stopped=stopped)
         yield first
         while queue:
             queued = queue.popleft()
@@ -239,6 +236,12 @@ def speculative_cycles(
             logprobs = log_softmax(queued.rows[:kept])
             yield Cycle(tokens=tokens, logprobs=logprobs, drafted=min(accepted, kept), block_size=queued.block_size,
                         stopped=stop is not None)  # fmt: skip
+    except GeneratorExit:  # the consumer stopped early (below)
+        raise
+    except BaseException:  # raised in here (a progress callback, a logits processor, Ctrl-C): the caches
+        queue.clear()  # may hold rows past what the session records (a prefill chunk, a verify)
+        session.abandon()
+        raise
     finally:
         context.flush()
         if queue:  # the consumer stopped early: undo the queued verify but for its anchor

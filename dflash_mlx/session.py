@@ -15,8 +15,9 @@ hold and returns its length, so only the rest is prefilled:
 The engine keeps the caches honest: they hold the prompt and every committed
 token except the last (the next anchor, not yet fed; a generation closed early
 keeps its last anchor too), and generation stopped at a stop token keeps
-nothing at or after it; a prefill stopped midway (a progress callback raising)
-is cut back or dropped (`abandon_prompt`). The drafter's context follows the same positions
+nothing at or after it; after an exception inside a generation (a progress
+callback or a logits processor raising) they are cut back or dropped
+(`abandon`). The drafter's context follows the same positions
 (`Proposer.start(..., reused=n)`). `hold(tokens)` makes the caches hold exactly
 some tokens (the mlx-lm plugin leaves mlx-lm's own cache lists that way).
 A session may work on a caller's cache list (`cache=`), which it updates in
@@ -158,10 +159,10 @@ class Session:
         states = [None if trimmable(c) else _copy(c.state) for c in self.cache]
         self._checkpoint = _Checkpoint(len(prompt), states)
 
-    def abandon_prompt(self) -> None:
-        """A generation stopped between `begin` and `prefilled` (an exception: a progress callback
-        cancelling, Ctrl-C): the caches may hold part of the prompt past `tokens`. Plain KV caches are
-        cut back to `tokens`; other caches cannot be, so the session starts afresh next time (a caller's
+    def abandon(self) -> None:
+        """A generation raised (a progress callback cancelling, a logits processor, Ctrl-C): the caches
+        may hold rows past `tokens` (a prefill chunk, a verify not rolled back). Plain KV caches are cut
+        back to `tokens`; other caches cannot be, so the session starts afresh next time (a caller's
         cache list keeps what it holds, as mlx-lm leaves its own: its length says so)."""
         caches = [c for c in self.cache or [] if c is not None]
         if all(trimmable(c) for c in caches):

@@ -113,6 +113,60 @@ def test_a_prefill_cancelled_midway_leaves_the_session_usable(pair, family):
             assert session.reused == len(p1) + len(r1) - 1
 
 
+class RaisingBlocks:
+    """Blocks 1, 1, 4, 1, ... (plain steps chained on lazy tokens, then a drafting block), raising at
+    choice `at`: after a verify was queued and before the loop recorded it."""
+
+    max_block = 4
+
+    def __init__(self, at: int):
+        self.at, self.chosen = at, 0
+
+    def choose(self, limit: int) -> int:
+        self.chosen += 1
+        if self.chosen == self.at:
+            raise Cancelled
+        return min(limit, 4 if self.chosen % 3 == 0 else 1)
+
+    def observe(self, block_size, accepted, seconds) -> None:
+        pass
+
+
+def raising_processor(at: int):
+    calls = []
+
+    def processor(tokens, logits):
+        calls.append(1)
+        if len(calls) == at:
+            raise Cancelled
+        return logits
+
+    return processor
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("raiser", ["processor", "policy"])
+def test_an_exception_inside_a_reply_leaves_the_session_usable(pair, family, raiser):
+    """A logits processor or a block policy raising after a verify went into the caches: the session
+    must not keep those rows as if they were not there."""
+    model, tokenizer, draft = pair(family)
+    session = make_session(model, draft)
+    with without_eos(tokenizer) as tok:
+        p1 = prompt_ids(20, seed=13)
+        if raiser == "processor":
+            kw = dict(block_size=4, logits_processors=[raising_processor(at=12)])
+        else:
+            kw = dict(block_size=RaisingBlocks(at=8))
+        got = []
+        with pytest.raises(Cancelled):
+            for r in stream_generate(model, draft, tok, p1, max_tokens=40, session=session, **kw):
+                got.append(r.token)
+        assert got == tokens_of(reference(model, tok, p1, len(got)))[: len(got)] and got
+        assert session.tokens == (p1 + got)[: len(session.tokens)]
+        p2 = p1 + got + prompt_ids(5, seed=14)
+        same(run(model, draft, tok, session, p2, 20), p2, 20, model, tok)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_a_stop_token_inside_a_block_keeps_nothing_after_it(pair, family):
     model, tokenizer, _ = pair(family)
