@@ -36,6 +36,10 @@ from .targets.adapter import TargetAdapter
 from .targets.rollback import VerifyRecord, rollback, undoes_single_row
 
 CONTEXT_BATCH = 64  # rows of b = 1 features the drafter receives at once
+SUPERSEDED = (
+    "This generation was left open while its session was used again (a new generation on it, a reset): "
+    "its caches now hold the other's state, so it cannot go on. Close a stream you stop reading (.close())."
+)
 
 
 @dataclass
@@ -162,6 +166,23 @@ def speculative_cycles(
         mx.async_eval(verdict)
         return _Pending(b, verdict, rows, features, record)
 
+    settled = False
+
+    def settle() -> None:
+        """Keep only what was committed: undo the queued verify but for its anchor (the consumer stopped
+        early, or the session is wanted by something else while this generation is open)."""
+        nonlocal settled
+        if settled:
+            return
+        settled = True
+        context.flush()
+        if queue:
+            pending = queue.popleft()
+            session.keep_anchor_only(pending.record, anchor_id, pending.features if context.proposer else None)
+            queue.clear()
+
+    session.opened(settle)
+
     def undo_chained() -> None:
         """Undo whole the cycles built on a token that turned out to be a stop token (`chains`: the
         caches can)."""
@@ -200,6 +221,8 @@ def speculative_cycles(
             queue.append(launch(anchor, position, committed, first_block))
         first = Cycle(tokens=[anchor_id], logprobs=logprobs, drafted=0, block_size=0, stopped=stopped)
         yield first
+        if settled:
+            raise RuntimeError(SUPERSEDED)
         while queue:
             queued = queue.popleft()
             if queued.block_size == 1:
@@ -236,17 +259,20 @@ def speculative_cycles(
             logprobs = log_softmax(queued.rows[:kept])
             yield Cycle(tokens=tokens, logprobs=logprobs, drafted=min(accepted, kept), block_size=queued.block_size,
                         stopped=stop is not None)  # fmt: skip
+            if settled:
+                raise RuntimeError(SUPERSEDED)
     except GeneratorExit:  # the consumer stopped early (below)
         raise
     except BaseException:  # raised in here (a progress callback, a logits processor, Ctrl-C): the caches
-        queue.clear()  # may hold rows past what the session records (a prefill chunk, a verify)
-        session.abandon()
+        if not settled:  # may hold rows past what the session records (a prefill chunk, a verify)
+            settled = True
+            queue.clear()
+            context.flush()
+            session.abandon()
         raise
     finally:
-        context.flush()
-        if queue:  # the consumer stopped early: undo the queued verify but for its anchor
-            pending = queue.popleft()
-            session.keep_anchor_only(pending.record, anchor_id, pending.features if context.proposer else None)
+        settle()
+        session.closed(settle)
 
 
 def _prefill(target, prompt, done, cache, context, step, progress) -> mx.array:

@@ -79,17 +79,36 @@ class Session:
         self._given = cache is not None
         self.tokens: list[int] = []  # what the caches hold, in order
         self._checkpoint: _Checkpoint | None = None
+        self._open = None  # settles the generation still open on these caches (`opened`), if any
         self.reused = 0  # prompt tokens the last `begin` kept
         self.prompt_length = 0  # tokens of the last generation's prompt (what the caches held after its prefill)
 
+    def opened(self, settle) -> None:
+        """A generation began on these caches; `settle()` makes them hold only what it committed (its
+        queued verify undone) and ends it, should anything else use the session before it is closed."""
+        self._open = settle
+
+    def closed(self, settle) -> None:
+        """The generation `settle` belongs to is over."""
+        if self._open is settle:
+            self._open = None
+
+    def _settle(self) -> None:
+        """Settle a generation left open (a stream kept after a `break`) before the caches are used."""
+        settle, self._open = self._open, None
+        if settle is not None:
+            settle()
+
     def reset(self) -> None:
         """Forget everything (the next generation prefills its whole prompt)."""
+        self._settle()
         if self._given:
             raise RuntimeError("A session over a caller's cache list cannot drop it.")
         self.cache, self.tokens, self._checkpoint, self.prompt_length = None, [], None, 0
 
     def begin(self, prompt: list[int]) -> int:
         """Make the caches hold a prefix of `prompt` (never all of it); return its length."""
+        self._settle()
         keep = self._keep_prefix(prompt[:-1])
         self._start_proposer(prompt, keep)
         self.reused = keep
@@ -97,6 +116,7 @@ class Session:
 
     def hold(self, tokens: list[int]) -> None:
         """Make the caches (and the drafter's context) hold exactly `tokens`, feeding what they lack."""
+        self._settle()
         keep = self._keep_prefix(tokens)
         self._start_proposer(tokens, keep)
         rest = tokens[keep:]
@@ -201,6 +221,7 @@ class Session:
         checkpoint; the proposer must have `fork(context=True)`)."""
         if self._given:
             raise RuntimeError("A session over a caller's cache list cannot be copied.")
+        self._settle()
         proposer = None
         if self.proposer is not None:
             fork = getattr(self.proposer, "fork", None)
@@ -215,6 +236,7 @@ class Session:
 
     def saved(self) -> dict:
         """What a saved session holds (`session_store`): tokens, target caches, checkpoint, drafter context."""
+        self._settle()
         saved_context = getattr(self.proposer, "saved_context", None)
         checkpoint = self._checkpoint
         return {"tokens": list(self.tokens), "prompt_length": self.prompt_length, "cache": self.cache,

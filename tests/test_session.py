@@ -6,6 +6,8 @@ reply with mlx-lm's plain greedy decoding of the same full prompt from scratch.
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
@@ -165,6 +167,35 @@ def test_an_exception_inside_a_reply_leaves_the_session_usable(pair, family, rai
         assert session.tokens == (p1 + got)[: len(session.tokens)]
         p2 = p1 + got + prompt_ids(5, seed=14)
         same(run(model, draft, tok, session, p2, 20), p2, 20, model, tok)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_stream_left_open_is_settled_when_the_session_is_used_again(pair, family):
+    """A stream kept in a variable after a `break` still has a verify queued in the caches: the next turn
+    settles it first, the old stream then refuses to go on, and collecting it later changes nothing."""
+    model, tokenizer, draft = pair(family)
+    session = make_session(model, draft)
+    with without_eos(tokenizer) as tok:
+        p1 = prompt_ids(20, seed=15)
+        stream = stream_generate(model, draft, tok, p1, max_tokens=40, block_size=4, session=session)
+        partial = [next(stream).token for _ in range(6)]
+        p2 = p1 + partial + prompt_ids(5, seed=16)
+        r2 = same(run(model, draft, tok, session, p2, 20), p2, 20, model, tok)
+        with pytest.raises(RuntimeError, match="left open while its session was used again"):
+            next(stream)
+        del stream
+        gc.collect()
+        p3 = p2 + r2 + prompt_ids(4, seed=17)
+        same(run(model, draft, tok, session, p3, 15), p3, 15, model, tok)
+        stream = stream_generate(model, draft, tok, p3, max_tokens=40, block_size=4, session=session)
+        next(stream), next(stream)  # left open again: a copy and a reset settle it too
+        copied = session.copy() if hasattr(session.proposer, "fork") else None
+        session.reset()
+        same(run(model, draft, tok, session, p1, 10), p1, 10, model, tok)
+        if copied is not None:  # the copy holds the prompt and what the open stream had committed
+            assert copied.tokens[: len(p3)] == p3 and len(copied.tokens) > len(p3)
+            p4 = copied.tokens + prompt_ids(3, seed=18)
+            same(run(model, draft, tok, copied, p4, 8), p4, 8, model, tok)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
