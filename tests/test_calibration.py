@@ -306,3 +306,34 @@ def test_the_drafter_is_timed_alone_on_a_private_copy(setup):
         layer_ids = ()
 
     assert calibration.draft_seconds(target, NoFork(), [2, 8]) == [0.0, 0.0]
+
+
+def test_a_setup_seen_before_skips_the_key_until_a_model_changes_in_place(cache_dir, tiny_pair_dirs, monkeypatch):
+    """The process remembers which curve a (target, drafter) pair maps to while their facts stand; a target
+    quantized in place is a new setup (its own key and file), not the old curve."""
+    import mlx.nn as nn
+    from mlx_lm import load
+
+    from dflash_mlx import load_draft
+
+    target_dir, draft_dir = tiny_pair_dirs("qwen3")
+    model, _ = load(str(target_dir))  # a private copy: it is changed below
+    session = make_session(model, load_draft(draft_dir, model))
+    target, proposer = session.target, session.proposer
+    first = cost_curve(target, proposer, 4)
+    monkeypatch.setattr(calibration, "calibration_key", lambda *a: pytest.fail("the key was built again"))
+    assert cost_curve(target, proposer, 4) is first
+    monkeypatch.undo()
+    old_file = calibration_file(target, proposer, 4)
+    nn.quantize(model, group_size=32, bits=4)
+    measured = []
+    real = calibration.measure
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: measured.append(1) or real(*a, **k))
+    second = cost_curve(target, proposer, 4)
+    assert measured and second is not first
+    assert calibration_key(target, proposer, 4)["target"]["bits"] == 4
+    assert calibration_file(target, proposer, 4) != old_file and calibration_file(target, proposer, 4).exists()
+    calibration._memo.clear()  # (clear_calibrations and forget_curve drop it: the next lookup builds the key)
+    monkeypatch.setattr(calibration, "calibration_key", lambda *a: pytest.fail("the key was built again"))
+    with pytest.raises(pytest.fail.Exception):
+        cost_curve(target, proposer, 4)

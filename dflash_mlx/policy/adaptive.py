@@ -247,13 +247,13 @@ def adaptive_policy(target, proposer, max_block: int, refine: bool = False, carr
     from .calibration import cost_curve
 
     curve = curve if curve is not None else cost_curve(target, proposer, max_block)
-    policy = AdaptiveBlock(curve.fresh(), max_block, refine=refine)
-    if carry:
-        history = drafter_history(getattr(proposer, "drafter", proposer), max_block - 1)
-        if history is not None:
-            policy.estimate = AcceptanceEstimate(max_block - 1, learnt=history.learnt)
-            policy.probes = history.probes
-            policy.probes.resume()
+    history = drafter_history(getattr(proposer, "drafter", proposer), max_block - 1) if carry else None
+    estimate = AcceptanceEstimate(max_block - 1, learnt=history.learnt) if history is not None else None
+    # (a curve the policy does not refine is shared, not copied)
+    policy = AdaptiveBlock(curve.fresh() if refine else curve, max_block, estimate, refine=refine)
+    if history is not None:
+        policy.probes = history.probes
+        policy.probes.resume()
     return policy
 
 

@@ -1,7 +1,8 @@
 """Measuring the cost curve T(b) on this machine, once, and caching it on disk.
 
 `cost_curve(target, proposer, max_block)` returns the curve for this target,
-drafter, dtype, quantization, device and MLX version: from memory, else from
+drafter, dtype, quantization, device and MLX version: from memory (a pair seen
+before builds no key while its models are unchanged: `models.facts`), else from
 `<cache>/calibration/<key>.json`, else measured by running the real loop
 (`engine.speculative_cycles`) on a short synthetic prompt with a scheduled
 block per cycle, on private caches and a private copy of the proposer
@@ -34,9 +35,8 @@ busy machine (`fit.plausible`), so the rounds are measured again and pooled
 with the first, and the curve is kept on the floor T(b) >= T(1) + D(b)
 either way (`fit.with_floor`). A cache file that cannot be read, is of
 another format or describes another setup is ignored and rewritten
-(atomically). `<cache>` is $DFLASH_MLX_CACHE_DIR, else
-$XDG_CACHE_HOME/dflash-mlx, else ~/.cache/dflash-mlx; `clear_calibrations()`
-(or `dflash-mlx calibrate --clear`) empties it. A tensor-sharded target is
+(atomically). `<cache>` is $DFLASH_MLX_CACHE_DIR, else $XDG_CACHE_HOME/dflash-mlx,
+else ~/.cache/dflash-mlx (`dflash-mlx calibrate --clear` empties it). A tensor-sharded target is
 calibrated sharded (its key names the group size), by all ranks together
 when rank 0 has no cached curve; every rank then takes rank 0's curve, so
 they all choose the same blocks. The ranks' exchanges make single cycles
@@ -55,6 +55,7 @@ import statistics
 import threading
 import time
 import warnings
+from operator import is_
 from pathlib import Path
 
 import mlx.core as mx
@@ -84,6 +85,7 @@ PROMPT_TOKENS = 16
 DRAFT_REPEATS = 3  # timed drafter forwards per block, after a warm-up one
 
 _memo: dict[tuple, tuple[str, CostCurve]] = {}  # `_frozen(key)` -> (its digest, curve): a hit hashes no JSON
+_known_setups: dict[tuple, tuple] = {}  # `_setup`'s identity -> (what it was made of, `_frozen(key)`): no key built
 _lock = threading.Lock()
 
 
@@ -123,7 +125,7 @@ def model_facts(model) -> dict:
     if not isinstance(model, nn.Module):
         return {"type": type(model).__name__}
     facts = read_facts(model)
-    config = getattr(model, "config", None) or getattr(model, "args", None)
+    config = _config(model)
     shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
                                                     "block_size", "intermediate_size")}  # fmt: skip
     return {"type": type(model).__name__, "parameters": facts.parameters, "float_dtypes": list(facts.float_dtypes),
@@ -143,6 +145,22 @@ def calibration_key(target, proposer, max_block: int) -> dict:
         **_machine_facts(),
         **({"tensor_ranks": group.size(), "rounds": SHARDED_ROUNDS} if group is not None else {}),
     }
+
+
+def _setup(target, proposer, max_block: int) -> tuple | None:
+    """(what identifies this setup within the process, what it was made of: the models' facts, configs and
+    types, which `read_facts` returns as the same objects while the models are unchanged), or None where the
+    key is always built (a proposer that is not a module, a sharded target)."""
+    drafter = getattr(proposer, "drafter", proposer)
+    model = target.model
+    if not isinstance(model, nn.Module) or not isinstance(drafter, nn.Module) or _group(target) is not None:
+        return None
+    made_of = (read_facts(model), read_facts(drafter), _config(model), _config(drafter), type(model), type(drafter))
+    return (id(model), id(drafter), type(proposer).__name__, max_block, str(mx.default_device())), made_of
+
+
+def _config(model):  # (mlx-lm models keep theirs as `args`)
+    return getattr(model, "config", None) or getattr(model, "args", None)
 
 
 def _group(target):
@@ -190,11 +208,10 @@ class _DummyDrafts:
     def __init__(self, block_size: int):
         self.block_size = block_size
 
-    def start(self, target, prompt, reused: int = 0) -> None:
+    def start(self, *args, **kwargs) -> None:  # (target, prompt, reused): nothing to ingest, as add_context
         pass
 
-    def add_context(self, features) -> None:
-        pass
+    add_context = start
 
     def state(self) -> list:
         return []
@@ -337,9 +354,17 @@ def _checked(target, proposer, grid: list[int], table: list[list[float]]) -> tup
 def cost_curve(target, proposer, max_block: int, *, force: bool = False) -> CostCurve:
     """This setup's calibrated curve up to `max_block` (measured at first use, then cached;
     `force`: measure again and replace the cached one)."""
+    setup = _setup(target, proposer, max_block)
+    known = _known_setups.get(setup[0]) if setup is not None and not force else None
+    if known is not None and all(map(is_, known[0], setup[1])):  # (held there: no id is reused)
+        found = _memo.get(known[1])  # (gone after clear_calibrations or forget_curve)
+        if found is not None:
+            return found[1]
     key = calibration_key(target, proposer, max_block)
     memo_key = _frozen(key)
     with _lock:
+        if setup is not None:
+            _known_setups[setup[0]] = (setup[1], memo_key)
         if memo_key in _memo and not force:
             return _memo[memo_key][1]
         digest = _digest(key)
