@@ -15,7 +15,11 @@ committed position, batched and left lazy until a larger block needs it (the
 prompt's too, when the first cycle is plain). What a verify commits (greedy
 or exact sampling, logits processors) is the `Acceptor`'s. Log-probabilities
 are left lazy (a full-vocabulary log-softmax over every verified row costs
-~10% of a 240M-parameter verify on a CPU).
+~10% of a 240M-parameter verify on a CPU). An exception raised inside the
+loop (a progress callback cancelling, a logits processor, Ctrl-C) hands the
+session back holding only what it records (`Session.abandon`), and a
+generation left open is settled when its session is used again
+(`Session.opened`): a verify's rows never stay in the caches unrecorded.
 """
 
 from __future__ import annotations
