@@ -218,3 +218,28 @@ def test_a_prefill_cancelled_by_the_progress_callback_leaves_a_usable_list(pair,
         assert held_length(ours) == held_length(theirs) == before + 16
     assert_same_turn(model, tokenizer, oracle, ours, theirs, prompt_ids(6, seed=23), 20)
     assert_same_state(ours, theirs)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_a_stream_left_open_on_a_list_is_settled_by_the_next_call(pair, family):
+    """A script keeps a stream in a variable, stops reading it and calls again with the same list: the
+    list holds what mlx-lm's would (the prompt and the tokens read: mlx-lm has fed each token it
+    yields), the next turn matches mlx-lm's, and the old stream cannot go on."""
+    model, tokenizer, draft = pair(family)
+    ours, theirs = mlx_lm_cache.make_prompt_cache(model), mlx_lm_cache.make_prompt_cache(model)
+    ids = prompt_ids(20, seed=31)
+    open_streams = []
+    legs = [(mlx_lm.stream_generate, theirs, {}), (plugin.stream_generate, ours, {"draft_model": draft})]
+    for generate, cache, kw in legs:
+        stream = generate(model, tokenizer, ids, max_tokens=40, prompt_cache=cache, **kw)
+        open_streams.append((stream, [next(stream).token for _ in range(7)]))
+    assert open_streams[0][1] == open_streams[1][1]
+    more = prompt_ids(4, seed=32)
+    want = [r.token for r in run(mlx_lm.stream_generate, model, tokenizer, more, theirs, 12)]
+    got = [r.token for r in run(plugin.stream_generate, model, tokenizer, more, ours, 12, draft_model=draft)]
+    assert got == want and held_length(ours) == held_length(theirs) == 20 + 7 + 4 + 12
+    with pytest.raises(RuntimeError, match="left open"):
+        next(open_streams[1][0])
+    del open_streams
+    assert held_length(ours) == held_length(theirs)  # collecting the old stream changes nothing
+    assert_same_state(ours, theirs)

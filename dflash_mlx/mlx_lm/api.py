@@ -51,12 +51,13 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..draft.load import load_draft
 from ..draft.model import DFlashDraftModel
+from ..engine import SUPERSEDED
 from ..generation import encode_prompt
 from ..generation import stream_generate as dflash_stream_generate
 from ..models.loading import target_float_dtype
 from .samplers import UnsupportedSampler, sampler_settings
 from ..proposers.base import Proposer
-from .cache import list_cache_problem, list_session, remember
+from .cache import list_cache_problem, list_session, opened_on, remember
 from ..models.resolve import entry_for_target
 from ..session import Session, make_session
 
@@ -294,16 +295,15 @@ def _relabelled(responses, prompt_tokens: int, cache, session: Session | None, h
     unfed), as mlx-lm's own decoding would leave it.
     """
     earlier = len(held) - prompt_tokens
-    yielded = False
-    try:
-        for r in responses:
-            if cache is not None:
-                if isinstance(cache, DFlashPromptCache):
-                    cache.tokens = held  # every prompt token and every token yielded so far
-                held.append(r.token)
-            yielded = True
-            yield dataclasses.replace(r, prompt_tokens=prompt_tokens)
-    finally:
+    yielded = settled = False
+
+    def settle() -> None:
+        """Leave the list as mlx-lm would (at the end, or when the list is used again while this stream
+        is open: `cache.list_session`)."""
+        nonlocal settled
+        if settled:
+            return
+        settled = True
         responses.close()  # an early stop: the session undoes a queued verify now
         if isinstance(cache, list):
             # Nothing yielded (an error before the first token): leave the list as it was, if it can be.
@@ -312,6 +312,21 @@ def _relabelled(responses, prompt_tokens: int, cache, session: Session | None, h
                 with mx.stream(generation_stream):
                     session.hold(wanted)
             remember(cache, session)
+
+    if isinstance(cache, list):
+        opened_on(cache, session.draft, settle)
+    try:
+        for r in responses:
+            if cache is not None:
+                if isinstance(cache, DFlashPromptCache):
+                    cache.tokens = held  # every prompt token and every token yielded so far
+                held.append(r.token)
+            yielded = True
+            yield dataclasses.replace(r, prompt_tokens=prompt_tokens)
+            if settled:
+                raise RuntimeError(SUPERSEDED)
+    finally:
+        settle()
 
 
 def generate(model: nn.Module, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:

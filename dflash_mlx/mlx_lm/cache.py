@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.nn as nn
 
@@ -38,6 +39,7 @@ class _Binding:
     draft: object  # what the proposer was made from
     proposer: Proposer | None
     tokens: list[int]  # what the list held after the last DFlash call on it
+    open: Callable[[], None] | None = None  # settles a DFlash stream on the list that is still open
 
 
 _bindings: dict[int, _Binding] = {}  # id(list) -> binding
@@ -77,9 +79,13 @@ def _binding(cache: list, draft) -> _Binding | None:
 
 
 def list_session(model: nn.Module, draft, cache: list) -> Session:
-    """A session over the caller's `cache` list (never replaced), with its drafter context."""
-    held = held_length(cache)
+    """A session over the caller's `cache` list (never replaced), with its drafter context; a stream on
+    the list left open is settled first (the list then holds what mlx-lm's would)."""
     bound = _binding(cache, draft)
+    if bound is not None and bound.open is not None:
+        settle, bound.open = bound.open, None
+        settle()
+    held = held_length(cache)
     if bound is None:
         proposer = as_proposer(draft, model)
         bound = _Binding(weakref.ref(cache[0]), draft, proposer, [])
@@ -93,11 +99,19 @@ def list_session(model: nn.Module, draft, cache: list) -> Session:
     return session
 
 
+def opened_on(cache: list, draft, settle: Callable[[], None]) -> None:
+    """A DFlash stream on the list began; `settle()` leaves the list as mlx-lm would and ends it."""
+    bound = _binding(cache, draft)
+    if bound is not None:
+        bound.open = settle
+
+
 def remember(cache: list, session: Session) -> None:
     """Record what the list holds after a DFlash call (its drafter context is the session's)."""
     bound = _binding(cache, session.draft)
     if bound is not None:
         bound.tokens = list(session.tokens)
+        bound.open = None
 
 
 def _forget(key: int, bound: _Binding) -> None:
