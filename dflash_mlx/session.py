@@ -158,6 +158,8 @@ class Session:
             raise RuntimeError("A caller's cache list cannot be emptied: its caches cannot be trimmed.")
         if keep == 0 and not self._given:
             self.cache = self.target.make_cache()
+        if keep == 0:  # (fresh caches: the checkpoint describes others)
+            self._checkpoint = None
         self.tokens = list(wanted[:keep])
         return keep
 
@@ -181,16 +183,24 @@ class Session:
 
     def abandon(self) -> None:
         """A generation raised (a progress callback cancelling, a logits processor, Ctrl-C): the caches
-        may hold rows past `tokens` (a prefill chunk, a verify not rolled back). Plain KV caches are cut
-        back to `tokens`; other caches cannot be, so the session starts afresh next time (a caller's
-        cache list keeps what it holds, as mlx-lm leaves its own: its length says so)."""
+        may hold rows past `tokens` (a prefill chunk, a verify not rolled back). Sliding-window and Gated
+        DeltaNet caches go back to the checkpoint (the end of the last prompt prefilled) when `tokens`
+        reach it, and plain KV caches are cut back to the tokens kept; otherwise the session starts
+        afresh (a caller's cache list keeps what it holds, as mlx-lm leaves its own: its length says so)."""
         caches = [c for c in self.cache or [] if c is not None]
-        if all(trimmable(c) for c in caches):
-            for c in caches:
-                if c.offset > len(self.tokens):
-                    c.trim(c.offset - len(self.tokens))
-        elif not self._given:
-            self.reset()
+        if not all(trimmable(c) for c in caches):
+            checkpoint = self._checkpoint
+            if checkpoint is None or checkpoint.position > len(self.tokens):
+                if not self._given:
+                    self.reset()
+                return
+            for c, state in zip(self.cache, checkpoint.states):
+                if c is not None and state is not None:
+                    c.state = _copy(state)
+            self.tokens = self.tokens[: checkpoint.position]
+        for c in caches:
+            if trimmable(c) and c.offset > len(self.tokens):
+                c.trim(c.offset - len(self.tokens))
 
     def fed(self, tokens: list[int]) -> None:
         """`tokens` were committed to the caches after the prompt."""

@@ -243,3 +243,30 @@ def test_a_stream_left_open_on_a_list_is_settled_by_the_next_call(pair, family):
     del open_streams
     assert held_length(ours) == held_length(theirs)  # collecting the old stream changes nothing
     assert_same_state(ours, theirs)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "llama_sliding"])
+def test_a_logits_processor_raising_mid_reply_leaves_the_list_holding_the_tokens_read(pair, family):
+    """The exception lands after a verify went into the caches: the list must hold the prompt and the tokens
+    read (hybrid and sliding lists go back to the prompt's checkpoint, then take the tokens read), and the
+    next turn matches mlx-lm's on a list that read the same tokens."""
+    model, tokenizer, draft = pair(family)
+    ours, theirs = mlx_lm_cache.make_prompt_cache(model), mlx_lm_cache.make_prompt_cache(model)
+    calls = []
+
+    def raising(tokens, logits):
+        calls.append(1)
+        if len(calls) == 14:
+            raise Cancelled
+        return logits
+
+    ids, got = prompt_ids(20, seed=41), []
+    with pytest.raises(Cancelled):
+        for r in plugin.stream_generate(model, tokenizer, ids, max_tokens=40, prompt_cache=ours, draft_model=draft,
+                                        num_draft_tokens=3, logits_processors=[raising]):  # fmt: skip
+            got.append(r.token)
+    assert got and held_length(ours) == len(ids) + len(got)
+    want = [r.token for r in run(mlx_lm.stream_generate, model, tokenizer, ids, theirs, len(got))]
+    assert want == got
+    assert_same_turn(model, tokenizer, PositionOracle(), ours, theirs, prompt_ids(5, seed=42), 12)
+    assert_same_state(ours, theirs)

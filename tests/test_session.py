@@ -113,6 +113,8 @@ def test_a_prefill_cancelled_midway_leaves_the_session_usable(pair, family):
         same(run(model, draft, tok, session, p2, 25), p2, 25, model, tok)
         if family in TRIMMABLE:  # cut back to what the caches held before the cancelled turn
             assert session.reused == len(p1) + len(r1) - 1
+        else:  # back to the checkpoint at the end of the last prompt
+            assert session.reused == len(p1)
 
 
 class RaisingBlocks:
@@ -167,6 +169,7 @@ def test_an_exception_inside_a_reply_leaves_the_session_usable(pair, family, rai
         assert session.tokens == (p1 + got)[: len(session.tokens)]
         p2 = p1 + got + prompt_ids(5, seed=14)
         same(run(model, draft, tok, session, p2, 20), p2, 20, model, tok)
+        assert session.reused >= len(p1)  # the prompt stays (plain KV: cut back; others: the checkpoint)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
