@@ -220,8 +220,8 @@ def test_a_prefill_cancelled_by_the_progress_callback_leaves_a_usable_list(pair,
     assert_same_state(ours, theirs)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_a_stream_left_open_on_a_list_is_settled_by_the_next_call(pair, family):
+@pytest.mark.parametrize("family,next_draft", [("qwen3", "same"), ("qwen3_5", "same"), ("qwen3", "other")])
+def test_a_stream_left_open_on_a_list_is_settled_by_the_next_call(pair, family, next_draft):
     """A script keeps a stream in a variable, stops reading it and calls again with the same list: the
     list holds what mlx-lm's would (the prompt and the tokens read: mlx-lm has fed each token it
     yields), the next turn matches mlx-lm's, and the old stream cannot go on."""
@@ -236,7 +236,8 @@ def test_a_stream_left_open_on_a_list_is_settled_by_the_next_call(pair, family):
     assert open_streams[0][1] == open_streams[1][1]
     more = prompt_ids(4, seed=32)
     want = [r.token for r in run(mlx_lm.stream_generate, model, tokenizer, more, theirs, 12)]
-    got = [r.token for r in run(plugin.stream_generate, model, tokenizer, more, ours, 12, draft_model=draft)]
+    second = draft if next_draft == "same" else PositionOracle()  # (the binding is per drafter)
+    got = [r.token for r in run(plugin.stream_generate, model, tokenizer, more, ours, 12, draft_model=second)]
     assert got == want and held_length(ours) == held_length(theirs) == 20 + 7 + 4 + 12
     with pytest.raises(RuntimeError, match="left open"):
         next(open_streams[1][0])

@@ -81,10 +81,11 @@ def _binding(cache: list, draft) -> _Binding | None:
 def list_session(model: nn.Module, draft, cache: list) -> Session:
     """A session over the caller's `cache` list (never replaced), with its drafter context; a stream on
     the list left open is settled first (the list then holds what mlx-lm's would)."""
-    bound = _binding(cache, draft)
-    if bound is not None and bound.open is not None:
-        settle, bound.open = bound.open, None
+    earlier = _bindings.get(id(cache))  # (whatever drafter its stream used)
+    if earlier is not None and earlier.first() is cache[0] and earlier.open is not None:
+        settle, earlier.open = earlier.open, None
         settle()
+    bound = _binding(cache, draft)
     held = held_length(cache)
     if bound is None:
         proposer = as_proposer(draft, model)
