@@ -188,19 +188,14 @@ class Session:
         reach it, and plain KV caches are cut back to the tokens kept; otherwise the session starts
         afresh (a caller's cache list keeps what it holds, as mlx-lm leaves its own: its length says so)."""
         caches = [c for c in self.cache or [] if c is not None]
-        if not all(trimmable(c) for c in caches):
-            checkpoint = self._checkpoint
-            if checkpoint is None or checkpoint.position > len(self.tokens):
-                if not self._given:
-                    self.reset()
-                return
-            for c, state in zip(self.cache, checkpoint.states):
-                if c is not None and state is not None:
-                    c.state = _copy(state)
-            self.tokens = self.tokens[: checkpoint.position]
-        for c in caches:
-            if trimmable(c) and c.offset > len(self.tokens):
-                c.trim(c.offset - len(self.tokens))
+        if all(trimmable(c) for c in caches):
+            for c in caches:
+                c.trim(max(0, c.offset - len(self.tokens)))
+        elif self._checkpoint is not None and self._checkpoint.position <= len(self.tokens):
+            self._restore(self._checkpoint)
+            self.tokens = self.tokens[: self._checkpoint.position]
+        elif not self._given:
+            self.reset()
 
     def fed(self, tokens: list[int]) -> None:
         """`tokens` were committed to the caches after the prompt."""
@@ -265,11 +260,13 @@ class Session:
         self._checkpoint = _Checkpoint(*checkpoint) if checkpoint else None
 
     def _restore(self, checkpoint: _Checkpoint) -> None:
+        """Back to `checkpoint`: its copies for the caches that cannot be cut back, the others cut back to
+        its position (by what each holds: after an exception they may hold more than `tokens`)."""
         for c, state in zip(self.cache, checkpoint.states):
             if c is None:
                 continue
             if state is None:
-                c.trim(len(self.tokens) - checkpoint.position)
+                c.trim(c.offset - checkpoint.position)
             else:
                 c.state = _copy(state)
 
