@@ -32,7 +32,7 @@ from typing import Callable, Collection, Iterator
 import mlx.core as mx
 
 from .acceptance import Acceptor
-from .policy.base import BlockPolicy, Deferred, FixedBlock
+from .policy.base import BlockPolicy, FixedBlock
 from .proposers.base import Proposer
 from .sampling import SamplingSettings, log_softmax
 from .session import Session
@@ -112,7 +112,7 @@ def speculative_cycles(
     proposer: Proposer | None,
     *,
     max_tokens: int,
-    block_size: int | BlockPolicy | Deferred,
+    block_size: int | BlockPolicy,
     prefill_step_size: int = 2048,
     prompt_progress: Callable[[int, int], None] | None = None,
     acceptor: Acceptor | None = None,
@@ -123,16 +123,14 @@ def speculative_cycles(
 
     The first cycle holds the token sampled from the prompt's last logits; each
     later cycle holds 1..b tokens, b chosen by `block_size` (an integer: that
-    block every cycle; a `BlockPolicy`: its choice per cycle; a `Deferred`: the
-    policy it makes once the prompt's last forward is queued). A cycle
+    block every cycle; a `BlockPolicy`: its choice per cycle). A cycle
     containing one of `stop_tokens` ends there (the tokens after it are
     dropped and never reach the caches). `session` (made with this target and
     proposer) keeps the caches for the next call; only the prompt tokens it
     does not hold are prefilled.
     """
     # duck-typed: isinstance() against the runtime-checkable Protocol costs ~7-30 us a call
-    deferred = block_size if isinstance(block_size, Deferred) else None
-    policy = None if deferred else block_size if hasattr(block_size, "choose") else FixedBlock(block_size)
+    policy = block_size if hasattr(block_size, "choose") else FixedBlock(block_size)
     if prefill_step_size < 1:
         raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}.")
     if session is None:
@@ -204,12 +202,8 @@ def speculative_cycles(
         # The prefill leaves the drafter's ingestion of the prompt lazy (`Proposer.state`): it runs with the
         # prompt's last row when the first cycle drafts, and waits for a block that needs it when that
         # cycle is a plain step (a drafter at b = 1 through the whole reply never runs it).
-        mx.async_eval(anchor)  # log-probabilities stay lazy
-        if deferred is not None:  # made while the device computes the prompt's last rows
-            policy = deferred.make()
         first_block = choose(committed) if committed != max_tokens else 1
-        if first_block > 1:
-            mx.async_eval(context.state())
+        mx.async_eval(anchor, context.state() if first_block > 1 else [])  # log-probabilities stay lazy
         session.prefilled(prompt_ids)  # before a verify updates the caches (its checkpoint copies the state)
         # b = 1 steps are chained on the lazy token when nothing needs it on the host first
         # (logits processors read the history) and the caches can undo a step past a stop token.

@@ -24,7 +24,6 @@ from .acceptance import Acceptor
 from .models.block_size import default_block_size
 from .engine import speculative_cycles
 from .policy import adaptive_policy
-from .policy.base import Deferred
 from .sampling import SamplingSettings
 from .session import Session, check_draft_sampling, make_session
 from .sharding.lockstep import check_lockstep
@@ -130,16 +129,12 @@ def stream_generate(
         if proposer is None:  # plain decoding: nothing to choose
             block_size = 1
         else:
+            largest = max_block_size or default_block_size(model, draft)
             # the calibrated curve alone: the loop's cycle times mix in the caller's per-token work and,
             # with pipelined plain steps, the next step's launch (see dflash_mlx.policy.adaptive)
             # greedy runs carry the drafter's acceptance history from one call to the next (their
-            # output cannot change); sampled runs start from the prior, so a seed reproduces them.
-            # Made by the engine while the device computes the prompt (its lookups check the models).
-            block_size = Deferred(
-                lambda: adaptive_policy(
-                    target, proposer, max_block_size or default_block_size(model, draft), carry=settings.greedy
-                )
-            )
+            # output cannot change); sampled runs start from the prior, so a seed reproduces them
+            block_size = adaptive_policy(target, proposer, largest, carry=settings.greedy)
     elif max_block_size is not None:
         raise ValueError("max_block_size is for the adaptive block (block_size=None), not a fixed one.")
     elif isinstance(block_size, str):

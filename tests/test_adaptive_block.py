@@ -18,7 +18,6 @@ from mlx_lm.models.cache import KVCache
 from dflash_mlx import make_session, stream_generate
 from dflash_mlx.engine import speculative_cycles
 from dflash_mlx.policy import AdaptiveBlock
-from dflash_mlx.policy.base import Deferred
 from dflash_mlx.policy.cost import CostCurve
 from dflash_mlx.proposers.oracle import OracleProposer
 from dflash_mlx.sampling import SamplingSettings, distribution
@@ -163,43 +162,6 @@ def test_plain_steps_are_queued_before_the_previous_token_is_read(pair):
             del session.target.verify, session.fed
         ahead = [events[: i].count("verify") - events[: i].count("fed") for i, e in enumerate(events) if e == "fed"]
         assert ahead[:-1] == ([2] * (len(ahead) - 1) if pipelined else [1] * (len(ahead) - 1)), (family, events)
-
-
-def test_a_deferred_policy_is_made_once_between_the_prompt_and_the_first_cycle(pair):
-    """`stream_generate`'s adaptive policy is made by the engine after the prompt's last forward is queued
-    (its lookups then overlap the device's work); a policy that fails to be made leaves the session as
-    the prompt left it, and the next call's output is unchanged."""
-    model, tokenizer, draft = pair("qwen3_5")
-    session = make_session(model, draft)
-    events = []
-    forward, verify = session.target.forward, session.target.verify
-    session.target.forward = lambda *a, **k: (events.append("forward"), forward(*a, **k))[1]
-    session.target.verify = lambda *a: (events.append("verify"), verify(*a))[1]
-
-    def make():
-        events.append("make")
-        return Cycling([4, 1, 1, 16])
-
-    prompt = prompt_ids(12, seed=35)
-    try:
-        with without_eos(tokenizer) as tok:
-            want = reference(model, tok, prompt, 30)
-            cycles = speculative_cycles(session.target, mx.array(prompt), session.proposer, max_tokens=30,
-                                        block_size=Deferred(make), session=session)  # fmt: skip
-            assert [t for c in cycles for t in c.tokens] == [r.token for r in want]
-            first = events.index("verify")  # after the prompt's chunks (all but its last token, then that)
-            assert events[:first] == ["forward", "forward", "make"] and events.count("make") == 1, events
-
-            def broken():
-                raise RuntimeError("no policy")
-
-            with pytest.raises(RuntimeError, match="no policy"):
-                list(speculative_cycles(session.target, mx.array(prompt + [5]), session.proposer, max_tokens=30,
-                                        block_size=Deferred(broken), session=session))  # fmt: skip
-            got = list(stream_generate(model, draft, tok, prompt, max_tokens=30, session=session, block_size=3))
-            assert_same_stream(got, want, logprob_atol=1e-3)
-    finally:
-        del session.target.forward, session.target.verify
 
 
 def test_calibrating_in_the_middle_of_a_session_leaves_it_alone(pair, monkeypatch, tmp_path):

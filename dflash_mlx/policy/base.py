@@ -4,9 +4,7 @@ Before each draft/verify the engine calls `choose(limit)` (limit: the most
 rows allowed, e.g. by max_tokens) and after the cycle's host sync
 `observe(block_size, accepted, seconds)`: the drafts the target accepted (None
 when a stop token cut the cycle) and the seconds since the previous cycle's
-sync (the cycle's cost as the loop sees it). b = 1 is plain decoding. A
-`Deferred` policy is made when the engine first asks for a block, once the
-prompt's last forward is queued.
+sync (the cycle's cost as the loop sees it). b = 1 is plain decoding.
 """
 
 from __future__ import annotations
@@ -36,15 +34,6 @@ class FixedBlock:
 
     def observe(self, block_size: int, accepted: int | None, seconds: float) -> None:
         pass
-
-
-class Deferred:
-    """A policy the engine makes (`make()`) when it first needs one: after queueing the prompt's last
-    forward, so what making it takes (the adaptive policy's cost-curve lookup and block cap, which check
-    the models' facts: ~40 microseconds, or a first-use calibration) runs while the device computes."""
-
-    def __init__(self, make: Callable[[], BlockPolicy]):
-        self.make = make
 
 
 class ScheduledBlocks:
