@@ -71,9 +71,13 @@ def list_cache_problem(model: nn.Module, cache) -> str | None:
     return None
 
 
-def _binding(cache: list, draft) -> _Binding | None:
+_ANY_DRAFT = object()
+
+
+def _binding(cache: list, draft=_ANY_DRAFT) -> _Binding | None:
+    """The list's binding while its first cache is the one bound (and, if given, for `draft`)."""
     bound = _bindings.get(id(cache))
-    if bound is None or bound.first() is not cache[0] or bound.draft is not draft:
+    if bound is None or bound.first() is not cache[0] or (draft is not _ANY_DRAFT and bound.draft is not draft):
         return None
     return bound
 
@@ -81,8 +85,8 @@ def _binding(cache: list, draft) -> _Binding | None:
 def list_session(model: nn.Module, draft, cache: list) -> Session:
     """A session over the caller's `cache` list (never replaced), with its drafter context; a stream on
     the list left open is settled first (the list then holds what mlx-lm's would)."""
-    earlier = _bindings.get(id(cache))  # (whatever drafter its stream used)
-    if earlier is not None and earlier.first() is cache[0] and earlier.open is not None:
+    earlier = _binding(cache)  # (whatever drafter its stream used)
+    if earlier is not None and earlier.open is not None:
         settle, earlier.open = earlier.open, None
         settle()
     bound = _binding(cache, draft)
