@@ -6,7 +6,12 @@ before the call and passed in (`prebuilt adaptive`: the policy's per-cycle
 work only), `block_size=8` after building an adaptive policy inside the timed
 call (`b8 + policy setup`: the setup only), and the adaptive default. Each
 round runs every prompt through every leg in a new random order. The
-duplicated legs show the noise.
+duplicated legs show the noise. A last leg (`timed adaptive`) builds the
+adaptive policy right before the call, as the default does inside it, and
+times the policy's own host work inside the replies: its setup, its first
+`choose`, the later ones and every `observe` (right after a reply or a
+cycle's device work, the caches are cold: this is several times what the
+same calls cost in a warm loop).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python3 scripts/bench_call_setup.py --synthetic /tmp/dflash-synthetic
@@ -56,6 +61,35 @@ def main() -> None:
     def setup():
         adaptive_policy(session.target, session.proposer, largest, carry=True)
 
+    spent = {"setup": [], "first choose": [], "later chooses": [], "observes": []}  # per timed reply, seconds
+
+    class Timed:
+        """An adaptive policy whose choose and observe calls are timed (added to this reply's totals)."""
+
+        def __init__(self, policy):
+            self.policy, self.max_block, self.chosen = policy, policy.max_block, 0
+
+        def choose(self, limit):
+            tic = time.perf_counter()
+            b = self.policy.choose(limit)
+            spent["later chooses" if self.chosen else "first choose"][-1] += time.perf_counter() - tic
+            self.chosen += 1
+            return b
+
+        def observe(self, block_size, accepted, seconds):
+            tic = time.perf_counter()
+            self.policy.observe(block_size, accepted, seconds)
+            spent["observes"][-1] += time.perf_counter() - tic
+
+    def timed_adaptive(prompt):
+        for times in spent.values():
+            times.append(0.0)
+        tic = time.perf_counter()
+        policy = adaptive_policy(session.target, session.proposer, largest, carry=True)
+        spent["setup"][-1] = time.perf_counter() - tic
+        seconds, n = reply(prompt, block_size=Timed(policy))
+        return seconds + spent["setup"][-1], n
+
     legs = {
         "b8": lambda p: reply(p, block_size=8),
         "b8 again": lambda p: reply(p, block_size=8),
@@ -64,10 +98,13 @@ def main() -> None:
         "prebuilt adaptive": prebuilt,
         "b8 + policy setup": lambda p: reply(p, before=setup, block_size=8),
         "adaptive": lambda p: reply(p, max_block_size=largest),
+        "timed adaptive": timed_adaptive,
     }
     for p in prompts:  # warm-up
         for leg in legs.values():
             leg(p)
+    for times in spent.values():
+        times.clear()
     totals = {name: [0.0, 0] for name in legs}
     for _ in range(args.rounds):
         for p in prompts:
@@ -81,6 +118,11 @@ def main() -> None:
     print(f"{replies} replies per leg, {totals['b8'][1] / replies:.1f} tokens each on average")
     for name, (seconds, tokens) in totals.items():
         print(f"{name:22s} {tokens / seconds:7.1f} tok/s  {1000 * seconds / replies:6.2f} ms per reply")
+    per_reply = {what: 1e6 * sum(times) / replies for what, times in spent.items()}
+    reply_us = 1e6 * totals["timed adaptive"][0] / replies
+    print("timed adaptive, the policy's host work per reply: "
+          + ", ".join(f"{what} {us:.1f} us" for what, us in per_reply.items())
+          + f"; in all {sum(per_reply.values()):.1f} us, {100 * sum(per_reply.values()) / reply_us:.2f}% of the reply")
 
 
 if __name__ == "__main__":
