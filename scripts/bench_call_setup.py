@@ -54,14 +54,13 @@ def main() -> None:
             n += 1
         return time.perf_counter() - tic, n
 
-    def prebuilt(prompt):
-        policy = adaptive_policy(session.target, session.proposer, largest, carry=True)
-        return reply(prompt, block_size=policy)
-
     def setup():
-        adaptive_policy(session.target, session.proposer, largest, carry=True)
+        return adaptive_policy(session.target, session.proposer, largest, carry=True)
 
-    spent = {"setup": [], "first choose": [], "later chooses": [], "observes": []}  # per timed reply, seconds
+    def prebuilt(prompt):
+        return reply(prompt, block_size=setup())
+
+    spent = dict.fromkeys(["setup", "first choose", "later chooses", "observes"], 0.0)  # timed leg, seconds
 
     class Timed:
         """An adaptive policy whose choose and observe calls are timed (added to this reply's totals)."""
@@ -72,23 +71,22 @@ def main() -> None:
         def choose(self, limit):
             tic = time.perf_counter()
             b = self.policy.choose(limit)
-            spent["later chooses" if self.chosen else "first choose"][-1] += time.perf_counter() - tic
+            spent["later chooses" if self.chosen else "first choose"] += time.perf_counter() - tic
             self.chosen += 1
             return b
 
         def observe(self, block_size, accepted, seconds):
             tic = time.perf_counter()
             self.policy.observe(block_size, accepted, seconds)
-            spent["observes"][-1] += time.perf_counter() - tic
+            spent["observes"] += time.perf_counter() - tic
 
     def timed_adaptive(prompt):
-        for times in spent.values():
-            times.append(0.0)
         tic = time.perf_counter()
-        policy = adaptive_policy(session.target, session.proposer, largest, carry=True)
-        spent["setup"][-1] = time.perf_counter() - tic
+        policy = setup()
+        built = time.perf_counter() - tic
+        spent["setup"] += built
         seconds, n = reply(prompt, block_size=Timed(policy))
-        return seconds + spent["setup"][-1], n
+        return seconds + built, n
 
     legs = {
         "b8": lambda p: reply(p, block_size=8),
@@ -103,8 +101,7 @@ def main() -> None:
     for p in prompts:  # warm-up
         for leg in legs.values():
             leg(p)
-    for times in spent.values():
-        times.clear()
+    spent.update(dict.fromkeys(spent, 0.0))  # the warm-up's not counted
     totals = {name: [0.0, 0] for name in legs}
     for _ in range(args.rounds):
         for p in prompts:
@@ -118,7 +115,7 @@ def main() -> None:
     print(f"{replies} replies per leg, {totals['b8'][1] / replies:.1f} tokens each on average")
     for name, (seconds, tokens) in totals.items():
         print(f"{name:22s} {tokens / seconds:7.1f} tok/s  {1000 * seconds / replies:6.2f} ms per reply")
-    per_reply = {what: 1e6 * sum(times) / replies for what, times in spent.items()}
+    per_reply = {what: 1e6 * seconds / replies for what, seconds in spent.items()}
     reply_us = 1e6 * totals["timed adaptive"][0] / replies
     print("timed adaptive, the policy's host work per reply: "
           + ", ".join(f"{what} {us:.1f} us" for what, us in per_reply.items())
