@@ -15,36 +15,48 @@ same calls cost in a warm loop).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python3 scripts/bench_call_setup.py --synthetic /tmp/dflash-synthetic
+    LD_PRELOAD=... python3 scripts/bench_call_setup.py --setting demo-gsm8k --rounds 6
+
+`--setting` takes the pair and prompts of a `scripts/bench_adaptive.py`
+setting instead (e.g. the demo pair on GSM8K prompts, chat-templated, with
+~11 cycles per reply where the synthetic pair's have ~2).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
+import sys
 import time
 from pathlib import Path
 
-import dflash_mlx
-from dflash_mlx.generation import encode_prompt, stream_generate
-from dflash_mlx.policy import adaptive_policy
-from dflash_mlx.policy.base import FixedBlock
-from dflash_mlx.session import make_session
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dflash_mlx  # noqa: E402
+from bench_adaptive import TITLES, load_setting  # noqa: E402
+
+from dflash_mlx.generation import stream_generate  # noqa: E402
+from dflash_mlx.models.block_size import default_block_size  # noqa: E402
+from dflash_mlx.policy import adaptive_policy  # noqa: E402
+from dflash_mlx.policy.base import FixedBlock  # noqa: E402
+from dflash_mlx.session import make_session  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--setting", default="synthetic", choices=sorted(TITLES),
+                    help="The pair and prompts (scripts/bench_adaptive.py's settings).")
     ap.add_argument("--synthetic", type=Path, default=Path("/tmp/dflash-synthetic"),
                     help="A scripts/train_synthetic.py work directory (target/, drafter/, prompts.jsonl).")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
-    model, tokenizer, draft = dflash_mlx.load(args.synthetic / "target", args.synthetic / "drafter")
-    lines = (args.synthetic / "prompts.jsonl").read_text().splitlines()[: args.num_prompts]
-    prompts = [encode_prompt(tokenizer, json.loads(line)["prompt"]) for line in lines]
+    loaded = load_setting(args.setting, dflash_mlx.load("demo"), args.synthetic, args.num_prompts)
+    if loaded is None:  # (load_setting said why)
+        raise SystemExit(1)
+    model, tokenizer, draft, prompts = loaded
     session = make_session(model, draft)
-    largest = draft.config.block_size
+    largest = default_block_size(model, draft)
 
     def reply(prompt, before=None, **kwargs) -> tuple[float, int]:
         tic, n = time.perf_counter(), 0
