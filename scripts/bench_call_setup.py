@@ -1,10 +1,11 @@
 """Per-call cost of the adaptive block on short replies: `stream_generate` legs alternated in one process.
 
-Legs (greedy, every one committing the same tokens): `block_size=8` twice,
-`FixedBlock(8)` passed as a policy object twice, an adaptive policy built
+Legs (greedy, every one committing the same tokens), with B the drafter's
+block (8 on the trained pairs; 5 on the 4-bit setting): `block_size=B` twice,
+`FixedBlock(B)` passed as a policy object twice, an adaptive policy built
 before the call and passed in (`prebuilt adaptive`: the policy's per-cycle
-work only), `block_size=8` after building an adaptive policy inside the timed
-call (`b8 + policy setup`: the setup only), and the adaptive default. Each
+work only), `block_size=B` after building an adaptive policy inside the timed
+call (`bB + policy setup`: the setup only), and the adaptive default. Each
 round runs every prompt through every leg in a new random order. The
 duplicated legs show the noise. A last leg (`timed adaptive`) builds the
 adaptive policy right before the call, as the default does inside it, and
@@ -101,12 +102,12 @@ def main() -> None:
         return seconds + built, n
 
     legs = {
-        "b8": lambda p: reply(p, block_size=8),
-        "b8 again": lambda p: reply(p, block_size=8),
-        "FixedBlock(8)": lambda p: reply(p, block_size=FixedBlock(8)),
-        "FixedBlock(8) again": lambda p: reply(p, block_size=FixedBlock(8)),
+        f"b{largest}": lambda p: reply(p, block_size=largest),
+        f"b{largest} again": lambda p: reply(p, block_size=largest),
+        f"FixedBlock({largest})": lambda p: reply(p, block_size=FixedBlock(largest)),
+        f"FixedBlock({largest}) again": lambda p: reply(p, block_size=FixedBlock(largest)),
         "prebuilt adaptive": prebuilt,
-        "b8 + policy setup": lambda p: reply(p, before=setup, block_size=8),
+        f"b{largest} + policy setup": lambda p: reply(p, before=setup, block_size=largest),
         "adaptive": lambda p: reply(p, max_block_size=largest),
         "timed adaptive": timed_adaptive,
     }
@@ -124,7 +125,7 @@ def main() -> None:
                 totals[name][0] += seconds
                 totals[name][1] += tokens
     replies = args.rounds * len(prompts)
-    print(f"{replies} replies per leg, {totals['b8'][1] / replies:.1f} tokens each on average")
+    print(f"{replies} replies per leg, {totals['adaptive'][1] / replies:.1f} tokens each on average")
     for name, (seconds, tokens) in totals.items():
         print(f"{name:22s} {tokens / seconds:7.1f} tok/s  {1000 * seconds / replies:6.2f} ms per reply")
     per_reply = {what: 1e6 * seconds / replies for what, seconds in spent.items()}
