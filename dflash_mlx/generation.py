@@ -21,7 +21,7 @@ from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .acceptance import Acceptor
-from .models.block_size import default_block_size
+from .models.block_size import check_block_size, default_block_size
 from .engine import speculative_cycles
 from .policy import adaptive_policy
 from .sampling import SamplingSettings
@@ -76,7 +76,8 @@ def stream_generate(
     `block_size=None` (or "auto") chooses each cycle's block adaptively, up to the
     drafter's block (capped at 5 for <= 4-bit models), plain decoding included:
     argmax of expected tokens over the cycle's cost, calibrated on this machine
-    at first use and cached (`dflash_mlx.policy`); an integer fixes the block.
+    at first use and cached (`dflash_mlx.policy`); an integer fixes the block
+    (at most the drafter's own block: a wider one is a ValueError).
     `max_block_size` replaces the drafter's block as the adaptive maximum.
     `temperature > 0` samples exactly from the target's distribution as processed by
     mlx-lm's `make_sampler(temp, top_p, min_p, top_k)` (rejection sampling);
@@ -123,6 +124,10 @@ def stream_generate(
         )
     if not 0 <= xtc_probability <= 1:
         raise ValueError(f"xtc_probability must be in [0, 1], got {xtc_probability!r}.")
+    if proposer is not None:  # a block wider than the drafter's is refused before anything is allocated
+        check_block_size(max_block_size, proposer, "max_block_size")
+        check_block_size(block_size if isinstance(block_size, int) else getattr(block_size, "max_block", None),
+                         proposer)  # fmt: skip
     if max_block_size is not None and (not isinstance(max_block_size, int) or max_block_size < 1):
         raise ValueError(f"max_block_size must be an integer >= 1, got {max_block_size!r}.")
     if block_size is None or block_size == "auto":
@@ -137,7 +142,7 @@ def stream_generate(
             block_size = adaptive_policy(target, proposer, largest, carry=settings.greedy)
     elif max_block_size is not None:
         raise ValueError("max_block_size is for the adaptive block (block_size=None), not a fixed one.")
-    elif isinstance(block_size, str):
+    elif isinstance(block_size, str) or (not hasattr(block_size, "choose") and not isinstance(block_size, int)):
         raise ValueError(f"block_size must be an integer >= 1, None or 'auto', got {block_size!r}.")
 
     responses = _responses(

@@ -161,14 +161,15 @@ def test_a_local_copy_of_a_registered_target_finds_its_drafter(qwen3_target, tmp
 def test_chat_commands_and_history(pair_dirs):
     target, draft = pair_dirs
     script = "\n".join([
-        "/help", "hello", "/block 3", "/temp 0.5", "/temp -1", "/block x", "/system be brief",
+        "/help", "hello", "/block 3", "/temp 0.5", "/temp -1", "/block x", "/block 1000000", "/system be brief",
         "and again", "/stats", "/block auto", "once more", "/reset", "/nonsense", "/quit",
     ]) + "\n"
     r = invoke("chat", "--model", target, "--draft", draft, "-n", 12, input=script)
     assert r.exit_code == 0, r.output
     out = " ".join(r.stdout.split())
     for expected in ("/reset", "Block size 3.", "Temperature 0.5.", "/temp: expected a number >= 0",
-                     "/block: expected auto or an integer >= 1", "Adaptive block, at most 16.",
+                     "/block: expected auto or an integer from 1 to 16 (the drafter's block), got x",
+                     "got 1000000", "Adaptive block, at most 16.",
                      "blocks chosen", "mean block", "System prompt set.", "Conversation cleared.",
                      "Unknown command /nonsense", "tokens per cycle", "mean acceptance"):  # fmt: skip
         assert expected in out, expected

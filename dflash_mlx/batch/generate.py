@@ -23,7 +23,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..acceptance import Acceptor
 from ..generation import DFlashResponse, encode_prompt
-from ..models.block_size import default_block_size
+from ..models.block_size import check_block_size, default_block_size
 from ..sampling import SamplingSettings
 from ..session import make_session
 from .block_choice import BatchBlockChoice
@@ -95,8 +95,9 @@ def batch_decoder(session, block_size: int | str | None) -> BatchDecoder:
     if block_size is None or block_size == "auto":
         largest = default_block_size(session.model, session.draft)
         return BatchDecoder(session.target, largest, BatchBlockChoice(batch_cost(session, largest), largest))
-    if isinstance(block_size, str) or block_size < 1:
+    if isinstance(block_size, str):
         raise ValueError(f"block_size must be an integer >= 1, None or 'auto', got {block_size!r}.")
+    check_block_size(block_size, proposer)
     return BatchDecoder(session.target, block_size)
 
 

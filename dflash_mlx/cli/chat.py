@@ -21,6 +21,7 @@ from rich.markup import escape
 
 from .chat_template import reasoning_kwargs, render, template_source
 from ..generation import encode_prompt, stream_generate
+from ..models.block_size import widest_block
 from ..models.loading import dtype_name, target_float_dtype
 from ..models.resolve import BlockChoice, choose_block_size
 from ..session import make_session
@@ -48,6 +49,7 @@ class ChatState:
     temperature: float
     block: BlockChoice
     largest: int | None = None  # the adaptive block's maximum (/block auto)
+    widest: int | None = None  # the drafter's own block: the widest /block N
     messages: list[dict] = field(default_factory=list)
     totals: RunStats = field(default_factory=RunStats)
 
@@ -80,7 +82,8 @@ def chat(
         template_kwargs = reasoning_kwargs(tokenizer, reasoning, choice.entry, choice.label)
         b = choose_block_size(block_size, choice.entry, model_, drafter)
     largest = choose_block_size(None, choice.entry, model_, drafter).size
-    state = ChatState(system=system, temperature=temperature, block=b, largest=largest)
+    state = ChatState(system=system, temperature=temperature, block=b, largest=largest,
+                      widest=widest_block(drafter) if drafter is not None else None)  # fmt: skip
     state.totals.block_size, state.totals.adaptive = b.size, b.adaptive
     session = make_session(model_, drafter)
     mode = f"DFlash, {b.label}" if drafter is not None else "plain decoding"
@@ -185,8 +188,9 @@ def _command(line: str, state: ChatState, session, has_drafter: bool) -> bool:
             state.block = BlockChoice(state.largest, adaptive=True)
             state.totals.block_size, state.totals.adaptive = state.largest, True
             console.print(f"[dim]Adaptive block, at most {state.largest}.[/]")
-        elif not arg.isdigit() or int(arg) < 1:
-            console.print(f"[red]/block: expected auto or an integer >= 1, got {escape(arg or 'nothing')}.[/]")
+        elif not arg.isdigit() or not 1 <= int(arg) <= state.widest:
+            console.print(f"[red]/block: expected auto or an integer from 1 to {state.widest} (the drafter's block), "
+                          f"got {escape(arg or 'nothing')}.[/]")
         else:
             state.block = BlockChoice(int(arg))
             state.totals.block_size, state.totals.adaptive = int(arg), False

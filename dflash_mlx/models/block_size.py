@@ -5,7 +5,9 @@ A quantized matmul's cost grows quickly with the number of rows it processes
 of a 4-bit target costs much more than 16 rows of a bf16 one, while acceptance
 falls with depth. Community measurements on Macs found blocks of 3-5 faster
 than 16 by 20-30% when either model is 4-bit or lower. A caller's explicit
-`block_size` always wins.
+`block_size` always wins, up to the drafter's own block (`check_block_size`: a
+DFlash drafter is trained to draft that many positions, and a wider verify
+only costs memory).
 """
 
 from __future__ import annotations
@@ -35,4 +37,22 @@ def capped_block_size(size: int, target: nn.Module, draft) -> int:
 
 def default_block_size(target: nn.Module, draft) -> int:
     """The drafter's configured block size, capped when either side is <= 4-bit."""
-    return capped_block_size(getattr(draft, "block_size", None) or draft.config.block_size, target, draft)
+    return capped_block_size(widest_block(draft), target, draft)
+
+
+def widest_block(draft) -> int:
+    """The widest block a drafter verifies, anchor included: its own block (a DFlash drafter is
+    trained to draft block_size - 1 tokens after an anchor; a Proposer says what it drafts)."""
+    return getattr(draft, "block_size", None) or draft.config.block_size
+
+
+def check_block_size(size, draft, name: str = "block_size") -> None:
+    """A ValueError unless `size` (None: the default) is an integer block the drafter can verify."""
+    if size is None:
+        return
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {size!r}.")
+    if draft is not None and size > widest_block(draft):
+        widest = widest_block(draft)
+        raise ValueError(f"{name} must be at most {widest}, the drafter's block (it drafts at most {widest - 1} "
+                         f"tokens per cycle), got {size}.")  # fmt: skip

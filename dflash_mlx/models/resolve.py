@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..targets.adapter import UnsupportedTargetError
 from ..targets.families import FAMILIES
-from .block_size import capped_block_size
+from .block_size import capped_block_size, widest_block
 from .registry import RegistryEntry, is_repo_id, lookup, registry_entries
 
 DEFAULT_MODEL = "demo"
@@ -183,7 +183,11 @@ def choose_block_size(flag: int | str | None, entry: RegistryEntry | None, model
     if drafter is None:
         return BlockChoice(None)
     fixed = parse_block_flag(flag)
+    widest = widest_block(drafter)
     if fixed is not None:
+        if fixed > widest:
+            raise ModelChoiceError(f"--block-size: at most {widest}, the drafter's block (it drafts at most "
+                                   f"{widest - 1} tokens per cycle), got {fixed}.")  # fmt: skip
         return BlockChoice(fixed)
-    return BlockChoice(capped_block_size(entry.block_size if entry is not None else drafter.config.block_size,
-                                         model, drafter), adaptive=True)  # fmt: skip
+    largest = min(entry.block_size, widest) if entry is not None else widest
+    return BlockChoice(capped_block_size(largest, model, drafter), adaptive=True)
