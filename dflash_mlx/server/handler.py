@@ -4,7 +4,9 @@ POST ``/v1/chat/completions`` and ``/v1/completions`` (also without ``/v1``),
 GET ``/v1/models`` and ``/health``. A completion request is validated
 (`request.parse_request`: HTTP 400 naming the field), queued on the worker,
 and answered once its first token exists, so errors found before generation
-starts still get a proper status. Chat replies go through `channels.Channels`
+starts still get a proper status; a body nested deeper than `MAX_DEPTH` is a
+400, and an unexpected error in a handler is that request's 500 (its job is
+cancelled), never a dropped connection. Chat replies go through `channels.Channels`
 (content, reasoning, tool calls; a streamed tool call is sent once its block
 closes, as mlx_lm.server sends it). Streamed replies are SSE ``data:`` lines
 ending with ``data: [DONE]``; a client that goes away cancels its job.
@@ -13,6 +15,7 @@ ending with ``data: [DONE]``; a client that goes away cancels its job.
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import time
 from http.server import BaseHTTPRequestHandler
@@ -23,6 +26,7 @@ from .responses import Reply, error_body, meta_info, usage
 from .events import Failed, Finished, Started, Token
 
 MAX_BODY = 32 * 2**20
+MAX_DEPTH = 64  # nesting of a body's arrays and objects (tool schemas need a few levels, nothing needs 64)
 ROUTES = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1/completions": "text",
           "/completions": "text"}  # fmt: skip
 
@@ -35,6 +39,10 @@ class Handler(BaseHTTPRequestHandler):
             super().log_message(format, *args)
 
     # --- plumbing -----------------------------------------------------------------------------
+
+    def send_response(self, code, message=None):
+        self._responded = True
+        super().send_response(code, message)
 
     def _cors(self) -> None:
         self.send_header("Access-Control-Allow-Origin", "*")
@@ -54,23 +62,28 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(status, error_body(message, param, status))
 
     def _read_json(self):
+        """The body, parsed; a `RequestError` (411, 413 or 400) when it cannot be."""
         length = self.headers.get("Content-Length")
         if length is None:
-            self._error(411, "a Content-Length header is required")
-            return None
+            raise RequestError(None, "a Content-Length header is required", 411)
         try:
             length = int(length)
         except ValueError:
-            self._error(400, f"invalid Content-Length {length!r}")
-            return None
+            raise RequestError(None, f"invalid Content-Length {length!r}") from None
+        if length < 0:
+            raise RequestError(None, f"invalid Content-Length {length}")
         if length > MAX_BODY:
-            self._error(413, f"the request body is larger than {MAX_BODY} bytes")
-            return None
+            raise RequestError(None, f"the request body is larger than {MAX_BODY} bytes", 413)
+        too_deep = f"the request body nests arrays and objects more than {MAX_DEPTH} levels deep"
         try:
-            return json.loads(self.rfile.read(length).decode())
+            body = json.loads(self.rfile.read(length).decode())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            self._error(400, f"the request body is not valid JSON: {e}")
-            return None
+            raise RequestError(None, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:  # the parser's own limit, far deeper than MAX_DEPTH
+            raise RequestError(None, too_deep) from None
+        if depth(body) > MAX_DEPTH:
+            raise RequestError(None, too_deep)
+        return body
 
     def _next_event(self, job):
         while True:
@@ -98,20 +111,30 @@ class Handler(BaseHTTPRequestHandler):
             self._error(404, f"no such endpoint: GET {self.path}")
 
     def do_POST(self):
-        self._received = time.perf_counter()
+        self._received, self._responded, self._job = time.perf_counter(), False, None
+        try:
+            self._post()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        except Exception as e:  # a fault of this request's own handling: its 500, never the server's end
+            logging.exception("Request to %s failed", self.path)
+            if not self._responded:
+                self._error(500, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            if self._job is not None:
+                self._job.cancel()  # a no-op once it finished; else the worker stops it at its next token
+
+    def _post(self) -> None:
         kind = ROUTES.get(self.path.split("?")[0].rstrip("/"))
         if kind is None:
             self._error(404, f"no such endpoint: POST {self.path}")
             return
-        body = self._read_json()
-        if body is None:
-            return
         try:
-            req = parse_request(kind, body, self.server.info)
+            req = parse_request(kind, self._read_json(), self.server.info)
         except RequestError as e:
             self._error(e.status, str(e), e.field)
             return
-        job = self.server.worker.submit(req)
+        job = self._job = self.server.worker.submit(req)
         first = self._next_event(job)
         if isinstance(first, Failed):
             self._error(first.status, first.message, first.field)
@@ -121,10 +144,7 @@ class Handler(BaseHTTPRequestHandler):
         channels = None
         if kind == "chat":
             channels = Channels(self.server.worker.tokenizer, req.tools, first.initial_state, streaming=req.stream)
-        try:
-            (self._stream if req.stream else self._whole)(job, req, first, reply, channels)
-        except (BrokenPipeError, ConnectionResetError):
-            job.cancel()
+        (self._stream if req.stream else self._whole)(job, req, first, reply, channels)
 
     def _meta(self, req, reply: Reply, finish_reason: str, use: dict, dflash: dict) -> dict | None:
         if not req.return_meta_info:
@@ -193,3 +213,16 @@ class Handler(BaseHTTPRequestHandler):
     def _sse(self, obj: dict) -> None:
         self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
         self.wfile.flush()
+
+
+def depth(value) -> int:
+    """How deeply a parsed JSON value nests arrays and objects (without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            if level <= MAX_DEPTH:  # deeper is refused anyway: no need to walk it
+                stack.extend((c, level + 1) for c in children)
+    return deepest

@@ -5,10 +5,14 @@ Every field mlx-lm's server reads is either honoured or refused with a
 know. Sampling values follow mlx-lm's meaning (`dflash_mlx.sampling`), and the
 penalties are mlx-lm's logits processors (``make_logits_processors``: presence
 and frequency penalties count the last ``*_context_size`` tokens, prompt
-included). Refused: ``n``/``best_of`` other than 1, ``echo``, ``suffix``,
-``adapters``, another ``draft_model``, and XTC when the server has a drafter
-(XTC has no fixed distribution to verify drafts against). ``model`` must be
-the served model's id (GET /v1/models) or mlx-lm's "default_model".
+included); a temperature below `MIN_TEMPERATURE` is greedy decoding. Sizes
+are bounded by the model and the server (`ServerInfo`): ``num_draft_tokens``
+by the widest block it verifies, penalty windows by the context, at most
+`MAX_STOPS` stop sequences of `MAX_STOP_CHARS` characters. Refused:
+``n``/``best_of`` other than 1, ``echo``, ``suffix``, ``adapters``, another
+``draft_model``, and XTC when the server has a drafter (XTC has no fixed
+distribution to verify drafts against). ``model`` must be the served model's
+id (GET /v1/models) or mlx-lm's "default_model".
 
 Tools (`tools`, `tool_choice`, assistant messages with ``tool_calls``,
 ``role: "tool"`` messages) are checked here: function definitions need a
@@ -38,6 +42,10 @@ COMMON = {
 CHAT = COMMON | {"messages", "tools", "tool_choice", "role_mapping", "chat_template_kwargs"}
 TEXT = COMMON | {"prompt", "echo", "suffix", "best_of"}
 MAX_TOP_LOGPROBS = 20
+MAX_STOPS = 32  # stop sequences per request, each at most MAX_STOP_CHARS characters (matched on every token)
+MAX_STOP_CHARS = 256
+MIN_TEMPERATURE = 1e-5  # a temperature below it is served as greedy decoding (its limit)
+MAX_INDEX = 2**31 - 1  # MLX slices with 32-bit indices: the bound of a context size when the model gives none
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,13 @@ class ServerInfo:
     model_id: str = "default"
     max_tokens: int = 512
     chat_template_args: dict = field(default_factory=dict)
+    max_block: int = 1  # the widest block this server verifies (anchor included): num_draft_tokens < it
+    context_length: int | None = None  # the model's context in tokens (None: its config gives none)
+
+    @property
+    def window_bound(self) -> int:
+        """The largest token window a request may name (penalty context sizes)."""
+        return min(self.context_length or MAX_INDEX, MAX_INDEX)
 
 
 @dataclass
@@ -156,7 +171,7 @@ def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
     req.model = model
     _lengths(b, req, info)
     _sampling(b, req, info)
-    req.processors = _processors(b, info.vocab_size)
+    req.processors = _processors(b, info)
     req.stop = _stop(body.get("stop"))
     _logprobs(b, req, kind)
     req.stream = b.boolean("stream")
@@ -222,6 +237,8 @@ def _lengths(b: _Body, req: GenerationRequest, info: ServerInfo) -> None:
 
 def _sampling(b: _Body, req: GenerationRequest, info: ServerInfo) -> None:
     req.temperature = b.number("temperature", 0.0, low=0)
+    if req.temperature < MIN_TEMPERATURE:  # dividing float32 logits by less overflows them (vLLM's rule too)
+        req.temperature = 0.0
     req.top_p = b.number("top_p", 1.0, low=0, high=1, low_open=True)
     req.top_k = b.integer("top_k", 0, low=0)
     if req.top_k >= info.vocab_size:
@@ -233,13 +250,17 @@ def _sampling(b: _Body, req: GenerationRequest, info: ServerInfo) -> None:
     if req.xtc_probability > 0 and info.has_draft:
         raise RequestError("xtc_probability", "XTC has no fixed distribution, so drafted tokens cannot be verified "
                                               "against it: this server (with a drafter) cannot run it")  # fmt: skip
-    req.num_draft_tokens = b.integer("num_draft_tokens", None, low=0)
+    req.num_draft_tokens = b.integer("num_draft_tokens", None)
     if req.num_draft_tokens is not None and not info.has_draft:
         raise RequestError("num_draft_tokens", "this server has no drafter")
+    if req.num_draft_tokens is not None and not 0 <= req.num_draft_tokens < info.max_block:
+        raise RequestError("num_draft_tokens", f"must be in [0, {info.max_block - 1}]: this server verifies blocks "
+                                               f"of at most {info.max_block} tokens (the anchor and "
+                                               f"{info.max_block - 1} drafts), got {req.num_draft_tokens}")  # fmt: skip
 
 
-def _processors(b: _Body, vocab_size: int) -> dict:
-    kwargs = {}
+def _processors(b: _Body, info: ServerInfo) -> dict:
+    kwargs, vocab_size, window = {}, info.vocab_size, info.window_bound
     bias = b.mapping("logit_bias")
     if bias:
         parsed = {}
@@ -257,12 +278,12 @@ def _processors(b: _Body, vocab_size: int) -> dict:
     penalty = b.number("repetition_penalty", 0.0, low=0)
     if penalty:
         kwargs["repetition_penalty"] = penalty
-        kwargs["repetition_context_size"] = b.integer("repetition_context_size", 20, low=1)
+        kwargs["repetition_context_size"] = b.integer("repetition_context_size", 20, low=1, high=window)
     for name in ("presence", "frequency"):
         value = b.number(f"{name}_penalty", 0.0, low=-2, high=2)
         if value:
             kwargs[f"{name}_penalty"] = value
-            kwargs[f"{name}_context_size"] = b.integer(f"{name}_context_size", 20, low=1)
+            kwargs[f"{name}_context_size"] = b.integer(f"{name}_context_size", 20, low=1, high=window)
     for name in ("repetition", "presence", "frequency"):
         if b.get(f"{name}_context_size") is not None and f"{name}_context_size" not in kwargs:
             raise RequestError(f"{name}_context_size", f"has no effect without a non-zero {name}_penalty")
@@ -275,6 +296,11 @@ def _stop(stop) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise RequestError("stop", f"expected a non-empty string or a list of them, got {stop!r}")
+    if len(stops) > MAX_STOPS:
+        raise RequestError("stop", f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+    long = next((s for s in stops if len(s) > MAX_STOP_CHARS), None)
+    if long is not None:
+        raise RequestError("stop", f"a stop sequence is at most {MAX_STOP_CHARS} characters, got {len(long)}")
     return stops
 
 

@@ -44,8 +44,11 @@ class StopText:
         """Length of the longest tail of `pending` that is a proper prefix of a stop sequence."""
         best = 0
         for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(self.pending)), best, -1):
-                if self.pending.endswith(stop[:n]):
-                    best = n
+            tail = self.pending[max(len(self.pending) - len(stop) + 1, 0) :] if len(stop) > 1 else ""
+            start = tail.find(stop[0])  # only where the stop's first character stands can a prefix begin
+            while 0 <= start and len(tail) - start > best:
+                if stop.startswith(tail[start:]):
+                    best = len(tail) - start
                     break
+                start = tail.find(stop[0], start + 1)
         return best
