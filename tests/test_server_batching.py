@@ -21,7 +21,9 @@ import urllib.request
 import pytest
 from mlx_lm.generate import generate as mlx_lm_generate
 
+from dflash_mlx import make_session
 from dflash_mlx.server import make_server
+from dflash_mlx.server.limits import Footprint, weight_bytes
 from helpers import prompt_ids, without_eos
 from helpers.servers import ServeProcess
 
@@ -199,9 +201,11 @@ def test_a_long_prompt_joins_a_running_request_chunk_by_chunk(tiny_pair, family)
 def test_a_request_that_does_not_fit_waits(tiny_pair):
     model, tokenizer, draft = tiny_pair("qwen3")
     a, b = prompt_ids(6, seed=3), prompt_ids(9, seed=4)
+    footprint = Footprint.measure(lambda: make_session(model, draft))
+    one_row = weight_bytes(model, draft) + footprint.bytes(len(a) + 100) + footprint.bytes(len(b) + 10) // 2
     with without_eos(tokenizer) as tok:
         first, then = _served(model, tok, draft, {"prompt": a, "max_tokens": 100}, {"prompt": b, "max_tokens": 10},
-                              max_batch_bytes=1)  # fmt: skip
+                              max_batch_bytes=one_row)  # fmt: skip
         assert first["choices"][0]["text"] == _greedy(model, tok, a, 100)
         assert then["choices"][0]["text"] == _greedy(model, tok, b, 10)
     assert first["dflash"]["batch_rows"] == then["dflash"]["batch_rows"] == 1

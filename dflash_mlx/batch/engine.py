@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from ..acceptance import Acceptor
 from ..engine import speculative_cycles
+from ..models.block_size import check_block_size
 from ..policy.adaptive import AdaptiveBlock, adaptive_policy
 from ..policy.calibration import cost_curve
 from ..policy.estimate import AcceptanceEstimate
@@ -119,7 +120,7 @@ class BatchDecoder:
         request order."""
         requests = [tuple(r) + (None,) * (5 - len(r)) for r in requests]
         together = [k for k, (session, prompt, *_) in enumerate(requests)
-                    if not session.tokens and 2 <= prompt.size <= prefill_step_size]  # fmt: skip
+                    if self.prefills_together(session, prompt.size, prefill_step_size)]  # fmt: skip
         if len(together) < 2:
             return [self.insert(s, p, a, max_tokens=m, stop_tokens=stop_tokens, prefill_step_size=prefill_step_size,
                                 max_block=cap) for s, p, a, m, cap in requests]  # fmt: skip
@@ -141,9 +142,17 @@ class BatchDecoder:
                                          prefill_step_size=prefill_step_size, max_block=cap)  # fmt: skip
         return [results[k] for k in range(len(requests))]
 
+    @staticmethod
+    def prefills_together(session, prompt_tokens: int, prefill_step_size: int) -> bool:
+        """Whether `insert_many` prefills this request in one forward with the other such requests
+        (a fresh session and a prompt of one chunk), not alone."""
+        return not session.tokens and 2 <= prompt_tokens <= prefill_step_size
+
     def _add_row(self, session, prompt, acceptor, max_tokens, stop_tokens, tokens, logprobs, stopped,
                  max_block=None) -> RowTokens:  # fmt: skip
-        if max_block is not None and max_block < 1:
+        if session.proposer is not None:
+            check_block_size(max_block, session.proposer, "max_block")
+        elif max_block is not None and max_block < 1:
             raise ValueError(f"max_block must be >= 1, got {max_block}.")
         cap = self.block_size if max_block is None else max_block
         if session.proposer is None:

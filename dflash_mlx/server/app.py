@@ -17,6 +17,7 @@ from http.server import ThreadingHTTPServer
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from ..models.block_size import check_block_size
 from ..models.loading import dtype_name, target_float_dtype
 from ..targets.families import context_length, text_model
 from .handler import Handler
@@ -28,6 +29,7 @@ from .worker import GenerationWorker
 class DFlashServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = socket.SOMAXCONN  # socketserver's 5 resets clients that connect at once
 
     def __init__(self, address: tuple[str, int], worker: GenerationWorker, info: ServerInfo, *,
                  model_id: str, draft_id: str | None, log_requests: bool = False):  # fmt: skip
@@ -110,23 +112,24 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
     default, 32; 1, a sharded target or a family the batch cannot run: one at a time), a
     longer prompt joining them prefilled `prefill_step_size` tokens per step, and a request
     joins only while weights, active rows and prompt cache stay under `max_batch_bytes`
-    (default: 3/4 of the device's memory).
+    (default: 3/4 of the device's memory), and one whose caches could not fit even alone is
+    refused (`limits`).
     """
-    if block_size is not None and block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}.")
+    check_block_size(block_size, draft)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
     if not isinstance(tokenizer, TokenizerWrapper):  # its think / tool-call markers split the replies
         tokenizer = TokenizerWrapper(tokenizer)
-    info = ServerInfo(
-        vocab_size=vocab_size(model, tokenizer), has_draft=draft is not None,
-        has_chat_template=bool(tokenizer.has_chat_template), model_id=model_id, max_tokens=max_tokens,
-        chat_template_args=dict(chat_template_args or {}),
-    )
     worker = make_worker(model, tokenizer, draft, block_size=block_size, adaptive=adaptive,
                          prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
                          prompt_cache_dir=prompt_cache_dir, group=group, decode_concurrency=decode_concurrency,
                          prefill_step_size=prefill_step_size, max_batch_bytes=max_batch_bytes)  # fmt: skip
+    info = ServerInfo(
+        vocab_size=vocab_size(model, tokenizer), has_draft=draft is not None,
+        has_chat_template=bool(tokenizer.has_chat_template), model_id=model_id, max_tokens=max_tokens,
+        chat_template_args=dict(chat_template_args or {}), max_block=worker.block_size,
+        context_length=worker.context_length,
+    )
     server = DFlashServer((host, port), worker, info, model_id=model_id, draft_id=draft_id,
                           log_requests=log_requests)  # fmt: skip
     worker.start()

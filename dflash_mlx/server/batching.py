@@ -18,20 +18,24 @@ step (at the chunk boundaries the single-request engine uses), so it does
 not stall the rows already decoding; fresh short prompts join together in
 one padded prefill. A request joins only when its caches fit: the active
 rows, the prompt cache and the new row (its prompt plus max_tokens, at the
-bytes per token measured so far) must stay under `max_batch_bytes`; else it
-waits for a row to leave (the prompt cache is trimmed first). A request
-alone always runs.
+worker's `limits.Footprint`) must stay under the worker's memory budget;
+else it waits for a row to leave (the prompt cache is trimmed first). (One
+that could not fit even alone was refused by `worker.prepare`.)
+
+Failures stay where they happen: an exception in one request's own stage
+(admitting it, its own prefill, handing out its tokens, filing its session)
+ends that request with a 500 and leaves the other rows decoding; one in a
+forward rows share (a joint prefill, the batch's verify) fails the requests
+in it; the loop then goes on with the rest.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import make_logits_processors
 
 from ..acceptance import Acceptor
@@ -40,22 +44,10 @@ from ..sampling import SamplingSettings
 from ..session import Session
 from ..stats import RunStats
 from .channels import initial_state
-from .events import GENERATION_ERRORS, Failed, Finished, Started, Token, dflash_object
+from .events import Failed, Finished, Started, Token, dflash_object
 from .stops import StopText
 
 CANCELLED = "the request was cancelled (the client went away or the server is stopping)"
-
-
-def default_batch_bytes() -> int:
-    """Three quarters of the device's memory (Metal's recommended working set, else the RAM)."""
-    info = mx.device_info()
-    size = info.get("max_recommended_working_set_size") or info.get("memory_size")
-    if not size:
-        try:
-            size = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            size = 16 << 30
-    return int(size) * 3 // 4
 
 
 @dataclass
@@ -79,18 +71,13 @@ class _Row:
 class BatchedServing:
     """The batched loop of one `worker.GenerationWorker` (its queue, prompt cache and events)."""
 
-    def __init__(self, worker, concurrency: int, *, prefill_step_size: int = 2048, max_bytes: int | None = None):
+    def __init__(self, worker, concurrency: int, *, prefill_step_size: int = 2048):
         if concurrency < 1:
             raise ValueError(f"decode_concurrency must be >= 1, got {concurrency}.")
         self.worker, self.concurrency, self.prefill_step_size = worker, concurrency, prefill_step_size
-        self.max_bytes = max_bytes if max_bytes is not None else default_batch_bytes()
-        self.weights = sum(a.nbytes for _, a in tree_flatten(worker.model.parameters()))
-        if worker.draft is not None and hasattr(worker.draft, "parameters"):
-            self.weights += sum(a.nbytes for _, a in tree_flatten(worker.draft.parameters()))
         self.decoder = None
         self.rows: dict[int, _Row] = {}  # uid -> row in the decoder
         self.waiting: list[_Row] = []  # admitted, not yet in the decoder (prefilling or waiting for room)
-        self.bytes_per_token: float | None = None
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -116,16 +103,36 @@ class BatchedServing:
             self._join()
             self._step()
 
+    def abort(self, message: str) -> None:
+        """Fail every request in the loop (its state is unknown after an unexpected fault) and start
+        with a new decoder."""
+        for row in [*self.rows.values(), *self.waiting]:
+            self._fail(row, message)
+        self.rows, self.waiting, self.decoder = {}, [], None
+
     def _admit(self, job) -> None:
         worker = self.worker
         if worker.stopping:
             job.events.put(Failed(503, "the server is shutting down"))
             return
         worker.running(job, True)
+        try:
+            row = self._row(job)
+        except Exception as e:
+            logging.exception("Admitting a request failed")
+            job.events.put(Failed(500, _failure(e)))
+            row = None
+        if row is None:
+            worker.running(job, False)
+        else:
+            self.waiting.append(row)
+
+    def _row(self, job) -> _Row | None:
+        """The job's row, or None once its 4xx is sent."""
+        worker = self.worker
         planned = worker.prepare(job)
         if planned is None:
-            worker.running(job, False)
-            return
+            return None
         prompt, max_tokens = planned
         req = job.request
         max_block = None if req.num_draft_tokens is None else req.num_draft_tokens + 1
@@ -136,9 +143,8 @@ class BatchedServing:
         acceptor = Acceptor(settings, mx.array(prompt, mx.int32), make_logits_processors(**req.processors) or None,
                             req.seed, xtc=xtc if req.xtc_probability else None)  # fmt: skip
         session = worker.sessions.take(prompt)
-        self.waiting.append(_Row(job, prompt, session, acceptor, max_tokens, max_block,
-                                 RunStats(block_size=block, adaptive=adaptive), StopText(req.stop),
-                                 cached=session.usable_prefix(prompt)))  # fmt: skip
+        return _Row(job, prompt, session, acceptor, max_tokens, max_block, RunStats(block_size=block, adaptive=adaptive),
+                    StopText(req.stop), cached=session.usable_prefix(prompt))  # fmt: skip
 
     # -- joining ----------------------------------------------------------------------------------
 
@@ -153,9 +159,9 @@ class BatchedServing:
                 held = row.session.usable_prefix(row.prompt)
                 try:
                     row.session.hold(row.prompt[: held + self.prefill_step_size])
-                except GENERATION_ERRORS as e:
-                    self._fail(row, f"generation failed: {type(e).__name__}: {e}")
+                except Exception as e:
                     self.waiting.remove(row)
+                    self._fail(row, _failure(e))
                 return
 
     def _needs_chunks(self, row: _Row) -> bool:
@@ -173,42 +179,59 @@ class BatchedServing:
         if not ready:
             return
         if self.decoder is None:
-            self.decoder = batch_decoder(ready[0].session, None if self.worker.adaptive else self.worker.block_size)
-        requests = [(r.session, mx.array(r.prompt, mx.int32), r.acceptor, r.max_tokens, r.max_block) for r in ready]
-        for row in ready:
+            try:
+                self.decoder = batch_decoder(ready[0].session, None if self.worker.adaptive else self.worker.block_size)
+            except Exception as e:
+                for row in ready:
+                    self._fail(row, _failure(e))
+                return
+        # Fresh short prompts are prefilled together (one forward they share), the others alone: a
+        # failure fails the requests of its own forward only (the decoder's rows are untouched until
+        # a prefill has succeeded).
+        together = [r for r in ready if self.decoder.prefills_together(r.session, len(r.prompt), self.prefill_step_size)]
+        groups = [together] if len(together) > 1 else []
+        groups += [[r] for r in ready if len(together) < 2 or r not in together]
+        for group in groups:
+            self._insert(group)
+
+    def _insert(self, group: list[_Row]) -> None:
+        requests = [(r.session, mx.array(r.prompt, mx.int32), r.acceptor, r.max_tokens, r.max_block) for r in group]
+        for row in group:
             row.stats.begin()
         try:
             firsts = self.decoder.insert_many(requests, stop_tokens=self.worker.tokenizer.eos_token_ids,
                                               prefill_step_size=self.prefill_step_size)  # fmt: skip
-        except GENERATION_ERRORS as e:
-            for row in ready:
-                self._fail(row, f"generation failed: {type(e).__name__}: {e}")
-            self._reset()
+        except Exception as e:
+            logging.exception("Prefilling %d request(s) failed", len(group))
+            for row in group:
+                self._fail(row, _failure(e))
+            for orphan in [r.uid for r in self.decoder.rows if r.uid not in self.rows]:  # joined before the fault
+                self.decoder.remove(orphan)
             return
-        for row, first in zip(ready, firsts):
-            row.uid, row.stream = first.uid, RowStream(self.worker.tokenizer, len(row.prompt))
-            state = initial_state(self.worker.tokenizer, row.prompt) if row.job.request.kind == "chat" else "normal"
-            row.job.events.put(Started(len(row.prompt), row.cached, state))
+        for row, first in zip(group, firsts):
+            row.uid = first.uid
             self.rows[first.uid] = row
-            self._deliver(row, first)
-        self._learn_row_bytes()
+        for row, first in zip(group, firsts):
+            if self.rows.get(row.uid) is row:  # (not failed by a sibling's delivery)
+                self._guarded(row, self._start, row, first)
+
+    def _start(self, row: _Row, first) -> None:
+        tokenizer = self.worker.tokenizer
+        row.stream = RowStream(tokenizer, len(row.prompt))
+        state = initial_state(tokenizer, row.prompt) if row.job.request.kind == "chat" else "normal"
+        row.job.events.put(Started(len(row.prompt), row.cached, state))
+        self._deliver(row, first)
 
     def _fits(self, row: _Row, joining: list | None = None) -> bool:
-        """Whether the row's caches fit beside the others' (always, when it would be alone)."""
-        if (not self.rows and not joining) or self.bytes_per_token is None:
-            return True
+        """Whether the row's caches fit beside the others' (the prompt cache is trimmed to make room)."""
+        worker = self.worker
         new = [row, *(joining or [])]
-        wanted = sum(self.bytes_per_token * (len(r.prompt) + max(r.max_tokens, 0)) for r in new)
+        wanted = sum(worker.footprint.bytes(len(r.prompt) + max(r.max_tokens, 0)) for r in new)
         active = sum(r.session.nbytes for r in self.rows.values())
-        if self.weights + active + self.worker.sessions.nbytes + wanted <= self.max_bytes:
-            return True
-        self.worker.sessions.trim_to(max(0, self.max_bytes - self.weights - active - wanted))
-        return self.weights + active + self.worker.sessions.nbytes + wanted <= self.max_bytes
-
-    def _learn_row_bytes(self) -> None:
-        sizes = [(r.session.nbytes, len(r.session.tokens)) for r in self.rows.values() if r.session.tokens]
-        if sizes:
-            self.bytes_per_token = max(n / max(t, 1) for n, t in sizes)
+        room = worker.budget - worker.weights - active - wanted
+        if worker.sessions.nbytes > room:
+            worker.sessions.trim_to(max(0, room))
+        return worker.sessions.nbytes <= room
 
     # -- decoding ---------------------------------------------------------------------------------
 
@@ -217,18 +240,28 @@ class BatchedServing:
             return
         try:
             steps = self.decoder.step()
-        except GENERATION_ERRORS as e:
+        except Exception as e:  # the batch's verify: every row in it fails, the loop goes on
             logging.exception("Batched generation failed")
             for row in list(self.rows.values()):
-                self._fail(row, f"generation failed: {type(e).__name__}: {e}")
-            self._reset()
+                self._fail(row, _failure(e))
+            self.decoder = None  # its caches are unsound: a new decoder for the next requests
             return
         width = len(steps)
         for step in steps:
             row = self.rows.get(step.uid)
             if row is not None:
                 row.widest = max(row.widest, width)
-                self._deliver(row, step)
+                self._guarded(row, self._deliver, row, step)
+
+    def _guarded(self, row: _Row, stage, *args) -> None:
+        """Run one request's own stage; an exception in it fails that request alone."""
+        try:
+            stage(*args)
+        except Exception as e:
+            logging.exception("A request failed while its tokens were handed out")
+            if self.decoder is not None and row.uid is not None:
+                self.decoder.remove(row.uid)
+            self._fail(row, _failure(e))
 
     def _deliver(self, row: _Row, step) -> None:
         """Hand a step's tokens to the row's client; finish the row when it stops."""
@@ -266,15 +299,14 @@ class BatchedServing:
         self.rows.pop(row.uid, None)
         row.job.events.put(end)
         self.worker.running(row.job, False)
-        self.worker.sessions.put(row.session)  # (after the reply: writing it to disk never delays the client)
+        self.worker.file_session(row.session)  # (after the reply: writing it to disk never delays the client)
 
     def _fail(self, row: _Row, message: str) -> None:
+        """End the row's request with a 500; its session is dropped (its caches may be unsound)."""
         self.rows.pop(row.uid, None)
         row.job.events.put(Failed(500, message))
         self.worker.running(row.job, False)
 
-    def _reset(self) -> None:
-        """After a failed step: the batch's caches are unsound, start a new decoder."""
-        for row in list(self.rows.values()):
-            self._fail(row, "generation failed: the batch was interrupted")
-        self.decoder = None
+
+def _failure(e: Exception) -> str:
+    return f"generation failed: {type(e).__name__}: {e}"

@@ -15,6 +15,13 @@ this (the session and server tests check it). A cancelled job (its client
 went away) stops at its next token; `stop` cancels the running job, fails the
 queued ones with 503 and ends the thread.
 
+A request's failure stays that request's: an exception while serving it
+ends it with a 500 (its session is dropped, not filed back) and the next
+request is served; should the loop itself raise, it is logged and started
+again (the requests in it failed with 500), so the server never answers 503
+for good. A request whose caches could not fit in the memory budget even
+alone is refused before it runs (`limits`).
+
 With ``decode_concurrency`` > 1 the thread runs `batching.BatchedServing`
 instead: up to that many requests decode together as rows of one batch,
 each with its own session, stops and cancellation; else (and for a sharded
@@ -48,6 +55,7 @@ from ..targets.families import batch_problem
 from .batching import BatchedServing
 from .channels import initial_state
 from .events import GENERATION_ERRORS, Discard, Failed, Finished, Job, Started, Token, dflash_object
+from .limits import Footprint, memory_budget, weight_bytes
 from .prompt_cache import DEFAULT_SESSIONS, PromptCache
 from .session_store import SessionStore, identity
 from .request import GenerationRequest
@@ -56,7 +64,8 @@ from .stops import StopText
 
 class GenerationWorker:
     """`context_length` (tokens, None: unbounded): a longer prompt is refused with 400, and
-    generation stops there (finish_reason "length")."""
+    generation stops there (finish_reason "length"). `max_batch_bytes` (default: `limits.memory_budget`)
+    bounds weights + caches: a request whose caches cannot fit even alone is refused with 400."""
 
     def __init__(self, model, tokenizer, draft=None, *, block_size: int | None = None,
                  context_length: int | None = None, adaptive: bool = True,
@@ -74,6 +83,9 @@ class GenerationWorker:
         store = SessionStore(prompt_cache_dir, identity(model, draft)) if prompt_cache_dir is not None else None
         self.sessions = PromptCache(lambda: make_session(model, draft), max_sessions=prompt_cache_size,
                                     max_bytes=prompt_cache_bytes, store=store)  # fmt: skip
+        self.budget = max_batch_bytes if max_batch_bytes is not None else memory_budget()
+        self.weights = weight_bytes(model, draft)
+        self.footprint = Footprint.measure(lambda: make_session(model, draft))
         self._jobs: queue.Queue = queue.Queue()
         self._running: set[Job] = set()  # the jobs being generated
         self._lock = threading.Lock()
@@ -86,8 +98,7 @@ class GenerationWorker:
         if decode_concurrency > 1 and self.group is None and problem:
             logging.warning("Serving one request at a time: %s.", problem)
         if decode_concurrency > 1 and self.group is None and not problem:  # (a sharded server: one at a time)
-            self.batched = BatchedServing(self, decode_concurrency, prefill_step_size=prefill_step_size,
-                                          max_bytes=max_batch_bytes)  # fmt: skip
+            self.batched = BatchedServing(self, decode_concurrency, prefill_step_size=prefill_step_size)
         self.decode_concurrency = decode_concurrency if self.batched is not None else 1
 
     def start(self) -> None:
@@ -119,7 +130,19 @@ class GenerationWorker:
 
     def _run(self) -> None:
         try:
-            self._loop()
+            while True:
+                try:
+                    self._loop()
+                    return
+                except Exception:  # a fault outside any one request's stages: fail what is in flight, go on
+                    logging.exception("The generation loop failed; failing the requests in it and starting again")
+                    message = "generation failed: the server's generation loop was interrupted"
+                    if self.batched is not None:
+                        self.batched.abort(message)
+                    with self._lock:
+                        for job in self._running:
+                            job.events.put(Failed(500, message))
+                        self._running.clear()
         finally:
             mx.clear_streams()  # MLX needs this at the end of a thread that computed, or exit may abort
 
@@ -169,26 +192,28 @@ class GenerationWorker:
         if self.group is not None and self.group.rank() == 0:
             broadcast(self.group, pickle.dumps(job.request))
         req, put = job.request, job.events.put
-        planned = self.prepare(job)
-        if planned is None:
-            return
-        prompt, max_tokens = planned
         adaptive = self.adaptive and req.num_draft_tokens is None
         block_size = self.block_size if req.num_draft_tokens is None else req.num_draft_tokens + 1
         stats = RunStats(block_size=block_size, adaptive=adaptive)
         blocks = {"block_size": None, "max_block_size": block_size} if adaptive else {"block_size": block_size}
         stopper = StopText(req.stop)
         started, count, finish = False, 0, "length"
-        session = self.sessions.take(prompt)
-        responses = stream_generate(
-            self.model, self.draft, self.tokenizer, prompt, max_tokens=max_tokens,
-            **(blocks if self.draft is not None else {}),
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-            xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
-            logits_processors=make_logits_processors(**req.processors) or None, session=session,
-        )
+        session = responses = None
         end = Failed(500, "generation was interrupted")  # the last event, sent once the generator is closed
         try:
+            planned = self.prepare(job)
+            if planned is None:
+                end = None  # (prepare sent its 4xx)
+                return
+            prompt, max_tokens = planned
+            session = self.sessions.take(prompt)
+            responses = stream_generate(
+                self.model, self.draft, self.tokenizer, prompt, max_tokens=max_tokens,
+                **(blocks if self.draft is not None else {}),
+                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+                xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
+                logits_processors=make_logits_processors(**req.processors) or None, session=session,
+            )
             for r in responses:
                 if job.cancelled and self.group is None:
                     end = Failed(503, "the request was cancelled (the client went away or the server is stopping)")
@@ -212,13 +237,25 @@ class GenerationWorker:
             end = Finished(finish, count, dflash_object(stats) if self.draft is not None else {})
         except ValueError as e:
             end = Failed(400 if not started else 500, str(e))
-        except GENERATION_ERRORS as e:  # report it as a 500 and keep serving the next requests
+        except Exception as e:  # this request's failure: its 500, and the next requests are served
+            if not isinstance(e, GENERATION_ERRORS):
+                logging.exception("Request failed")
             end = Failed(500, f"generation failed: {type(e).__name__}: {e}")
         finally:
-            responses.close()  # an early stop: the session undoes its queued verify
-            put(end)
-            if isinstance(end, Finished) or end.status == 503:  # a cancelled job's caches are sound too
-                self.sessions.put(session)  # (after the reply: writing it to disk never delays the client)
+            if responses is not None:
+                responses.close()  # an early stop: the session undoes its queued verify
+            if end is not None:
+                put(end)
+            if session is not None and (isinstance(end, Finished) or end.status == 503):
+                self.file_session(session)  # a cancelled job's caches are sound too
+
+    def file_session(self, session) -> None:
+        """Put a finished request's session back in the prompt cache (after its reply: writing it to
+        disk never delays the client); one that cannot be filed is dropped and logged."""
+        try:
+            self.sessions.put(session)
+        except Exception:
+            logging.exception("Could not keep a conversation in the prompt cache; it is dropped")
 
     def running(self, job: Job, now: bool) -> None:
         """Mark `job` as being generated (`now`) or done: `stop` cancels the running ones."""
@@ -234,13 +271,17 @@ class GenerationWorker:
         return self._stopping
 
     def prepare(self, job: Job) -> tuple[list[int], int] | None:
-        """The job's prompt tokens and token limit, or None after putting its 400."""
+        """The job's prompt tokens and token limit, or None after putting its 4xx (or its 500)."""
         req, put = job.request, job.events.put
         field = "messages" if req.kind == "chat" else "prompt"
         try:
             prompt = self._tokenize(req)
         except (TemplateError, ValueError, TypeError, KeyError) as e:  # the template's or tokenizer's: a 400
             put(Failed(400, f"cannot build the prompt: {e}", field))
+            return None
+        except Exception as e:
+            logging.exception("Building a prompt failed")
+            put(Failed(500, f"cannot build the prompt: {type(e).__name__}: {e}", field))
             return None
         if not prompt:
             put(Failed(400, f"{field}: the prompt is empty: at least one token is needed", field))
@@ -254,7 +295,27 @@ class GenerationWorker:
                            field))  # fmt: skip
                 return None
             max_tokens = min(max_tokens, room)
+        problem = self._memory_problem(len(prompt), max_tokens, field)
+        if problem is not None:
+            put(problem)
+            return None
         return prompt, max_tokens
+
+    def _memory_problem(self, prompt: int, max_tokens: int, field: str) -> Failed | None:
+        """A 400 when the caches of `prompt` + `max_tokens` tokens cannot fit in the budget even alone."""
+        room = self.budget - self.weights
+        fits = self.footprint.tokens_within(room)
+        if prompt + max_tokens <= fits:
+            return None
+        need = self.footprint.bytes(prompt + max_tokens) / 1e9
+        budget = (f"this server's memory budget ({self.budget / 1e9:.2f} GB, --max-batch-bytes) leaves "
+                  f"{max(room, 0) / 1e9:.2f} GB beside the weights")  # fmt: skip
+        if prompt + 1 > fits:
+            return Failed(400, f"{field}: the caches of a {prompt}-token prompt need about {need:.2f} GB; {budget}: "
+                               f"room for {fits} tokens in all", field)  # fmt: skip
+        return Failed(400, f"max_tokens: a {prompt}-token prompt and {max_tokens} generated tokens need about "
+                           f"{need:.2f} GB of caches; {budget}: at most {fits - prompt} tokens after this prompt",
+                      "max_tokens")  # fmt: skip
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         tokenizer = self.tokenizer

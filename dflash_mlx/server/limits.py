@@ -1,0 +1,75 @@
+"""The memory a request needs, known before it runs: the server's budget and the caches' footprint.
+
+A request is refused (HTTP 400 naming ``max_tokens`` or the prompt) when its
+caches could not fit even alone: the weights plus the caches of its prompt
+and ``max_tokens`` generated tokens must stay under the budget (by default
+3/4 of the device's memory: Metal's recommended working set, else the RAM).
+The caches' bytes per token are those of the model's own cache layout
+(`Footprint.measure`: a scratch session holding a short synthetic prompt at
+two lengths, so every cache type, sliding window and drafter context counts
+as it grows), computed when the server starts, on every rank of a sharded one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+STEP = 512  # the caches allocate rows in steps dividing this many (mlx-lm's KV caches: 256)
+PROBE_TOKENS = (STEP - 1, 3 * STEP - 1)  # each ends a step (one more token for the drafter's ingestion fills it)
+
+
+def memory_budget() -> int:
+    """Three quarters of the device's memory (Metal's recommended working set, else the RAM)."""
+    info = mx.device_info()
+    size = info.get("max_recommended_working_set_size") or info.get("memory_size")
+    if not size:
+        try:
+            size = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            size = 16 << 30
+    return int(size) * 3 // 4
+
+
+def weight_bytes(*models) -> int:
+    """Bytes of the models' parameters (None and parameter-less drafters count nothing)."""
+    return sum(a.nbytes for m in models if hasattr(m, "parameters") for _, a in tree_flatten(m.parameters()))
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A session's bytes as a function of the tokens its caches hold: `base + per_token * tokens`,
+    the tokens rounded up to whole allocation steps."""
+
+    base: int
+    per_token: float
+
+    def bytes(self, tokens: int) -> int:
+        """The bytes of caches holding `tokens` tokens, whole allocation steps counted."""
+        return int(self.base + self.per_token * -(-max(tokens, 0) // STEP) * STEP)
+
+    def tokens_within(self, budget: int) -> int:
+        """The most tokens whose caches fit in `budget` bytes (0: not even one)."""
+        if budget < self.bytes(1):
+            return 0
+        if self.per_token <= 0:
+            return 2**62
+        return int((budget - self.base) / self.per_token) // STEP * STEP
+
+    @classmethod
+    def measure(cls, make_session) -> Footprint:
+        """Hold a synthetic prompt of each `PROBE_TOKENS` length in a fresh session; the growth between
+        them is the bytes per token. (A drafter ingests its newest context rows with the next ones, so
+        each length is held, then one more token.)"""
+        sizes = []
+        for n in PROBE_TOKENS:
+            session = make_session()
+            session.hold([0] * n)  # any id is a token of every vocabulary
+            session.hold([0] * (n + 1))
+            sizes.append(session.nbytes)
+        short, long = PROBE_TOKENS
+        per_token = max(sizes[1] - sizes[0], 0) / (long - short)
+        return cls(base=max(int(sizes[0] - STEP * per_token), 0), per_token=per_token)
