@@ -1,0 +1,409 @@
+"""No request takes the server down (issue: limits from the model, not from the request).
+
+- The real ``dflash-mlx serve`` on the bundled pair, batched (the default) and
+  ``--decode-concurrency 1``: a table of hostile and odd requests covering every
+  request field (oversized numbers, wrong types, deep nesting, huge stop lists,
+  unknown fields, content parts, a stream cancelled mid-flight), each followed
+  by a normal request that must return the reply it returned before the sweep;
+  then good and bad requests interleaved from threads.
+- In process, faults injected into each stage of the batched loop (admit,
+  prefill, step, deliver, save) fail only the requests of that stage; the
+  others get the texts they get when served alone, and the server serves on.
+- The library and the CLI refuse a block wider than the drafter's.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import threading
+
+import pytest
+
+from dflash_mlx import batch_generate, load, make_session, stream_generate
+from dflash_mlx.server import make_server
+from dflash_mlx.server import batching
+from dflash_mlx.server.limits import Footprint, weight_bytes
+from helpers import prompt_ids, without_eos
+from helpers.servers import ServeProcess
+
+QUESTION = "Tom has 3 boxes with 12 apples each. How many apples?"
+MESSAGES = [{"role": "user", "content": QUESTION}]
+NORMAL = {"model": "demo", "messages": MESSAGES, "max_tokens": 24}
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+
+
+def _chat(**fields) -> dict:
+    return {**NORMAL, **fields}
+
+
+def _deep(levels: int) -> list:
+    value: list = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+# (name, path, body: a dict, or raw bytes; headers (None: JSON's), the statuses allowed)
+BAD = {400}
+HOSTILE = [
+    ("num_draft_tokens huge (the issue's request)", CHAT, _chat(num_draft_tokens=1_000_000), None, BAD),
+    ("num_draft_tokens negative", CHAT, _chat(num_draft_tokens=-1), None, BAD),
+    ("num_draft_tokens a string", CHAT, _chat(num_draft_tokens="8"), None, BAD),
+    ("num_draft_tokens the widest allowed", CHAT, _chat(num_draft_tokens=7), None, {200}),
+    ("max_tokens 2**63 (capped by the context)", CHAT, _chat(max_tokens=2**63, stop=["."]), None, {200}),
+    ("max_tokens 10**30 > int64", CHAT, _chat(max_tokens=10**30, stop=["."]), None, {200}),
+    ("max_tokens zero", CHAT, _chat(max_tokens=0), None, BAD),
+    ("max_tokens a float", CHAT, _chat(max_tokens=1.5), None, BAD),
+    ("max_tokens a bool", CHAT, _chat(max_tokens=True), None, BAD),
+    ("max_completion_tokens differs", CHAT, _chat(max_completion_tokens=10**18), None, BAD),
+    ("temperature negative", CHAT, _chat(temperature=-1), None, BAD),
+    ("temperature 1e308", CHAT, _chat(temperature=1e308, seed=1), None, {200}),
+    ("temperature 1e-300 (greedy)", CHAT, _chat(temperature=1e-300), None, {200}),
+    ("temperature NaN", CHAT, b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+     None, BAD),
+    ("top_p zero", CHAT, _chat(top_p=0), None, BAD),
+    ("top_k beyond the vocabulary", CHAT, _chat(top_k=10**12), None, BAD),
+    ("min_p 5", CHAT, _chat(min_p=5), None, BAD),
+    ("seed 2**64", CHAT, _chat(seed=2**64), None, BAD),
+    ("seed negative", CHAT, _chat(seed=-1), None, BAD),
+    ("stop: 10,000 sequences", CHAT, _chat(stop=["x"] * 10_000), None, BAD),
+    ("stop: one of a million characters", CHAT, _chat(stop=["x" * 1_000_000]), None, BAD),
+    ("stop: an empty string", CHAT, _chat(stop=[""]), None, BAD),
+    ("stop: a number", CHAT, _chat(stop=5), None, BAD),
+    ("repetition_context_size 10**12", CHAT, _chat(repetition_penalty=1.1, repetition_context_size=10**12), None, BAD),
+    ("repetition_penalty 1e308", CHAT, _chat(repetition_penalty=1e308), None, {200}),
+    ("presence_penalty 3", CHAT, _chat(presence_penalty=3), None, BAD),
+    ("frequency_context_size 2**40", CHAT, _chat(frequency_penalty=0.5, frequency_context_size=2**40), None, BAD),
+    ("logit_bias out of the vocabulary", CHAT, _chat(logit_bias={"-1": 5}), None, BAD),
+    ("logit_bias of 1e9", CHAT, _chat(logit_bias={"1": 1e9}), None, BAD),
+    ("logit_bias on the whole vocabulary", CHAT, _chat(logit_bias={str(i): -1 for i in range(4096)}), None, {200}),
+    ("logprobs a string", CHAT, _chat(logprobs="yes"), None, BAD),
+    ("top_logprobs 10**9", CHAT, _chat(logprobs=True, top_logprobs=10**9), None, BAD),
+    ("xtc with a drafter", CHAT, _chat(xtc_probability=0.5), None, BAD),
+    ("draft_model another", CHAT, _chat(draft_model="other"), None, BAD),
+    ("adapters", CHAT, _chat(adapters="lora"), None, BAD),
+    ("n 10**9", CHAT, _chat(n=10**9), None, BAD),
+    ("user a number", CHAT, _chat(user=5), None, BAD),
+    ("return_meta_info a string", CHAT, _chat(return_meta_info="x"), None, BAD),
+    ("model another", CHAT, _chat(model="gpt-4o"), None, BAD),
+    ("stream a string", CHAT, _chat(stream="yes"), None, BAD),
+    ("stream_options without stream", CHAT, _chat(stream_options={"include_usage": True}), None, BAD),
+    ("an unknown field", CHAT, _chat(definitely_not_a_field=1), None, BAD),
+    ("messages empty", CHAT, _chat(messages=[]), None, BAD),
+    ("messages 10,000 levels deep", CHAT, b'{"model": "demo", "messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+     None, BAD),
+    ("chat_template_kwargs 70 levels deep", CHAT, _chat(chat_template_kwargs={"x": _deep(70)}), None, BAD),
+    ("an image part", CHAT, _chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), None, BAD),
+    ("a message without a role", CHAT, _chat(messages=[{"content": "hi"}]), None, BAD),
+    ("a prompt of 200,000 words", CHAT, _chat(messages=[{"role": "user", "content": "apples " * 200_000}]), None, BAD),
+    ("tools not a list", CHAT, _chat(tools="all"), None, BAD),
+    ("a tool with a deep schema", CHAT, _chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "array", "items": _deep(40)}}}}}]),
+     None, {200}),
+    ("tool_choice unknown", CHAT, _chat(tool_choice="sometimes"), None, BAD),
+    ("role_mapping with a template", CHAT, _chat(role_mapping={"user": "U:"}), None, BAD),
+    ("chat_template_kwargs a string", CHAT, _chat(chat_template_kwargs="x"), None, BAD),
+    ("text: token ids outside the vocabulary", TEXT, {"prompt": [10**9], "max_tokens": 4}, None, BAD),
+    ("text: 80,000 token ids", TEXT, {"prompt": [5] * 80_000, "max_tokens": 4}, None, BAD),
+    ("text: echo", TEXT, {"prompt": "hi", "echo": True}, None, BAD),
+    ("text: best_of 10**9", TEXT, {"prompt": "hi", "best_of": 10**9}, None, BAD),
+    ("text: legacy logprobs 10**9", TEXT, {"prompt": "hi", "logprobs": 10**9}, None, BAD),
+    ("not JSON", CHAT, b"{'messages': [", None, BAD),
+    ("JSON null", CHAT, b"null", None, BAD),
+    ("a JSON array", CHAT, b"[1, 2]", None, BAD),
+    ("not UTF-8", CHAT, b"\xff\xfe\x00", None, BAD),
+    ("a negative Content-Length", CHAT, b"{}", {"Content-Length": "-5"}, BAD),
+    ("a Content-Length of 10**11", CHAT, b"{}", {"Content-Length": str(10**11)}, {413}),
+    ("no Content-Length", CHAT, b"", {}, {411}),
+    ("an unknown route", "/v1/embeddings", _chat(), None, {404}),
+]
+
+
+def _post(url: str, path: str, body, headers=None, timeout: float = 300) -> tuple[int, dict | None]:
+    """POST a body (a dict as JSON, or raw bytes) with `headers` (None: JSON's, with its length)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.putrequest("POST", path)
+        sent = {"Content-Type": "application/json", "Content-Length": str(len(data))} if headers is None else headers
+        for key, value in sent.items():
+            conn.putheader(key, value)
+        conn.endheaders()
+        conn.send(data)
+        reply = conn.getresponse()
+        raw = reply.read()
+        return reply.status, json.loads(raw) if raw else None
+    finally:
+        conn.close()
+
+
+def _text(url: str) -> str:
+    status, body = _post(url, CHAT, NORMAL)
+    assert status == 200, body
+    return body["choices"][0]["message"]["content"]
+
+
+def _cancel_a_stream(url: str) -> None:
+    """Open a streamed request, read its first event, hang up."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=120) as sock:
+        data = json.dumps(_chat(max_tokens=200, stream=True)).encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)  # fmt: skip
+        received = b""
+        while b"data:" not in received:  # the headers, then the first event
+            chunk = sock.recv(4096)
+            assert chunk, received
+            received += chunk
+
+
+def _peak_rss_gb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1e6
+
+
+@pytest.fixture(scope="module", params=["batched", "one at a time"])
+def served(request):
+    server = ServeProcess(*(["--decode-concurrency", "1"] if request.param == "one at a time" else []))
+    yield server
+    assert server.stop() == 0, server.stderr
+
+
+@pytest.mark.slow
+def test_a_sweep_of_hostile_requests_leaves_the_server_serving_unchanged(served):
+    before = _text(served.url)
+    for name, path, body, headers, allowed in HOSTILE:
+        status, reply = _post(served.url, path, body, headers)
+        assert status in allowed, (name, status, reply)
+        if status >= 400:
+            assert reply["error"]["message"], name
+        assert _text(served.url) == before, name
+    _cancel_a_stream(served.url)
+    assert _text(served.url) == before
+    assert served.proc.poll() is None and _peak_rss_gb(served.proc.pid) < 4, served.stderr
+    assert "Traceback" not in served.stderr, served.stderr
+
+
+@pytest.mark.slow
+def test_good_and_bad_requests_interleaved_from_threads(served):
+    want = _text(served.url)
+    bad = [h for h in HOSTILE if h[4] == BAD][:12]
+    results: dict = {}
+
+    def good(i):
+        results[("good", i)] = _text(served.url)
+
+    def hostile(i):
+        name, path, body, headers, _ = bad[i]
+        results[("bad", i)] = _post(served.url, path, body, headers)[0]
+
+    threads = [threading.Thread(target=good if k % 2 == 0 else hostile, args=(k // 2,)) for k in range(2 * len(bad))]
+    threads.append(threading.Thread(target=_cancel_a_stream, args=(served.url,)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert all(results[("good", i)] == want for i in range(len(bad))), results
+    assert all(results[("bad", i)] == 400 for i in range(len(bad))), results
+    assert _text(served.url) == want
+
+
+# -- faults injected into the batched loop, in process --------------------------------------------
+
+FAULTY = prompt_ids(7, seed=11)  # the request a fault is injected into
+OTHERS = [prompt_ids(6, seed=12), prompt_ids(9, seed=13)]
+TOKENS = 40
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def _is_faulty(prompt) -> bool:
+    return list(prompt[: len(FAULTY)]) == FAULTY
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair):
+    model, tokenizer, draft = tiny_pair("qwen3")
+    with without_eos(tokenizer) as tok:
+        yield model, tok, draft
+
+
+@pytest.fixture(scope="module")
+def alone(pair):
+    """Each request's text served alone."""
+    app = make_server(*pair, port=0, decode_concurrency=1).start()
+    try:
+        return {tuple(p): _post(app.url, TEXT, {"prompt": p, "max_tokens": TOKENS})[1]["choices"][0]["text"]
+                for p in [FAULTY, *OTHERS]}  # fmt: skip
+    finally:
+        app.stop()
+
+
+def _inject(app, stage: str, monkeypatch) -> list:
+    """Make `stage` raise for the faulty request (in the decoder, which outlives the patch: once);
+    returns the list the prompts of the requests that failing call served are added to."""
+    worker, hit = app.worker, []
+
+    def fail(prompts):
+        hit.extend(list(p) for p in prompts)
+        raise Injected(stage)
+
+    if stage == "admit":
+        prepare = worker.prepare
+        monkeypatch.setattr(worker, "prepare", lambda job: fail([FAULTY]) if _is_faulty(job.request.prompt)
+                            else prepare(job))  # fmt: skip
+    elif stage in ("prefill", "step"):
+        make = batching.batch_decoder
+
+        def decoder(*args, **kwargs):
+            made = make(*args, **kwargs)
+            if stage == "prefill":
+                insert_many = made.insert_many
+
+                def failing_insert(requests, **kw):
+                    prompts = [r[1].tolist() for r in requests]
+                    return fail(prompts) if not hit and any(map(_is_faulty, prompts)) else insert_many(requests, **kw)
+
+                made.insert_many = failing_insert
+            else:
+                step = made.step
+
+                def failing_step(*a, **kw):
+                    prompts = [r.session.tokens for r in made.rows]
+                    return fail(prompts) if not hit and any(map(_is_faulty, prompts)) else step(*a, **kw)
+
+                made.step = failing_step
+            return made
+
+        monkeypatch.setattr(batching, "batch_decoder", decoder)
+    elif stage == "deliver":
+        token_event = worker.token_event
+        monkeypatch.setattr(worker, "token_event", lambda r, text, logprobs, top_n: fail([FAULTY]) if top_n == 3
+                            else token_event(r, text, logprobs, top_n))  # only the faulty request asks for 3  # fmt: skip
+    elif stage == "save":
+        put = worker.sessions.put
+        monkeypatch.setattr(worker.sessions, "put", lambda session: fail([FAULTY]) if _is_faulty(session.tokens)
+                            else put(session))  # fmt: skip
+    return hit
+
+
+@pytest.mark.parametrize("stage", ["admit", "prefill", "step", "deliver", "save"])
+def test_a_fault_in_one_stage_fails_only_its_requests(pair, alone, stage, monkeypatch):
+    app = make_server(*pair, port=0, decode_concurrency=4).start()
+    try:
+        hit = _inject(app, stage, monkeypatch)
+        bodies = [{"prompt": p, "max_tokens": TOKENS} for p in [FAULTY, *OTHERS]]
+        bodies[0].update(logprobs=True, top_logprobs=3)
+        replies: list = [None] * len(bodies)
+
+        def ask(i):
+            replies[i] = _post(app.url, TEXT, bodies[i])
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert hit, f"the {stage} fault never fired"
+        status, body = replies[0]
+        if stage == "save":  # after the reply: the request itself was answered
+            assert status == 200, replies
+        else:
+            assert status == 500 and "Injected" in body["error"]["message"], replies
+        for (status, body), prompt in zip(replies[1:], OTHERS):
+            if status == 200:
+                assert body["choices"][0]["text"] == alone[tuple(prompt)]
+            else:  # only a request that shared the failing forward (a joint prefill, the step)
+                assert status == 500 and any(h[: len(prompt)] == prompt for h in hit), (replies, hit)
+        monkeypatch.undo()  # the server serves on, every request as served alone
+        for prompt in [FAULTY, *OTHERS]:
+            status, body = _post(app.url, TEXT, {"prompt": prompt, "max_tokens": TOKENS})
+            assert status == 200 and body["choices"][0]["text"] == alone[tuple(prompt)]
+        assert app.worker.alive
+    finally:
+        app.stop()
+
+
+def test_a_failing_loop_is_restarted_not_left_dead(pair, monkeypatch):
+    """A fault outside every request's stages (here: taking the next job) fails the requests in flight
+    with a 500, the loop starts again, and the server answers (no 503 for good)."""
+    app = make_server(*pair, port=0, decode_concurrency=4)  # (its worker is waiting for a first job)
+    worker, fired = app.worker, []
+    next_job = worker.next_job
+
+    def failing_next_job(wait):
+        if not fired:
+            fired.append(1)
+            raise Injected("loop")
+        return next_job(wait)
+
+    monkeypatch.setattr(worker, "next_job", failing_next_job)
+    app.start()
+    try:
+        status, body = _post(app.url, TEXT, {"prompt": OTHERS[0], "max_tokens": 4})
+        assert fired and (status == 200 or "generation loop was interrupted" in body["error"]["message"]), body
+        status, body = _post(app.url, TEXT, {"prompt": OTHERS[0], "max_tokens": 4})
+        assert status == 200 and body["usage"]["completion_tokens"] == 4 and worker.alive
+    finally:
+        app.stop()
+
+
+# -- the memory guard --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_a_request_whose_caches_cannot_fit_alone_is_refused(pair, concurrency):
+    model, tok, draft = pair
+    footprint = Footprint.measure(lambda: make_session(model, draft))
+    budget = weight_bytes(model, draft) + footprint.bytes(300)  # room for one allocation step of tokens
+    app = make_server(model, tok, draft, port=0, decode_concurrency=concurrency, max_batch_bytes=budget).start()
+    try:
+        status, body = _post(app.url, TEXT, {"prompt": OTHERS[0], "max_tokens": 1000})
+        assert status == 400 and body["error"]["param"] == "max_tokens", body
+        assert "at most" in body["error"]["message"]
+        status, body = _post(app.url, TEXT, {"prompt": [5] * 2000, "max_tokens": 4})
+        assert status == 400 and body["error"]["param"] == "prompt" and "caches" in body["error"]["message"], body
+        status, body = _post(app.url, TEXT, {"prompt": OTHERS[0], "max_tokens": 100})
+        assert status == 200 and body["usage"]["completion_tokens"] == 100
+    finally:
+        app.stop()
+
+
+def test_the_footprint_grows_with_the_tokens_held(pair):
+    model, _, draft = pair
+    footprint = Footprint.measure(lambda: make_session(model, draft))
+    assert footprint.per_token > 0
+    for n in (10, 600, 1800):
+        session, ids = make_session(model, draft), prompt_ids(n + 1, seed=1)
+        session.hold(ids[:n])
+        session.hold(ids)  # (the drafter ingests its newest rows with the next)
+        assert footprint.bytes(n) / 2 <= session.nbytes <= footprint.bytes(n), n
+
+
+# -- blocks wider than the drafter's ------------------------------------------------------------
+
+
+def test_the_library_refuses_a_block_wider_than_the_drafters():
+    model, tokenizer, draft = load("demo")
+    for kwargs in ({"block_size": 10**6}, {"max_block_size": 10**6}, {"block_size": 9}):
+        with pytest.raises(ValueError, match="at most 8, the drafter's block"):
+            next(stream_generate(model, draft, tokenizer, QUESTION, max_tokens=4, **kwargs))
+    with pytest.raises(ValueError, match="integer"):
+        next(stream_generate(model, draft, tokenizer, QUESTION, max_tokens=4, block_size=2.5))
+    with pytest.raises(ValueError, match="at most 8, the drafter's block"):
+        batch_generate(model, draft, tokenizer, [QUESTION], max_tokens=4, block_size=10**6)
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_a_block_wider_than_the_drafters():
+    run = subprocess.run(["dflash-mlx", "generate", QUESTION, "-n", "4", "--block-size", "1000000"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode != 0 and "--block-size" in run.stderr and "at most 8" in run.stderr, run.stderr
