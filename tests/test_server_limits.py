@@ -7,8 +7,11 @@
   by a normal request that must return the reply it returned before the sweep;
   then good and bad requests interleaved from threads.
 - In process, faults injected into each stage of the batched loop (admit,
-  prefill, step, deliver, save) fail only the requests of that stage; the
-  others get the texts they get when served alone, and the server serves on.
+  prefill, step, deliver, save) and of the one-at-a-time worker fail only the
+  requests of that stage; the others get the texts they get when served
+  alone, and the server serves on; a fault in the loop itself restarts it.
+- A request whose caches cannot fit in the memory budget even alone is
+  refused, naming max_tokens or the prompt.
 - The library and the CLI refuse a block wider than the drafter's.
 """
 
@@ -295,9 +298,11 @@ def _inject(app, stage: str, monkeypatch) -> list:
     return hit
 
 
-@pytest.mark.parametrize("stage", ["admit", "prefill", "step", "deliver", "save"])
-def test_a_fault_in_one_stage_fails_only_its_requests(pair, alone, stage, monkeypatch):
-    app = make_server(*pair, port=0, decode_concurrency=4).start()
+@pytest.mark.parametrize("concurrency, stage", [(4, "admit"), (4, "prefill"), (4, "step"), (4, "deliver"), (4, "save"),
+                                                (1, "admit"), (1, "deliver"), (1, "save")])  # fmt: skip
+def test_a_fault_in_one_stage_fails_only_its_requests(pair, alone, concurrency, stage, monkeypatch):
+    """In the batched loop (4) and the one-at-a-time worker (1)."""
+    app = make_server(*pair, port=0, decode_concurrency=concurrency).start()
     try:
         hit = _inject(app, stage, monkeypatch)
         bodies = [{"prompt": p, "max_tokens": TOKENS} for p in [FAULTY, *OTHERS]]
