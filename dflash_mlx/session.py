@@ -35,7 +35,7 @@ from mlx.utils import tree_flatten
 
 from .proposers import Proposer, as_proposer
 from .targets.adapter import TargetAdapter
-from .targets.rollback import VerifyRecord, rollback, trimmable
+from .targets.rollback import VerifyRecord, held, rollback, trimmable
 
 
 @dataclass
@@ -190,7 +190,7 @@ class Session:
         caches = [c for c in self.cache or [] if c is not None]
         if all(trimmable(c) for c in caches):
             for c in caches:
-                c.trim(max(0, c.offset - len(self.tokens)))
+                c.trim(max(0, held(c) - len(self.tokens)))
         elif self._checkpoint is not None and self._checkpoint.position <= len(self.tokens):
             self._restore(self._checkpoint)
             self.tokens = self.tokens[: self._checkpoint.position]
@@ -266,7 +266,7 @@ class Session:
             if c is None:
                 continue
             if state is None:
-                c.trim(c.offset - checkpoint.position)
+                c.trim(held(c) - checkpoint.position)
             else:
                 c.state = _copy(state)
 

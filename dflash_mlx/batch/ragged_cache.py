@@ -23,6 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from ..targets.adapter import TargetAdapter, UnsupportedTargetError
 from ..targets.gated_delta import GDNRecord
 
 STEP = 256  # rows of key/value storage added at a time, as mlx-lm's KVCache does
@@ -133,6 +134,20 @@ def _kv_row(cache) -> tuple[mx.array, mx.array, int]:
     return keys[..., :offset, :], values[..., :offset, :], offset
 
 
+def batch_problem(model) -> str | None:
+    """Why a batch cannot decode this target's rows together, or None: it batches KV, sliding-window
+    and Gated DeltaNet caches only (other recurrent layers would be fed their kept rows again)."""
+    try:
+        target = TargetAdapter(model)
+    except UnsupportedTargetError as e:
+        return str(e)
+    kinds = {type(c) for c in target.make_cache()}
+    if target.refeeds or not kinds <= {KVCache, RotatingKVCache, ArraysCache, type(None)}:
+        names = ", ".join(sorted(k.__name__ for k in kinds - {type(None)}))
+        return f"batched decoding does not support the {target.family_name} family's caches ({names}) yet"
+    return None
+
+
 def batch_layer(caches: list):
     """One layer's batch cache from each row's cache of that layer."""
     first = caches[0]
@@ -171,8 +186,8 @@ def keep_rows(cache: list, record, keep: list[int]) -> None:
     for j, layer in enumerate(cache):
         if isinstance(layer, RaggedKVCache):
             layer.keep_rows(record.rows, keep)
-        elif j in record.gdn:
-            restore_rows(record.gdn[j], layer, keep)
+        elif id(layer) in record.gdn:
+            restore_rows(record.gdn[id(layer)], layer, keep)
 
 
 def restore_rows(record: GDNRecord, cache, keep: list[int]) -> None:

@@ -17,7 +17,7 @@ from ..datasets import sample
 from ..utils.machine import describe
 from .openblas import openblas_path
 from ..models.registry import registry_entries
-from ..models.resolve import choose_block_size, default_available, supported
+from ..models.resolve import choose_block_size, default_available
 from .common import DraftOpt, ModelOpt, console, load_models, user_errors
 
 
@@ -27,7 +27,6 @@ def models(
     """List the known target -> drafter pairs (models.toml)."""
     table = Table(
         title="DFlash model pairs (models.toml)", box=box.SIMPLE_HEAD, show_lines=True, pad_edge=False,
-        caption="* family not supported by this version yet", caption_justify="left",
     )
     table.add_column("name", style="bold", no_wrap=True)
     table.add_column("target", overflow="fold", ratio=3)
@@ -41,8 +40,6 @@ def models(
         if mlx and entry.mlx_targets:
             target += "".join(f"\n[dim]{escape(m)}[/dim]" for m in entry.mlx_targets)
         family = escape(entry.family or "?")
-        if not supported(entry):
-            family += " [yellow]*[/yellow]"
         reasoning = ""
         if entry.reasoning:
             levels = "on/off" if entry.reasoning == "enable_thinking" else "/".join(entry.reasoning_values)

@@ -18,7 +18,8 @@ from http.server import ThreadingHTTPServer
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..models.loading import dtype_name, target_float_dtype
-from ..targets.families import context_length, text_model
+from ..targets.adapter import embedding_shape, token_embedding
+from ..targets.families import context_length
 from .handler import Handler
 from .prompt_cache import DEFAULT_SESSIONS
 from .request import ServerInfo
@@ -81,10 +82,8 @@ class DFlashServer(ThreadingHTTPServer):
 
 def vocab_size(model, tokenizer) -> int:
     """Rows of the target's embedding table (the logits' width), else the tokenizer's size."""
-    try:
-        return int(text_model(model).model.embed_tokens.weight.shape[0])
-    except AttributeError:
-        return len(tokenizer.vocab)
+    embedding = token_embedding(model)
+    return embedding_shape(embedding)[0] if embedding is not None else len(tokenizer.vocab)
 
 
 def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: int = 8080,

@@ -44,7 +44,7 @@ from ..generation import stream_generate
 from ..session import make_session
 from ..sharding.group import broadcast
 from ..stats import RunStats
-from ..targets.families import batch_problem
+from ..batch.ragged_cache import batch_problem
 from .batching import BatchedServing
 from .channels import initial_state
 from .events import GENERATION_ERRORS, Discard, Failed, Finished, Job, Started, Token, dflash_object
