@@ -108,13 +108,18 @@ def opened_on(cache: list, draft, settle: Callable[[], None]) -> None:
 
 
 def remember(cache: list, session: Session) -> None:
-    """Record what the list holds after a DFlash call (its drafter context is the session's)."""
-    bound = _binding(cache, session.draft)
-    if bound is not None:
-        bound.tokens = list(session.tokens)
-        bound.open = None
+    """Record what the list holds after a DFlash call on it (its drafter context is the session's); caches
+    the call replaced in the list (quantized, as mlx-lm's kv_bits does) keep it bound."""
+    bound = _bindings.get(id(cache))
+    if bound is None or bound.draft is not session.draft or session.cache is not cache:
+        return
+    if bound.first() is not cache[0]:
+        bound.first = weakref.ref(cache[0])
+        weakref.finalize(cache[0], _forget, id(cache), bound)
+    bound.tokens = list(session.tokens)
+    bound.open = None
 
 
 def _forget(key: int, bound: _Binding) -> None:
-    if _bindings.get(key) is bound:
+    if _bindings.get(key) is bound and bound.first() is None:
         del _bindings[key]
