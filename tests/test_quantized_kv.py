@@ -67,9 +67,10 @@ def test_settings_mlx_lm_cannot_run_are_refused(tiny_pair):
     with pytest.raises(ValueError, match="RotatingKVCache"):
         next(stream_generate(model, draft, tokenizer, [5, 6, 7], kv_bits=8))
     model, tokenizer, draft = tiny_pair("qwen3")
-    for bad, match in [(dict(kv_bits=7), "kv_bits must be one of 2, 3, 4, 5, 6, 8"),
-                       (dict(kv_bits=8, kv_group_size=48), "kv_group_size must be one of 32, 64, 128"),
-                       (dict(kv_bits=8, quantized_kv_start=-1), "quantized_kv_start must be an integer >= 0")]:  # fmt: skip
+    bad_settings = [(dict(kv_bits=7), "kv_bits must be one of 2, 3, 4, 5, 6, 8"),
+                    (dict(kv_bits=8, kv_group_size=48), "kv_group_size must be one of 32, 64, 128"),
+                    (dict(kv_bits=8, quantized_kv_start=-1), "quantized_kv_start must be an integer >= 0")]  # fmt: skip
+    for bad, match in bad_settings:
         with pytest.raises(ValueError, match=match):
             next(stream_generate(model, draft, tokenizer, [5, 6, 7], **bad))
 

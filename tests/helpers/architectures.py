@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .builders import _LOGIT_STD, _extra_init, _init_tensor, make_draft
+from .builders import _LOGIT_STD, _extra_init, make_draft
 from .tokenizer import make_tokenizer
 
 ARCHITECTURES: dict[str, dict] = json.loads((Path(__file__).parent / "architectures.json").read_text())
