@@ -111,3 +111,51 @@ def test_a_verify_never_crosses_the_conversion_unquantized(tiny_pair):
             blocks.append((len(prompt) + i - r.cycle_tokens, r.cycle_block_size))
     assert all(p + b <= 15 for p, b in blocks if p < 15), blocks
     assert any(p + b == 15 and b < 8 for p, b in blocks) and max(b for _, b in blocks) == 8, blocks
+
+
+def test_flags_take_mlx_lm_values_only(tiny_pair_dirs):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+
+    target, draft = tiny_pair_dirs("qwen3")
+    cases = [(["--kv-bits", "7"], "--kv-bits must be one of 2, 3, 4, 5, 6, 8"),
+             (["--kv-bits", "8", "--kv-group-size", "48"], "--kv-group-size must be one of 32, 64")]
+    for flags, message in cases:
+        r = CliRunner().invoke(app, ["generate", "hi", "--model", str(target), "--draft", str(draft), *flags])
+        assert r.exit_code == 2 and message in " ".join(r.stderr.split())
+    target, draft = tiny_pair_dirs("llama_sliding")
+    r = CliRunner().invoke(app, ["generate", "hi", "--model", str(target), "--draft", str(draft), "--kv-bits", "8"])
+    assert r.exit_code == 2 and "RotatingKVCache" in r.stderr
+
+
+@pytest.mark.slow
+def test_the_console_script_and_the_server_take_the_kv_flags():
+    """`dflash-mlx generate` and `dflash-mlx serve` on the bundled pair with --kv-bits 8 --quantized-kv-start 0:
+    the text mlx-lm's own decoding gives with the same settings."""
+    import json
+    import os
+    import shutil
+    import subprocess
+
+    from openai import OpenAI
+
+    import dflash_mlx
+    from helpers.servers import ServeProcess
+
+    prompt = "Tom has 3 apples and buys 4 more. How many apples?"
+    flags = ["--kv-bits", "8", "--quantized-kv-start", "0"]
+    model, tokenizer, _ = dflash_mlx.load("demo")  # float32 on a CPU, as the commands load it
+    want = "".join(r.text for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=48, kv_bits=8,
+                                                          quantized_kv_start=0))  # fmt: skip
+    done = subprocess.run([shutil.which("dflash-mlx"), "generate", prompt, "--raw", "--json", "-n", "48", *flags],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))  # fmt: skip
+    out = json.loads(done.stdout)
+    assert done.returncode == 0 and out["text"] == want and out["acceptance_length"] > 1, done.stderr
+    server = ServeProcess(*flags)
+    try:
+        reply = OpenAI(base_url=server.url + "/v1", api_key="unused").completions.create(
+            model="demo", prompt=prompt, max_tokens=48, temperature=0)
+    finally:
+        assert server.stop() == 0
+    assert reply.choices[0].text == want and "one request at a time: a quantized KV cache" in server.stderr

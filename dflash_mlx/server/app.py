@@ -92,7 +92,7 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
                 log_requests: bool = False, adaptive: bool | None = None,
                 prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
                 prompt_cache_dir=None, group=None, decode_concurrency: int = 32, prefill_step_size: int = 2048,
-                max_batch_bytes: int | None = None) -> DFlashServer:  # fmt: skip
+                max_batch_bytes: int | None = None, kv: dict | None = None) -> DFlashServer:  # fmt: skip
     """A server for a loaded pair (`draft=None`: plain decoding), bound but not yet serving.
 
     `port=0` picks a free port (see `server.url`). `max_tokens` is the default
@@ -109,7 +109,9 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
     default, 32; 1, a sharded target or a family the batch cannot run: one at a time), a
     longer prompt joining them prefilled `prefill_step_size` tokens per step, and a request
     joins only while weights, active rows and prompt cache stay under `max_batch_bytes`
-    (default: 3/4 of the device's memory).
+    (default: 3/4 of the device's memory). `kv` (``kv_bits``, ``kv_group_size``,
+    ``quantized_kv_start``, as `stream_generate` takes them) quantizes every request's KV
+    cache as mlx-lm does (requests are then served one at a time).
     """
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}.")
@@ -125,7 +127,7 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
     worker = make_worker(model, tokenizer, draft, block_size=block_size, adaptive=adaptive,
                          prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
                          prompt_cache_dir=prompt_cache_dir, group=group, decode_concurrency=decode_concurrency,
-                         prefill_step_size=prefill_step_size, max_batch_bytes=max_batch_bytes)  # fmt: skip
+                         prefill_step_size=prefill_step_size, max_batch_bytes=max_batch_bytes, kv=kv)  # fmt: skip
     server = DFlashServer((host, port), worker, info, model_id=model_id, draft_id=draft_id,
                           log_requests=log_requests)  # fmt: skip
     worker.start()
@@ -135,7 +137,7 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
 def make_worker(model, tokenizer, draft=None, *, block_size: int | None = None, adaptive: bool | None = None,
                 prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
                 prompt_cache_dir=None, group=None, decode_concurrency: int = 1, prefill_step_size: int = 2048,
-                max_batch_bytes: int | None = None) -> GenerationWorker:  # fmt: skip
+                max_batch_bytes: int | None = None, kv: dict | None = None) -> GenerationWorker:  # fmt: skip
     """The generation worker `make_server` puts behind its listener (not started)."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -143,4 +145,4 @@ def make_worker(model, tokenizer, draft=None, *, block_size: int | None = None, 
                             adaptive=block_size is None if adaptive is None else adaptive,
                             prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
                             prompt_cache_dir=prompt_cache_dir, group=group, decode_concurrency=decode_concurrency,
-                            prefill_step_size=prefill_step_size, max_batch_bytes=max_batch_bytes)  # fmt: skip
+                            prefill_step_size=prefill_step_size, max_batch_bytes=max_batch_bytes, kv=kv)  # fmt: skip
