@@ -100,7 +100,8 @@ def stream_generate(
     every rank; at the end the ranks check they generated the same tokens
     (`sharding.lockstep.LockstepError` otherwise). `kv_bits`, `kv_group_size` and
     `quantized_kv_start` quantize the target's KV cache as `mlx_lm.generate` does
-    (output equal to mlx-lm's with the same settings; not for sliding-window targets).
+    (output equal to mlx-lm's with the same settings; not for sliding-window targets);
+    without `kv_bits`, a session's own settings (`make_session(..., kv_bits=...)`) apply.
     """
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
@@ -123,6 +124,7 @@ def stream_generate(
         check_draft_sampling(draft_sampling)
     draft_sampling = draft_sampling or session.draft_sampling  # this call's choice; the session keeps its own
     proposer, target = session.proposer, session.target
+    kv = kv or session.kv
     if kv is not None and (problem := kv.problem(session.cache or target.make_cache())):
         raise ValueError(problem + ".")
     if xtc_probability and proposer is not None:

@@ -47,12 +47,13 @@ def test_the_session_holds_what_mlx_lm_quantizes(tiny_pair):
     """Attention layers' caches are quantized once they hold quantized_kv_start positions; the Gated
     DeltaNet states stay as they are; a second turn on the session still equals mlx-lm's."""
     model, tokenizer, draft = tiny_pair("qwen3_5", head_dim=32)
-    session = make_session(model, draft)
-    first, second = prompt_ids(10, seed=1), prompt_ids(6, seed=2)
     kw = dict(KV, kv_bits=8, quantized_kv_start=16)
+    session = make_session(model, draft, **kw)  # the session's calls quantize unless they say otherwise
+    first, second = prompt_ids(10, seed=1), prompt_ids(6, seed=2)
     with without_eos(tokenizer) as tok:
         got = [r.token for r in stream_generate(model, draft, tok, first, max_tokens=20, block_size=4,
-                                                session=session, **kw)]  # fmt: skip
+                                                session=session)]  # fmt: skip
+        assert got == [r.token for r in reference(model, tok, first, 20, **kw)]
         kinds = {type(c) for c in session.cache}
         assert kinds == {ArraysCache, QuantizedKVCache}
         history = first + got
