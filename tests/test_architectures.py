@@ -16,7 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from dflash_mlx import stream_generate
+from dflash_mlx import stream_batch_generate, stream_generate
+from dflash_mlx.batch.ragged_cache import batch_problem
 from dflash_mlx.targets.adapter import TargetAdapter
 from dflash_mlx.targets.capture import Tap
 from dflash_mlx.targets.gated_delta import Recording
@@ -28,6 +29,7 @@ PUBLISHED = ["minimax", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_ds
              "kimi_k25", "gemma4", "qwen3_5", "muse_glimmer"]  # fmt: skip
 RECURRENT = {"kimi_linear", "jamba", "mamba2", "nemotron_h", "granitemoehybrid", "rwkv7", "bailing_moe_linear",
              "lfm2-vl", "baichuan_m1", "longcat_flash_ngram"}  # fmt: skip
+UNBATCHED = {"afm7", "llama4", "longcat_flash", "deepseek_v32", "glm_moe_dsa"}  # positions; chunked, CacheList
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +47,26 @@ def test_greedy_dflash_equals_mlx_lm(arch_root, model_type):
     prompt = prompt_ids(12, seed=3)
     for block_size in (1, 4, 8):
         check_lossless(model, tokenizer, draft, prompt, 32, block_size)
+
+
+@pytest.mark.parametrize(
+    "model_type", [pytest.param(m, marks=[] if m in PUBLISHED else [pytest.mark.slow]) for m in ARCHITECTURES]
+)
+def test_batched_rows_equal_served_alone_or_the_batch_says_why_not(arch_root, model_type):
+    """Rows of different lengths verified together each give their served-alone tokens, or the target is
+    served one request at a time (`batch_problem`: recurrent layers fed again, CacheList / chunked caches)."""
+    model, tokenizer, draft = arch_pair(model_type, arch_root)
+    problem = batch_problem(model)
+    if problem is not None:
+        assert model_type in RECURRENT | UNBATCHED and "batched decoding does not support" in problem
+        return
+    prompts = [prompt_ids(n, seed=s) for n, s in ((5, 1), (17, 2), (9, 3))]
+    with without_eos(tokenizer) as tok:
+        want = [[r.token for r in stream_generate(model, draft, tok, p, max_tokens=16, block_size=4)] for p in prompts]
+        got = [[] for _ in prompts]
+        for i, r in stream_batch_generate(model, draft, tok, prompts, max_tokens=16, block_size=4, max_batch=3):
+            got[i].append(r.token)
+    assert got == want
 
 
 def test_published_families_are_in_the_table():

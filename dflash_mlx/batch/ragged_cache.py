@@ -71,6 +71,11 @@ class RaggedKVCache:
         self.lengths = [length + n for length in self.lengths]
         return self.keys[..., :end, :], self.values[..., :end, :]
 
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """Every row's keys and values up to the longest row (what KV-sharing layers read, as of mlx-lm's caches)."""
+        end = max(self.lengths)
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs) -> mx.array:
         """[B, 1, N, max length + N]: row i's query j sees its positions up to its own, in its window."""
         width = max(self.lengths) + N
@@ -141,6 +146,8 @@ def batch_problem(model) -> str | None:
         target = TargetAdapter(model)
     except UnsupportedTargetError as e:
         return str(e)
+    if not target.family.batches:
+        return f"batched decoding does not support the {target.family_name} family (its positions)"
     kinds = {type(c) for c in target.make_cache()}
     if target.refeeds or not kinds <= {KVCache, RotatingKVCache, ArraysCache, type(None)}:
         names = ", ".join(sorted(k.__name__ for k in kinds - {type(None)}))

@@ -2,9 +2,11 @@
 
 The adapter runs every target through its own mlx-lm forward (`targets.capture`),
 so a family needs an entry in `FAMILIES` only where that forward does not give
-what DFlash reads as it is: today gemma3n, whose layers pass a stack of AltUp
-streams ([streams, B, L, H]) of which the drafter reads the active one. A family
-missing from the table runs with the defaults. Also here: the target's text
+what DFlash needs as it is: gemma3n, whose layers pass a stack of AltUp streams
+([streams, B, L, H]) of which the drafter reads the active one, and afm7, whose
+KV-reuse layers take their positions from the number of keys, so rows of
+different lengths cannot share a batch (`dflash_mlx.batch`). A family missing
+from the table runs with the defaults. Also here: the target's text
 model, context length, and what a family's mlx-lm `shard()` splits across ranks
 (`shard_problem`, for `dflash_mlx.sharding`).
 """
@@ -28,13 +30,15 @@ def _active_stream(h: mx.array) -> mx.array:
 
 @dataclass(frozen=True)
 class Family:
-    """How a family's layer outputs become the [B, L, H] hidden states the drafter reads."""
+    """What differs: how layer outputs become the [B, L, H] hidden states the drafter reads; whether rows of
+    different lengths can share a batch."""
 
     capture: Callable[[mx.array], mx.array] = _as_is
+    batches: bool = True
 
 
 DEFAULT_FAMILY = Family()
-FAMILIES: dict[str, Family] = {"gemma3n": Family(capture=_active_stream)}
+FAMILIES: dict[str, Family] = {"gemma3n": Family(capture=_active_stream), "afm7": Family(batches=False)}
 
 
 def model_family(model: nn.Module) -> str:
