@@ -21,7 +21,7 @@ from dflash_mlx.batch.ragged_cache import batch_problem
 from dflash_mlx.targets.adapter import TargetAdapter
 from dflash_mlx.targets.capture import Tap
 from dflash_mlx.targets.gated_delta import Recording
-from helpers import check_lossless, prompt_ids, reference, without_eos
+from helpers import check_first_two_sampled_tokens, check_lossless, prompt_ids, reference, without_eos
 from helpers.architectures import ARCHITECTURES, arch_pair
 
 # mlx-lm families with drafters published by z-lab or the model's vendor (models.toml) or announced.
@@ -60,13 +60,21 @@ def test_batched_rows_equal_served_alone_or_the_batch_says_why_not(arch_root, mo
     if problem is not None:
         assert model_type in RECURRENT | UNBATCHED and "batched decoding does not support" in problem
         return
-    prompts = [prompt_ids(n, seed=s) for n, s in ((5, 1), (17, 2), (9, 3))]
+    prompts = [prompt_ids(n, seed=s) for n, s in ((5, 11), (17, 12), (9, 13))]
     with without_eos(tokenizer) as tok:
         want = [[r.token for r in stream_generate(model, draft, tok, p, max_tokens=16, block_size=4)] for p in prompts]
         got = [[] for _ in prompts]
         for i, r in stream_batch_generate(model, draft, tok, prompts, max_tokens=16, block_size=4, max_batch=3):
             got[i].append(r.token)
     assert got == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["minimax", "kimi_linear"])
+def test_sampled_tokens_follow_the_target(arch_root, model_type):
+    """Exact rejection sampling on a MoE target and on one whose recurrent layers are fed their kept rows again."""
+    model, tokenizer, draft = arch_pair(model_type, arch_root)
+    check_first_two_sampled_tokens(model, draft, tokenizer, prompt_ids(6, seed=5), dict(temperature=1.5))
 
 
 def test_published_families_are_in_the_table():
