@@ -111,7 +111,8 @@ def test_reasoning_levels_map_onto_the_template_key():
         reasoning_kwargs(effort, "off")
     gpt_oss = lookup("gpt-oss-20b")
     assert reasoning_kwargs(FakeTokenizer(""), "medium", gpt_oss) == {"reasoning_effort": "medium"}
-    glimmer = lookup("muse-glimmer-30b")
+    glimmer = RegistryEntry("glimmer", "a/b", "c/d", 16, "dflash2", reasoning="reasoning_strength",
+                            reasoning_values=("low", "medium", "high", "xhigh"), reasoning_default="high")
     assert reasoning_kwargs(FakeTokenizer(""), None, glimmer) == {"reasoning_strength": "high"}
     assert reasoning_kwargs(FakeTokenizer(""), "xhigh", glimmer) == {"reasoning_strength": "xhigh"}
     qwen3 = lookup("qwen3-4b")  # the registry default: non-thinking
@@ -251,6 +252,26 @@ def test_models_and_doctor():
     r = invoke("doctor")
     assert r.exit_code == 0
     assert "mlx" in r.stdout and "device" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("dflash-mlx") is None, reason="console script not installed")
+def test_models_reads_in_an_80_column_terminal():
+    """The real console script at COLUMNS=80: no line wider, every name and drafter id whole, the pairs too
+    large for one Mac marked."""
+    import subprocess
+
+    from dflash_mlx.models.registry import registry_entries
+
+    done = subprocess.run([shutil.which("dflash-mlx"), "models"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, COLUMNS="80"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert max(len(line) for line in done.stdout.splitlines()) <= 80
+    entries = registry_entries()
+    for entry in entries:
+        assert entry.name in done.stdout and f"→ {entry.draft}" in done.stdout
+    marked = " ".join(done.stdout.split()).count("needs --shard or a quantized target")
+    assert marked == sum(e.needs_shard for e in entries) >= 3
 
 
 @pytest.mark.skipif(shutil.which("dflash-mlx") is None, reason="console script not installed")
