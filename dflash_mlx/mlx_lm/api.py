@@ -62,6 +62,7 @@ from ..proposers.base import Proposer
 from .cache import list_cache_problem, list_session, opened_on, remember
 from ..models.resolve import entry_for_target
 from ..session import Session, make_session
+from ..targets.adapter import target_problem
 from ..targets.quantized_kv import kv_quantization
 
 # Every keyword mlx_lm.stream_generate passes on to generate_step / speculative_generate_step.
@@ -123,6 +124,11 @@ def load(
             "(draft=...): generation falls back to plain mlx-lm decoding.",
             stacklevel=2,
         )
+        remember_draft(model, None)
+        return loaded
+    problem = target_problem(model)
+    if problem is not None:
+        warnings.warn(f"{problem} Generation falls back to plain mlx-lm decoding.", stacklevel=2)
         remember_draft(model, None)
         return loaded
     drafter = load_draft(draft, model, dtype=target_float_dtype(model), target_name=target)
