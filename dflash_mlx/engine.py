@@ -37,6 +37,7 @@ from .proposers.base import Proposer
 from .sampling import SamplingSettings, log_softmax
 from .session import Session
 from .targets.adapter import TargetAdapter
+from .targets.quantized_kv import KVQuantization
 from .targets.rollback import VerifyRecord, rollback, undoes_single_row
 
 CONTEXT_BATCH = 64  # rows of b = 1 features the drafter receives at once
@@ -118,6 +119,7 @@ def speculative_cycles(
     acceptor: Acceptor | None = None,
     stop_tokens: Collection[int] = (),
     session: Session | None = None,
+    kv: KVQuantization | None = None,
 ) -> Iterator[Cycle]:
     """Yield cycles until `max_tokens` tokens are committed (-1: no limit) or a stop token.
 
@@ -127,7 +129,8 @@ def speculative_cycles(
     containing one of `stop_tokens` ends there (the tokens after it are
     dropped and never reach the caches). `session` (made with this target and
     proposer) keeps the caches for the next call; only the prompt tokens it
-    does not hold are prefilled.
+    does not hold are prefilled. `kv` quantizes the KV caches as mlx-lm's `kv_bits` does
+    (`targets.quantized_kv`: when mlx-lm would, and no verify crosses that point unquantized).
     """
     # duck-typed: isinstance() against the runtime-checkable Protocol costs ~7-30 us a call
     policy = block_size if hasattr(block_size, "choose") else FixedBlock(block_size)
@@ -145,8 +148,10 @@ def speculative_cycles(
     cache = session.cache
     context = _DrafterContext(proposer)
 
-    def choose(committed: int) -> int:
+    def choose(committed: int, position: int) -> int:
         limit = policy.max_block if max_tokens < 0 else min(policy.max_block, max_tokens - committed)
+        if kv is not None and (rows := kv.rows_allowed(position)) is not None:
+            limit = min(limit, rows)
         return 1 if proposer is None else policy.choose(limit)
 
     queue: deque[_Pending] = deque()
@@ -164,6 +169,8 @@ def speculative_cycles(
             verify_ids = mx.concatenate([anchor.reshape(1), drafts])
         else:
             verify_ids = anchor.reshape(1)
+        if kv is not None:
+            kv.convert(cache)
         logits, features, record = target.verify(verify_ids[None], cache)
         rows = acceptor.process(logits[0], drafts)
         verdict = acceptor.verdict(rows, drafts, draft_probs) if b > 1 else acceptor.next_token(rows)
@@ -194,7 +201,7 @@ def speculative_cycles(
             rollback(cache, queue.pop().record, keep=0)
 
     try:
-        logits = _prefill(target, prompt, done, cache, context, prefill_step_size, progress)
+        logits = _prefill(target, prompt, done, cache, context, prefill_step_size, progress, kv)
         row = acceptor.process(logits[0, -1:])
         logprobs = log_softmax(row)
         anchor = acceptor.next_token(row)
@@ -202,7 +209,7 @@ def speculative_cycles(
         # The prefill leaves the drafter's ingestion of the prompt lazy (`Proposer.state`): it runs with the
         # prompt's last row when the first cycle drafts, and waits for a block that needs it when that
         # cycle is a plain step (a drafter at b = 1 through the whole reply never runs it).
-        first_block = choose(committed) if committed != max_tokens else 1
+        first_block = choose(committed, position) if committed != max_tokens else 1
         mx.async_eval(anchor, context.state() if first_block > 1 else [])  # log-probabilities stay lazy
         session.prefilled(prompt_ids)  # before a verify updates the caches (its checkpoint copies the state)
         # b = 1 steps are chained on the lazy token when nothing needs it on the host first
@@ -234,7 +241,7 @@ def speculative_cycles(
             remaining = max_tokens < 0 or committed + 1 < max_tokens
             if chains and queued.block_size == 1 and remaining and not queue:
                 # a b = 1 cycle commits exactly one token: the next cycle (any block) can be built on it unread
-                queue.append(launch(queued.verdict, position + 1, committed + 1, choose(committed + 1)))
+                queue.append(launch(queued.verdict, position + 1, committed + 1, choose(committed + 1, position + 1)))
             values = queued.verdict.tolist()
             now = time.perf_counter()
             seconds, synced = now - synced, now
@@ -258,7 +265,7 @@ def speculative_cycles(
             position += len(tokens)
             anchor_id = tokens[-1]
             if not queue and stop is None and (committed < max_tokens or max_tokens < 0):
-                queue.append(launch(mx.array([anchor_id], mx.int32), position, committed, choose(committed)))
+                queue.append(launch(mx.array([anchor_id], mx.int32), position, committed, choose(committed, position)))
             # Log-probabilities stay lazy: only a caller that reads them pays for them.
             logprobs = log_softmax(queued.rows[:kept])
             yield Cycle(tokens=tokens, logprobs=logprobs, drafted=min(accepted, kept), block_size=queued.block_size,
@@ -279,19 +286,23 @@ def speculative_cycles(
         session.closed(settle)
 
 
-def _prefill(target, prompt, done, cache, context, step, progress) -> mx.array:
+def _prefill(target, prompt, done, cache, context, step, progress, kv) -> mx.array:
     """Feed the prompt from `done` on exactly as mlx-lm does (chunks of all but the last token, each
-    evaluated, then the last, left lazy); return the last forward's logits."""
+    evaluated, then the last, left lazy; `kv` quantizing between them); return the last forward's logits."""
     total = prompt.size
     progress(done, total)
     while total - done > 1:
         n = min(step, total - done - 1)
+        if kv is not None:
+            kv.convert(cache)
         _, features = target.forward(prompt[None, done : done + n], cache, logits=False)
         context.add(features)
         mx.eval([c.state for c in cache if c is not None], context.state())
         done += n
         progress(done, total)
         mx.clear_cache()
+    if kv is not None:
+        kv.convert(cache)
     logits, features = target.forward(prompt[None, done:], cache)
     context.add(features)
     return logits

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, GenerationResponse, generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .acceptance import Acceptor
@@ -27,6 +27,7 @@ from .policy import adaptive_policy
 from .sampling import SamplingSettings
 from .session import Session, check_draft_sampling, make_session
 from .sharding.lockstep import check_lockstep
+from .targets.quantized_kv import kv_quantization
 
 
 @dataclass
@@ -69,6 +70,9 @@ def stream_generate(
     xtc_threshold: float = 0.1,
     session: Session | None = None,
     max_block_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
 ) -> Iterator[DFlashResponse]:
     """Generate from `model`, drafting with `draft` (a DFlash drafter, a Proposer or None).
 
@@ -95,9 +99,13 @@ def stream_generate(
     (a chat's next turn) only prefills what is new. Output is unchanged.
     A tensor-sharded target (`load(..., shard="tensor")`) needs the same call on
     every rank; at the end the ranks check they generated the same tokens
-    (`sharding.lockstep.LockstepError` otherwise).
+    (`sharding.lockstep.LockstepError` otherwise). `kv_bits`, `kv_group_size` and
+    `quantized_kv_start` quantize the target's KV cache as `mlx_lm.generate` does
+    (output equal to mlx-lm's with the same settings; not for sliding-window targets);
+    without `kv_bits`, a session's own settings (`make_session(..., kv_bits=...)`) apply.
     """
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+    kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     if max_tokens == 0:
         raise ValueError("max_tokens must be non-zero (use -1 for no limit).")
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -117,6 +125,9 @@ def stream_generate(
         check_draft_sampling(draft_sampling)
     draft_sampling = draft_sampling or session.draft_sampling  # this call's choice; the session keeps its own
     proposer, target = session.proposer, session.target
+    kv = kv or session.kv
+    if kv is not None and (problem := kv.problem(session.cache or target.make_cache())):
+        raise ValueError(problem + ".")
     if xtc_probability and proposer is not None:
         raise ValueError(
             "XTC sampling (xtc_probability > 0) has no fixed distribution, so drafts cannot be "
@@ -152,6 +163,7 @@ def stream_generate(
             xtc=(xtc_probability, xtc_threshold, sorted(tokenizer.eos_token_ids)) if xtc_probability else None,
             sample_drafts=draft_sampling == "sample",
         ),
+        kv,
     )
     group = getattr(target, "group", None)
     if group is None or group.size() == 1:
@@ -170,7 +182,7 @@ def stream_generate(
 
 
 def _responses(session, prompt, tokenizer, max_tokens, block_size, prefill_step_size, prompt_progress,
-               acceptor) -> Iterator[DFlashResponse]:  # fmt: skip
+               acceptor, kv=None) -> Iterator[DFlashResponse]:  # fmt: skip
     """The responses of one generation (`stream_generate` has checked its arguments)."""
     proposer, target = session.proposer, session.target
     model = session.model
@@ -184,7 +196,7 @@ def _responses(session, prompt, tokenizer, max_tokens, block_size, prefill_step_
             target, prompt, proposer,
             max_tokens=max_tokens, block_size=block_size,
             prefill_step_size=prefill_step_size, prompt_progress=prompt_progress,
-            acceptor=acceptor, stop_tokens=eos, session=session,
+            acceptor=acceptor, stop_tokens=eos, session=session, kv=kv,
         )
         n = 0
         with mx.stream(generation_stream):

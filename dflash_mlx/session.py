@@ -32,10 +32,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
 from .proposers import Proposer, as_proposer
 from .targets.adapter import TargetAdapter
-from .targets.rollback import VerifyRecord, rollback, trimmable
+from .targets.quantized_kv import KVQuantization, kv_quantization
+from .targets.rollback import VerifyRecord, held, rollback, trimmable
 
 
 @dataclass
@@ -68,9 +70,10 @@ class Session:
     """
 
     def __init__(self, target: TargetAdapter, proposer: Proposer | None, draft=None, cache: list | None = None,
-                 draft_sampling: str = "sample"):  # fmt: skip
+                 draft_sampling: str = "sample", kv: KVQuantization | None = None):  # fmt: skip
         check_draft_sampling(draft_sampling)
         self.draft_sampling = draft_sampling  # the default of calls that do not choose
+        self.kv = kv  # the KV-cache quantization of calls that give none (`targets.quantized_kv`)
         self.target = target
         self.model = target.model
         self.proposer = proposer
@@ -190,7 +193,7 @@ class Session:
         caches = [c for c in self.cache or [] if c is not None]
         if all(trimmable(c) for c in caches):
             for c in caches:
-                c.trim(max(0, c.offset - len(self.tokens)))
+                c.trim(max(0, held(c) - len(self.tokens)))
         elif self._checkpoint is not None and self._checkpoint.position <= len(self.tokens):
             self._restore(self._checkpoint)
             self.tokens = self.tokens[: self._checkpoint.position]
@@ -233,7 +236,7 @@ class Session:
             if not callable(fork):
                 raise RuntimeError(f"{type(self.proposer).__name__} has no fork(): its context cannot be copied.")
             proposer = fork(context=True)
-        other = Session(self.target, proposer, self.draft, draft_sampling=self.draft_sampling)
+        other = Session(self.target, proposer, self.draft, draft_sampling=self.draft_sampling, kv=self.kv)
         other.cache = copy.deepcopy(self.cache)
         other.tokens, other._checkpoint = list(self.tokens), copy.deepcopy(self._checkpoint)
         other.prompt_length = self.prompt_length
@@ -266,7 +269,7 @@ class Session:
             if c is None:
                 continue
             if state is None:
-                c.trim(c.offset - checkpoint.position)
+                c.trim(held(c) - checkpoint.position)
             else:
                 c.state = _copy(state)
 
@@ -277,14 +280,18 @@ def check_draft_sampling(value: str) -> None:
 
 
 def make_session(
-    model: nn.Module, draft=None, *, max_draft_context: int | None = None, draft_sampling: str = "sample"
+    model: nn.Module, draft=None, *, max_draft_context: int | None = None, draft_sampling: str = "sample",
+    kv_bits: int | None = None, kv_group_size: int = 64, quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
 ) -> Session:
     """A reusable cache for `stream_generate(..., session=...)` with this model and drafter.
 
-    `draft_sampling` is the default of calls on the session that do not choose.
+    `draft_sampling` and the KV-cache quantization (`kv_bits`, `kv_group_size`,
+    `quantized_kv_start`, as `mlx_lm.generate` takes them) are the defaults of calls
+    on the session that give none.
     """
     if max_draft_context is not None and max_draft_context < 1:
         raise ValueError(f"max_draft_context must be >= 1, got {max_draft_context}.")
     proposer = as_proposer(draft, model, max_draft_context)
+    kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     return Session(TargetAdapter(model, proposer.layer_ids if proposer else ()), proposer, draft,
-                   draft_sampling=draft_sampling)  # fmt: skip
+                   draft_sampling=draft_sampling, kv=kv)  # fmt: skip

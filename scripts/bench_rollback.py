@@ -46,7 +46,7 @@ def build(size: str) -> qwen3_5.Model:
 
 def measure(model, block: int, keep: int, prompt_len: int, repeats: int) -> dict:
     target = TargetAdapter(model)
-    vocab = target.text.args.vocab_size
+    vocab = target.vocab_size
     cache = target.make_cache()
     prompt = mx.random.randint(0, vocab, (1, prompt_len), key=mx.random.key(1))
     mx.eval(target.forward(prompt, cache)[0], [c.state for c in cache])

@@ -50,9 +50,10 @@ def render_table(models_toml: Path) -> str:
             levels = "on/off" if e.reasoning == "enable_thinking" else "/".join(e.reasoning_values)
             default = f", default {e.reasoning_default}" if e.reasoning_default else ""
             reasoning = f"`{e.reasoning}` {levels}{default}"
+        notes = "; ".join(n for n in (e.notes, e.memory_note and f"**{e.memory_note}**") if n)
         lines.append(
             f"| `{e.name}` | `{e.target}`{where} | {also} | `{e.draft}`{where} | {e.family or ''} | {e.block_size} "
-            f"| {e.kind} | {reasoning} | {_cell(e.notes)} |"
+            f"| {e.kind} | {reasoning} | {_cell(notes)} |"
         )
     return "\n".join(lines)
 

@@ -23,8 +23,7 @@ from dflash_mlx.draft.config import DraftConfigError, derive_target_layer_ids, p
 from dflash_mlx.draft.load import DraftWeightsError, load_draft
 from dflash_mlx.draft.model import DFlashDraftModel
 from dflash_mlx.draft.pairing import PairMismatchError
-from dflash_mlx.targets.families import FAMILIES
-from dflash_mlx.targets.adapter import TargetAdapter, UnsupportedTargetError
+from dflash_mlx.targets.adapter import TargetAdapter, UnsupportedTargetError, target_problem
 
 PROMPT = mx.array([[40, 41, 57, 99, 120, 7, 300, 301, 12, 250]])  # S = 10 context rows
 BLOCK = mx.array([17] + [MASK_ID] * 3)  # b = 4
@@ -344,19 +343,27 @@ def test_load_pairs_local_dirs_and_casts_draft(tiny_target, tiny_draft, qwen3_ta
     assert str(qwen3_target) in str(e.value)
 
 
-def test_unsupported_targets(tiny_target):
-    from mlx_lm.models import phi3
+def test_a_family_outside_any_table_runs_and_an_unknown_cache_class_is_refused(tiny_target):
+    """No family whitelist: phi3 (no entry anywhere) gets an adapter; a target whose caches include a class
+    the rollback table does not know is refused when its adapter is made, naming the layer and the class."""
+    from mlx_lm.models import phi3, qwen3
+    from mlx_lm.models.cache import ConcatenateKVCache
 
-    args = phi3.ModelArgs(model_type="phi3", hidden_size=32, num_hidden_layers=1,
+    args = phi3.ModelArgs(model_type="phi3", hidden_size=32, num_hidden_layers=2,
                           intermediate_size=64, num_attention_heads=2, rms_norm_eps=1e-6,
                           vocab_size=64)  # fmt: skip
-    with pytest.raises(UnsupportedTargetError) as e:
-        TargetAdapter(phi3.Model(args), (0,))
-    assert "'phi3'" in str(e.value) and set(FAMILIES) >= {"llama", "qwen3"}
-    assert all(f in str(e.value) for f in FAMILIES), str(e.value)
-    swa = tiny_target("llama", layer_types=["sliding_attention", "full_attention"] * 2,
-                      sliding_window=8)  # fmt: skip
-    assert TargetAdapter(mlx_lm.load(str(swa))[0], (1,)).family_name == "llama"  # supported
+    assert TargetAdapter(phi3.Model(args), (0,)).family_name == "phi3" and target_problem(phi3.Model(args)) is None
+
+    class ConcatenatingQwen3(qwen3.Model):  # a model of the test's own, not an mlx-lm class changed
+        def make_cache(self):
+            return [ConcatenateKVCache() for _ in self.layers]
+
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                           num_attention_heads=2, rms_norm_eps=1e-6, vocab_size=64, num_key_value_heads=1,
+                           max_position_embeddings=64, rope_theta=1e4, head_dim=16, tie_word_embeddings=True)
+    with pytest.raises(UnsupportedTargetError, match="layer 0 uses a ConcatenateKVCache"):
+        TargetAdapter(ConcatenatingQwen3(args))
+    assert "ConcatenateKVCache" in target_problem(ConcatenatingQwen3(args))
 
 
 def test_adapter_forward_matches_model_and_layer_outputs(model):

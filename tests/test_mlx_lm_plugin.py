@@ -229,7 +229,7 @@ def test_custom_sampler_falls_back_to_mlx_lm_with_one_warning(loaded):
 
 
 @pytest.mark.parametrize("kwargs", [dict(sampler=make_sampler(0.8, xtc_probability=0.5, xtc_threshold=0.1)),
-                                    dict(kv_bits=8, quantized_kv_start=10_000), dict(max_kv_size=16)])  # fmt: skip
+                                    dict(max_kv_size=16)])  # fmt: skip
 def test_options_dflash_cannot_honour_run_mlx_lm(loaded, kwargs):
     model, tokenizer = loaded
     plugin_api._warned.clear()

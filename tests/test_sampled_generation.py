@@ -7,18 +7,14 @@ sampled tokens with the target's exact distribution, enumerated with the target.
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
 from dflash_mlx import stream_generate
 from dflash_mlx.proposers.oracle import OracleProposer
-from dflash_mlx.sampling import SamplingSettings, distribution
-from helpers import TINY_VOCAB, assert_same_stream, chi_square_p, prompt_ids, without_eos
+from helpers import TINY_VOCAB, assert_same_stream, check_first_two_sampled_tokens, prompt_ids, without_eos
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +52,6 @@ def test_seed_makes_sampling_reproducible(pair):
     assert run(1) != run(2)
 
 
-def _pooled(counts: np.ndarray, probs: np.ndarray, runs: int):
-    """Merge categories expected fewer than 5 times into one bin."""
-    small = probs * runs < 5
-    return (np.append(counts[~small], counts[small].sum()), np.append(probs[~small], probs[small].sum()))
-
-
 @pytest.mark.parametrize(
     "settings",
     [dict(temperature=1.5), dict(temperature=1.0, top_k=20, top_p=0.95),
@@ -69,32 +59,7 @@ def _pooled(counts: np.ndarray, probs: np.ndarray, runs: int):
 )
 def test_first_two_sampled_tokens_follow_the_target(pair, settings):
     model, tokenizer, draft = pair
-    prompt = prompt_ids(6, seed=5)
-    s = SamplingSettings(**{k: v for k, v in settings.items() if k != "draft_sampling"})
-    # Exact distributions by enumeration: p(t1), and p(t2 | t1) for every t1 in the support.
-    logits = model(mx.array(prompt)[None])[0, -1:]
-    p1 = np.array(distribution(logits, s)[0], dtype=np.float64)
-    support = np.nonzero(p1 > 1e-9)[0]
-    rows = model(mx.array([prompt + [int(t)] for t in support]))[:, -1]
-    p2_given = np.array(distribution(rows, s), dtype=np.float64)
-    p2 = (p1[support, None] * p2_given).sum(axis=0)
-    runs = 1000
-    firsts, seconds = [], []
-    with without_eos(tokenizer) as tok:
-        for seed in range(runs):
-            # max_tokens=3: the second token comes from a cycle that verified one draft.
-            out = [r for r in stream_generate(model, draft, tok, prompt, max_tokens=3,
-                                              block_size=3, seed=seed, **settings)]  # fmt: skip
-            assert out[2].cycle_tokens is not None and (out[1].cycle_tokens is None or out[1].cycle_tokens == 1)
-            out = [r.token for r in out]
-            firsts.append(out[0])
-            seconds.append(out[1])
-    for tokens, probs in ((firsts, p1), (seconds, p2)):
-        counts = np.bincount(tokens, minlength=TINY_VOCAB)
-        assert counts[probs <= 1e-9].sum() == 0
-        c, p = _pooled(counts, probs / probs.sum(), runs)
-        assert chi_square_p(c, p) > 1e-3
-    assert not math.isnan(p2.sum())
+    check_first_two_sampled_tokens(model, draft, tokenizer, prompt_ids(6, seed=5), settings)
 
 
 def test_xtc_is_refused_with_a_drafter_and_runs_without(pair):

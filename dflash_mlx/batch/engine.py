@@ -37,12 +37,11 @@ from ..policy.calibration import cost_curve
 from ..policy.estimate import AcceptanceEstimate
 from ..sampling import log_softmax
 from ..session import Session
-from ..targets.families import batch_problem
 from ..targets.rollback import rollback
 from .block_choice import BatchBlockChoice
 from .drafting import propose_rows
 from .prefill import prefill_together
-from .ragged_cache import batch_layer, keep_rows, unbatch_layer
+from .ragged_cache import batch_layer, batch_problem, keep_rows, unbatch_layer
 
 
 @dataclass

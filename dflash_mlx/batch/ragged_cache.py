@@ -23,6 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from ..targets.adapter import TargetAdapter, UnsupportedTargetError
 from ..targets.gated_delta import GDNRecord
 
 STEP = 256  # rows of key/value storage added at a time, as mlx-lm's KVCache does
@@ -68,6 +69,11 @@ class RaggedKVCache:
             self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
             self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
         self.lengths = [length + n for length in self.lengths]
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """Every row's keys and values up to the longest row (what KV-sharing layers read, as of mlx-lm's caches)."""
+        end = max(self.lengths)
         return self.keys[..., :end, :], self.values[..., :end, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs) -> mx.array:
@@ -133,6 +139,22 @@ def _kv_row(cache) -> tuple[mx.array, mx.array, int]:
     return keys[..., :offset, :], values[..., :offset, :], offset
 
 
+def batch_problem(model) -> str | None:
+    """Why a batch cannot decode this target's rows together, or None: it batches KV, sliding-window
+    and Gated DeltaNet caches only (other recurrent layers would be fed their kept rows again)."""
+    try:
+        target = TargetAdapter(model)
+    except UnsupportedTargetError as e:
+        return str(e)
+    if not target.family.batches:
+        return f"batched decoding does not support the {target.family_name} family (its positions)"
+    kinds = {type(c) for c in target.make_cache()}
+    if target.refeeds or not kinds <= {KVCache, RotatingKVCache, ArraysCache, type(None)}:
+        names = ", ".join(sorted(k.__name__ for k in kinds - {type(None)}))
+        return f"batched decoding does not support the {target.family_name} family's caches ({names}) yet"
+    return None
+
+
 def batch_layer(caches: list):
     """One layer's batch cache from each row's cache of that layer."""
     first = caches[0]
@@ -171,8 +193,8 @@ def keep_rows(cache: list, record, keep: list[int]) -> None:
     for j, layer in enumerate(cache):
         if isinstance(layer, RaggedKVCache):
             layer.keep_rows(record.rows, keep)
-        elif j in record.gdn:
-            restore_rows(record.gdn[j], layer, keep)
+        elif id(layer) in record.gdn:
+            restore_rows(record.gdn[id(layer)], layer, keep)
 
 
 def restore_rows(record: GDNRecord, cache, keep: list[int]) -> None:

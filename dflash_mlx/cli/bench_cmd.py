@@ -25,7 +25,10 @@ from ..utils.machine import describe
 from ..models.loading import dtype_name, target_float_dtype
 from ..models.resolve import BlockChoice, choose_block_size
 from ..utils.io import write_json_atomic
-from .common import DraftOpt, ModelOpt, ReasoningOpt, ShardOpt, console, fail, load_models, sharding_group, user_errors
+from .common import (
+    KV_DEFAULTS, DraftOpt, KVBitsOpt, KVGroupSizeOpt, ModelOpt, QuantizedKVStartOpt, ReasoningOpt, ShardOpt, console,
+    fail, kv_settings, load_models, sharding_group, user_errors,
+)
 
 
 def bench(
@@ -62,6 +65,9 @@ def bench(
                                          show_envvar=True)] = "unused",
     timeout_s: Annotated[float, typer.Option("--timeout-s", min=1.0, help="openai: seconds per request.")] = 600.0,
     shard: ShardOpt = None,
+    kv_bits: KVBitsOpt = KV_DEFAULTS["kv_bits"],
+    kv_group_size: KVGroupSizeOpt = KV_DEFAULTS["kv_group_size"],
+    quantized_kv_start: QuantizedKVStartOpt = KV_DEFAULTS["quantized_kv_start"],
 ) -> None:
     """Benchmark DFlash against mlx-lm's plain decoding on the same prompts."""
     if dataset not in DATASETS:
@@ -76,6 +82,8 @@ def bench(
         if draft is not None or block_size or baseline != "mlx-lm" or draft_model is not None:
             fail("--draft, --block-size, --baseline and --draft-model are for --backend local: a server "
                  "runs the drafter and blocks it was started with.")
+        if kv_bits is not None:
+            fail("--kv-bits is for --backend local (a server quantizes with `serve --kv-bits`).")
         if base_url is None:
             fail("--backend openai needs --base-url URL (the DFlash server).")
         from .bench_openai_cmd import bench_openai
@@ -91,6 +99,7 @@ def bench(
         fail("--baseline mlx-lm-draft and --draft-model PATH go together.")
     group = sharding_group(shard)  # both legs sharded: the baseline is mlx-lm's own sharded decoding
     choice, model_, tokenizer, drafter = load_models(model, draft, group=group)
+    kv = kv_settings(model_, kv_bits, kv_group_size, quantized_kv_start)
     with user_errors():
         template_kwargs = reasoning_kwargs(tokenizer, reasoning, choice.entry, choice.label)
         auto = choose_block_size(None, choice.entry, model_, drafter)
@@ -105,7 +114,7 @@ def bench(
 
             assistant = mlx_lm_load(draft_model)[0]
     settings = BenchSettings(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                             template_kwargs=template_kwargs, num_draft_tokens=num_draft_tokens)  # fmt: skip
+                             template_kwargs=template_kwargs, num_draft_tokens=num_draft_tokens, kv=kv)  # fmt: skip
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TextColumn("{task.fields[leg]}"), console=console, transient=True,
@@ -125,7 +134,7 @@ def bench(
         "model": choice.label, "target": choice.target, "draft": choice.draft, "dataset": dataset,
         "num_prompts": len(conversations), "max_tokens": max_tokens, "temperature": temperature,
         "top_p": top_p, "top_k": top_k, "seed": seed, "baseline": "mlx_lm.stream_generate", "backend": "local",
-    })
+    } | kv)
     _print_table(doc, legs)
     if out is not None and (group is None or group.rank() == 0):
         out.parent.mkdir(parents=True, exist_ok=True)

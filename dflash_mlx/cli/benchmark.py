@@ -57,6 +57,7 @@ class BenchSettings:
     template_kwargs: dict = field(default_factory=dict)
     raw: bool = False  # prompts as text, no chat template
     num_draft_tokens: int = 3  # for the mlx-lm-draft leg
+    kv: dict = field(default_factory=dict)  # kv_bits, kv_group_size, quantized_kv_start: every leg alike
 
 
 def _prompt_text(tokenizer, messages: list[dict], settings: BenchSettings) -> str:
@@ -70,8 +71,9 @@ def _stream(leg: Leg, model, tokenizer, drafter, draft_model, prompt: str, setti
         return stream_generate(
             model, drafter, tokenizer, prompt, max_tokens=max_tokens, **leg.block.generation_kwargs(),
             temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
+            **settings.kv,
         )
-    kwargs = {"sampler": make_sampler(settings.temperature, top_p=settings.top_p, top_k=settings.top_k)}
+    kwargs = {"sampler": make_sampler(settings.temperature, top_p=settings.top_p, top_k=settings.top_k), **settings.kv}
     if settings.temperature > 0:
         mx.random.seed(settings.seed)
     if leg.name == "mlx-lm-draft":

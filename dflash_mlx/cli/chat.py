@@ -27,9 +27,10 @@ from ..models.resolve import BlockChoice, choose_block_size
 from ..session import make_session
 from ..stats import RunStats
 from .common import (
-    BlockOpt, DraftOpt, ModelOpt, ReasoningOpt, SeedOpt, ShardOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
+    BlockOpt, DraftOpt, KVBitsOpt, KVGroupSizeOpt, ModelOpt, QuantizedKVStartOpt, ReasoningOpt, SeedOpt, ShardOpt,
+    SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
 )
-from .common import console, fail, load_models, sharding_group, user_errors
+from .common import KV_DEFAULTS, console, fail, kv_settings, load_models, sharding_group, user_errors
 from .live_panel import LiveReply, stats_panel, summary_line
 
 HELP = """[bold]Commands[/]
@@ -70,12 +71,16 @@ def chat(
     no_dflash: Annotated[bool, typer.Option("--no-dflash", help="Plain target decoding, for comparison.")] = False,
     seed: SeedOpt = None,
     shard: ShardOpt = None,
+    kv_bits: KVBitsOpt = KV_DEFAULTS["kv_bits"],
+    kv_group_size: KVGroupSizeOpt = KV_DEFAULTS["kv_group_size"],
+    quantized_kv_start: QuantizedKVStartOpt = KV_DEFAULTS["quantized_kv_start"],
 ) -> None:
     """Chat with a model; replies stream with a live acceptance histogram."""
     if max_tokens == 0 or max_tokens < -1:
         fail("--max-tokens: expected a positive integer (or -1 for no limit).")
     group = sharding_group(shard)  # (every rank reads the same stdin: mlx.launch sends it to all)
     choice, model_, tokenizer, drafter = load_models(model, draft, use_draft=not no_dflash, group=group)
+    kv = kv_settings(model_, kv_bits, kv_group_size, quantized_kv_start)
     with user_errors():
         if template_source(tokenizer) is None:
             fail(f"{choice.label} has no chat template; use `dflash-mlx generate --raw` instead.")
@@ -110,7 +115,7 @@ def chat(
         try:
             prompt = encode_prompt(tokenizer, render(tokenizer, state.conversation(), template_kwargs))
             reply = _reply(model_, drafter, tokenizer, prompt, session, state,
-                           dict(max_tokens=max_tokens, top_p=top_p, top_k=top_k, seed=seed))  # fmt: skip
+                           dict(max_tokens=max_tokens, top_p=top_p, top_k=top_k, seed=seed, **kv))  # fmt: skip
         except KeyboardInterrupt:  # outside the token loop (which turns Ctrl-C into a flag)
             console.print("\n[yellow](reply interrupted)[/]")
         state.messages.append({"role": "assistant", "content": reply})

@@ -21,6 +21,7 @@ from typing import Annotated
 
 import typer
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from rich.console import Console
 
 from .chat_template import ReasoningError
@@ -65,6 +66,39 @@ ReasoningOpt = Annotated[
     typer.Option("--reasoning", help="on|off|low|medium|high|xhigh, mapped onto the chat template's "
                  "enable_thinking, reasoning_effort or reasoning_strength."),
 ]
+
+
+KVBitsOpt = Annotated[
+    int | None,
+    typer.Option("--kv-bits", help="Quantize the target's KV cache to 2, 3, 4, 5, 6 or 8 bits, as mlx-lm's "
+                 "--kv-bits does (output equal to mlx-lm's with the same flags; not for sliding-window targets)."),
+]
+KVGroupSizeOpt = Annotated[int, typer.Option("--kv-group-size", help="Group size of the quantized KV cache.")]
+QuantizedKVStartOpt = Annotated[
+    int, typer.Option("--quantized-kv-start", help="Quantize the KV cache once it holds this many tokens.")
+]
+KV_DEFAULTS = {"kv_bits": None, "kv_group_size": 64, "quantized_kv_start": DEFAULT_QUANTIZED_KV_START}  # mlx-lm's
+KV_FLAGS = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start"}
+
+
+def kv_settings(model, kv_bits: int | None, kv_group_size: int, quantized_kv_start: int) -> dict:
+    """`stream_generate`'s KV-cache arguments for the flags, checked against the loaded target (an error names
+    the flag and exits 2)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..targets.quantized_kv import kv_quantization
+
+    try:
+        kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
+        problem = kv.problem(make_prompt_cache(model)) if kv is not None else None
+        if problem is not None:
+            raise ValueError(problem + ".")
+    except ValueError as e:
+        message = str(e)
+        for name, flag in KV_FLAGS.items():
+            message = message.replace(name, flag)
+        fail(message)
+    return {} if kv is None else {"kv_bits": kv.bits, "kv_group_size": kv.group_size, "quantized_kv_start": kv.start}
 
 
 ShardOpt = Annotated[

@@ -13,9 +13,10 @@ from ..generation import stream_generate
 from ..models.resolve import choose_block_size
 from ..stats import RunStats
 from .common import (
-    BlockOpt, DraftOpt, ModelOpt, ReasoningOpt, SeedOpt, ShardOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
+    BlockOpt, DraftOpt, KVBitsOpt, KVGroupSizeOpt, ModelOpt, QuantizedKVStartOpt, ReasoningOpt, SeedOpt, ShardOpt,
+    SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
 )
-from .common import err_console, fail, load_models, sharding_group, user_errors
+from .common import KV_DEFAULTS, err_console, fail, kv_settings, load_models, sharding_group, user_errors
 
 
 def generate(
@@ -34,6 +35,9 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text and statistics.")] = False,
     no_dflash: Annotated[bool, typer.Option("--no-dflash", help="Plain decoding with the target only.")] = False,
     shard: ShardOpt = None,
+    kv_bits: KVBitsOpt = KV_DEFAULTS["kv_bits"],
+    kv_group_size: KVGroupSizeOpt = KV_DEFAULTS["kv_group_size"],
+    quantized_kv_start: QuantizedKVStartOpt = KV_DEFAULTS["quantized_kv_start"],
 ) -> None:
     """Generate a reply to one prompt (chat-templated unless --raw)."""
     if prompt == "-":
@@ -42,6 +46,7 @@ def generate(
         fail("--max-tokens: expected a positive integer (or -1 for no limit).")
     group = sharding_group(shard)
     choice, model_, tokenizer, drafter = load_models(model, draft, use_draft=not no_dflash, group=group)
+    kv = kv_settings(model_, kv_bits, kv_group_size, quantized_kv_start)
     with user_errors():
         text = prompt
         if not raw:
@@ -62,7 +67,7 @@ def generate(
     try:
         for response in stream_generate(
             model_, drafter, tokenizer, text, max_tokens=max_tokens, **b.generation_kwargs(),
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **kv,
         ):
             stats.add(response)
             pieces.append(response.text)

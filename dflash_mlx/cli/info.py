@@ -17,7 +17,7 @@ from ..datasets import sample
 from ..utils.machine import describe
 from .openblas import openblas_path
 from ..models.registry import registry_entries
-from ..models.resolve import choose_block_size, default_available, supported
+from ..models.resolve import choose_block_size, default_available
 from .common import DraftOpt, ModelOpt, console, load_models, user_errors
 
 
@@ -25,37 +25,26 @@ def models(
     mlx: Annotated[bool, typer.Option("--mlx", help="Also list the MLX conversions each entry matches.")] = False,
 ) -> None:
     """List the known target -> drafter pairs (models.toml)."""
-    table = Table(
-        title="DFlash model pairs (models.toml)", box=box.SIMPLE_HEAD, show_lines=True, pad_edge=False,
-        caption="* family not supported by this version yet", caption_justify="left",
-    )
+    table = Table(title="DFlash model pairs (models.toml)", box=box.SIMPLE_HEAD, show_lines=True, pad_edge=False)
     table.add_column("name", style="bold", no_wrap=True)
-    table.add_column("target", overflow="fold", ratio=3)
-    table.add_column("drafter", overflow="fold", ratio=3)
-    table.add_column("family", overflow="fold", ratio=1)
+    table.add_column("target, → drafter, details", overflow="fold")
     table.add_column("block", justify="right", no_wrap=True)
-    table.add_column("reasoning", overflow="fold", ratio=2)
-    table.add_column("notes", overflow="fold", ratio=2)
     for entry in registry_entries():
-        target = escape(entry.target)
-        if mlx and entry.mlx_targets:
-            target += "".join(f"\n[dim]{escape(m)}[/dim]" for m in entry.mlx_targets)
-        family = escape(entry.family or "?")
-        if not supported(entry):
-            family += " [yellow]*[/yellow]"
-        reasoning = ""
+        lines = [escape(entry.target)] + [f"[dim]{escape(m)}[/dim]" for m in (entry.mlx_targets if mlx else ())]
+        lines.append(f"[cyan]→ {escape(entry.draft)}[/cyan]")
+        details = [entry.family or "?"] + (["DFlash 2"] if entry.kind == "dflash2" else [])
         if entry.reasoning:
             levels = "on/off" if entry.reasoning == "enable_thinking" else "/".join(entry.reasoning_values)
-            reasoning = f"{entry.reasoning}: {levels}"
-            if entry.reasoning_default:
-                reasoning += f", default {entry.reasoning_default}"
-        notes = entry.notes
+            default = f", default {entry.reasoning_default}" if entry.reasoning_default else ""
+            details.append(f"{entry.reasoning}: {levels}{default}")
+        if entry.notes:
+            details.append(entry.notes)
         if entry.bundled:
-            notes = (notes + " " if notes else "") + ("(bundled)" if default_available() else "(not installed)")
-        table.add_row(
-            entry.name, target, escape(entry.draft), family, str(entry.block_size),
-            escape(reasoning), escape(notes),
-        )
+            details.append("bundled" if default_available() else "bundled, not installed")
+        lines.append(f"[dim]{escape('; '.join(details))}[/dim]")
+        if entry.needs_shard:
+            lines.append(f"[yellow]{escape(entry.memory_note)}[/yellow]")
+        table.add_row(entry.name, "\n".join(lines), str(entry.block_size))
     Console(highlight=False).print(table)  # a fresh console: the width of the terminal as it is now
 
 

@@ -21,7 +21,10 @@ from mlx_lm.utils import _parse_size
 from ..models.resolve import choose_block_size
 from ..server.app import make_server, make_worker
 from .chat_template import reasoning_kwargs
-from .common import DraftOpt, ModelOpt, ReasoningOpt, ShardOpt, fail, load_models, sharding_group, user_errors
+from .common import (
+    KV_DEFAULTS, DraftOpt, KVBitsOpt, KVGroupSizeOpt, ModelOpt, QuantizedKVStartOpt, ReasoningOpt, ShardOpt, fail,
+    kv_settings, load_models, sharding_group, user_errors,
+)
 
 
 def _interrupt(signum, frame):
@@ -71,6 +74,9 @@ def serve(
         "--max-batch-bytes", metavar="SIZE", help="Bound on weights + active rows + prompt cache: a request whose "
         "caches would not fit waits (default: 3/4 of the device's memory).")] = None,
     shard: ShardOpt = None,
+    kv_bits: KVBitsOpt = KV_DEFAULTS["kv_bits"],
+    kv_group_size: KVGroupSizeOpt = KV_DEFAULTS["kv_group_size"],
+    quantized_kv_start: QuantizedKVStartOpt = KV_DEFAULTS["quantized_kv_start"],
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API with DFlash speculative decoding."""
     cache_bytes = _size(prompt_cache_bytes) if prompt_cache_bytes is not None else None
@@ -88,6 +94,7 @@ def serve(
         fail("--prompt-cache-dir and --shard: a sharded server keeps its prompt cache in memory only (the ranks' "
              "caches must stay alike).")  # fmt: skip
     choice, target, tokenizer, drafter = load_models(model, draft, draft_bits=draft_bits, group=group)
+    kv = kv_settings(target, kv_bits, kv_group_size, quantized_kv_start)
     with user_errors():
         block = choose_block_size(block_size, choice.entry, target, drafter)
         if tokenizer.has_chat_template:  # the registry's reasoning default applies as in chat and generate
@@ -96,7 +103,7 @@ def serve(
             raise typer.BadParameter("the model has no chat template to switch reasoning in", param_hint="--reasoning")
     if group is not None and group.rank() != 0:  # a follower: rank 0 listens and sends it the requests
         make_worker(target, tokenizer, drafter, block_size=block.size, adaptive=block.adaptive,
-                    prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, group=group).follow()
+                    prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, group=group, kv=kv).follow()
         return
     server = make_server(
         target, tokenizer, drafter, host=host, port=port, model_id=choice.label,
@@ -104,7 +111,7 @@ def serve(
         adaptive=block.adaptive, chat_template_args=template_args, log_requests=log_requests,
         prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, prompt_cache_dir=prompt_cache_dir,
         group=group, decode_concurrency=decode_concurrency, prefill_step_size=prefill_step_size,
-        max_batch_bytes=batch_bytes,
+        max_batch_bytes=batch_bytes, kv=kv,
     )
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
+from ..targets.adapter import embedding_shape, token_embedding
 from ..targets.families import text_model
 
 
@@ -20,10 +21,12 @@ class PairMismatchError(ValueError):
 def _target_facts(target_model: nn.Module) -> dict[str, int]:
     args = getattr(text_model(target_model), "args", None)
     layers = getattr(target_model, "layers", None)
+    embedding = token_embedding(target_model)
+    vocab, hidden = embedding_shape(embedding) if embedding is not None else (None, None)
     return {
-        "hidden_size": getattr(args, "hidden_size", None),
+        "hidden_size": hidden or getattr(args, "hidden_size", None),
         "num_layers": len(layers) if layers is not None else getattr(args, "num_hidden_layers", None),
-        "vocab_size": getattr(args, "vocab_size", None),
+        "vocab_size": getattr(args, "vocab_size", None) or vocab,
     }
 
 

@@ -17,9 +17,11 @@ equal to mlx-lm's.
   block size, see `dflash_mlx.models.block_size`). An ordinary mlx-lm draft model, or
   no drafter, runs ``mlx_lm.stream_generate`` itself. So do options DFlash
   cannot honour (a sampler not made by ``make_sampler``, XTC,
-  ``min_tokens_to_keep > 1``, ``kv_bits``, ``max_kv_size``,
-  ``input_embeddings``, another ``stream``): plain mlx-lm decoding, with one
-  warning per reason and process. Unknown keyword arguments raise TypeError.
+  ``min_tokens_to_keep > 1``, ``max_kv_size``, ``input_embeddings``, another
+  ``stream``): plain mlx-lm decoding, with one warning per reason and process.
+  ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start`` run DFlash on
+  mlx-lm's quantized KV cache (`dflash_mlx.targets.quantized_kv`). Unknown
+  keyword arguments raise TypeError.
 - Samplers: see `dflash_mlx.mlx_lm.samplers`. Sampled DFlash draws its seed
   from MLX's global generator, so ``mx.random.seed(n)`` before a call makes it
   reproducible, as in mlx-lm (the samples differ from mlx-lm's; the
@@ -45,7 +47,7 @@ from typing import Any, Dict, Optional
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
-from mlx_lm.generate import generation_stream
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generation_stream
 from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -60,6 +62,8 @@ from ..proposers.base import Proposer
 from .cache import list_cache_problem, list_session, opened_on, remember
 from ..models.resolve import entry_for_target
 from ..session import Session, make_session
+from ..targets.adapter import target_problem
+from ..targets.quantized_kv import kv_quantization
 
 # Every keyword mlx_lm.stream_generate passes on to generate_step / speculative_generate_step.
 OPTIONS = frozenset({
@@ -120,6 +124,11 @@ def load(
             "(draft=...): generation falls back to plain mlx-lm decoding.",
             stacklevel=2,
         )
+        remember_draft(model, None)
+        return loaded
+    problem = target_problem(model)
+    if problem is not None:
+        warnings.warn(f"{problem} Generation falls back to plain mlx-lm decoding.", stacklevel=2)
         remember_draft(model, None)
         return loaded
     drafter = load_draft(draft, model, dtype=target_float_dtype(model), target_name=target)
@@ -186,7 +195,7 @@ def _fallback_reason(model, kwargs: dict, stream) -> str | None:
         sampler_settings(kwargs.get("sampler"))
     except UnsupportedSampler as e:
         return str(e)
-    for name in ("kv_bits", "max_kv_size", "input_embeddings"):
+    for name in ("max_kv_size", "input_embeddings"):
         if kwargs.get(name) is not None:
             return f"{name} is not supported with a DFlash drafter"
     cache = kwargs.get("prompt_cache")
@@ -235,9 +244,9 @@ def stream_generate(
 
 def _dflash(model, tokenizer, prompt, max_tokens, draft, *, sampler=None, logits_processors=None,
             prompt_cache=None, prefill_step_size=2048, prompt_progress_callback=None,
-            num_draft_tokens=None, kv_group_size=64, quantized_kv_start=None, **_unused_none):  # fmt: skip
-    # kv_group_size / quantized_kv_start only act with kv_bits, which falls back to mlx-lm;
-    # _unused_none holds kv_bits, max_kv_size and input_embeddings, all None here.
+            num_draft_tokens=None, kv_bits=None, kv_group_size=64, quantized_kv_start=DEFAULT_QUANTIZED_KV_START,
+            **_unused_none):  # fmt: skip
+    # _unused_none holds max_kv_size and input_embeddings, both None here.
     settings = sampler_settings(sampler)
     if num_draft_tokens is not None and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int)
                                          or num_draft_tokens < 0):  # fmt: skip
@@ -268,8 +277,10 @@ def _dflash(model, tokenizer, prompt, max_tokens, draft, *, sampler=None, logits
         temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p,
         logits_processors=logits_processors, prefill_step_size=prefill_step_size,
         prompt_progress_callback=prompt_progress_callback, session=session,
+        kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
     )
-    return _relabelled(responses, len(ids), prompt_cache, session, earlier + ids)
+    kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
+    return _relabelled(responses, len(ids), prompt_cache, session, earlier + ids, kv)
 
 
 def _counting_from(callback, n: int):
@@ -286,13 +297,14 @@ def _skipping(processor, n: int):
     return processor_without_cached_tokens
 
 
-def _relabelled(responses, prompt_tokens: int, cache, session: Session | None, held: list[int]):
+def _relabelled(responses, prompt_tokens: int, cache, session: Session | None, held: list[int], kv=None):
     """Report this call's prompt length (as mlx-lm does with a cache) and keep the cache's tokens.
 
     `held` grows to everything an mlx-lm cache would hold after the call: the
     earlier tokens, the prompt and every token yielded so far. An mlx-lm cache
     list is then made to hold exactly that (the engine leaves the last token
-    unfed), as mlx-lm's own decoding would leave it.
+    unfed), as mlx-lm's own decoding would leave it (`kv`: quantized as mlx-lm's last
+    step leaves it).
     """
     earlier = len(held) - prompt_tokens
     yielded = settled = False
@@ -308,9 +320,11 @@ def _relabelled(responses, prompt_tokens: int, cache, session: Session | None, h
         if isinstance(cache, list):
             # Nothing yielded (an error before the first token): leave the list as it was, if it can be.
             wanted = held if yielded else held[:earlier]
-            if session.tokens != wanted and (yielded or len(session.tokens) >= earlier):
-                with mx.stream(generation_stream):
+            with mx.stream(generation_stream):
+                if session.tokens != wanted and (yielded or len(session.tokens) >= earlier):
                     session.hold(wanted)
+                if kv is not None and yielded:
+                    kv.convert(cache)
             remember(cache, session)
 
     if isinstance(cache, list):

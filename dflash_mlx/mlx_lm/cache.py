@@ -26,7 +26,7 @@ from typing import Callable
 import mlx.nn as nn
 
 from ..proposers import Proposer, as_proposer
-from ..targets.rollback import UnsupportedCacheError, check_caches
+from ..targets.rollback import UnsupportedCacheError, check_caches, held
 from ..session import Session
 from ..targets.adapter import TargetAdapter, UnsupportedTargetError
 
@@ -47,11 +47,7 @@ _bindings: dict[int, _Binding] = {}  # id(list) -> binding
 
 def held_length(cache: list) -> int | None:
     """How many tokens an mlx-lm cache list holds (its attention caches' offset), or None."""
-    for c in cache:
-        offset = getattr(c, "offset", None)
-        if isinstance(offset, int):
-            return offset
-    return None
+    return next((n for n in map(held, cache) if n is not None), None)
 
 
 def list_cache_problem(model: nn.Module, cache) -> str | None:
@@ -60,7 +56,7 @@ def list_cache_problem(model: nn.Module, cache) -> str | None:
         return "prompt_cache is an empty list"
     try:
         target = TargetAdapter(model)
-        check_caches(cache, target.family_name, target.linear_layers)
+        check_caches(cache, target.family_name)
     except (UnsupportedCacheError, UnsupportedTargetError) as e:
         return f"prompt_cache: {e}"
     expected = len(target.make_cache())
@@ -112,13 +108,18 @@ def opened_on(cache: list, draft, settle: Callable[[], None]) -> None:
 
 
 def remember(cache: list, session: Session) -> None:
-    """Record what the list holds after a DFlash call (its drafter context is the session's)."""
-    bound = _binding(cache, session.draft)
-    if bound is not None:
-        bound.tokens = list(session.tokens)
-        bound.open = None
+    """Record what the list holds after a DFlash call on it (its drafter context is the session's); caches
+    the call replaced in the list (quantized, as mlx-lm's kv_bits does) keep it bound."""
+    bound = _bindings.get(id(cache))
+    if bound is None or bound.draft is not session.draft or session.cache is not cache:
+        return
+    if bound.first() is not cache[0]:
+        bound.first = weakref.ref(cache[0])
+        weakref.finalize(cache[0], _forget, id(cache), bound)
+    bound.tokens = list(session.tokens)
+    bound.open = None
 
 
 def _forget(key: int, bound: _Binding) -> None:
-    if _bindings.get(key) is bound:
+    if _bindings.get(key) is bound and bound.first() is None:
         del _bindings[key]

@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from ..draft.load import load_draft
 from ..draft.model import DFlashDraftModel
+from ..targets.adapter import UnsupportedTargetError, target_problem, token_embedding
 from ..targets.families import text_model
 from .resolve import ModelChoice, choose_model
 
@@ -35,9 +36,13 @@ def as_float32(module: nn.Module | None) -> None:
 
 
 def target_float_dtype(model: nn.Module) -> mx.Dtype | None:
-    """The target's activation dtype (its final norm's), so the drafter computes alike."""
+    """The target's activation dtype (its final norm's, else its token embedding's), so the drafter
+    computes alike."""
     norm = getattr(getattr(text_model(model), "model", None), "norm", None)
-    return getattr(getattr(norm, "weight", None), "dtype", None)
+    dtype = getattr(getattr(norm, "weight", None), "dtype", None)
+    if dtype is None and (embedding := token_embedding(model)) is not None:
+        dtype = getattr(embedding, "scales", embedding.weight).dtype  # (a quantized table's scales)
+    return dtype
 
 
 def dtype_name(dtype: mx.Dtype | None) -> str:
@@ -64,6 +69,9 @@ def load_choice(choice: ModelChoice, *, draft_bits: int | None = None, draft_gro
         return load_sharded(choice, group, draft_bits=draft_bits, draft_group_size=draft_group_size)
 
     model, tokenizer = mlx_lm_load(choice.target, **mlx_lm_load_kwargs)[:2]
+    problem = target_problem(model)
+    if problem is not None:
+        raise UnsupportedTargetError(f"{choice.label}: {problem}")
     if on_cpu():
         as_float32(model)
     drafter = None

@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 KINDS = ("dflash", "dflash2")
+LARGEST_MAC_GB = 192  # unified memory of the largest Mac: a bf16 target above it needs --shard or quantizing
 REASONING_KEYS = ("enable_thinking", "reasoning_effort", "reasoning_strength")
 PACKAGE = "dflash_mlx"
 RESOURCE = "models.toml"
@@ -59,6 +60,19 @@ class RegistryEntry:
     reasoning_values: tuple[str, ...] = ()
     reasoning_default: str | None = None  # applied when the user passes no --reasoning
     bundled: bool = False  # target and draft are directories inside the package
+    target_params_b: float | None = None  # the target's parameters, in billions (its bf16 size: 2 bytes each)
+
+    @property
+    def needs_shard(self) -> bool:
+        """Whether the target's bf16 weights exceed the largest Mac's memory."""
+        return self.target_params_b is not None and 2 * self.target_params_b > LARGEST_MAC_GB
+
+    @property
+    def memory_note(self) -> str:
+        """What a user must do about the target's size ("" when it fits)."""
+        if not self.needs_shard:
+            return ""
+        return f"needs --shard or a quantized target (bf16 ~{2 * self.target_params_b:.0f} GB)"
 
     def target_path(self) -> str:
         """What to load the target from: its repo id, or the packaged directory."""
@@ -139,6 +153,12 @@ def _check_bool(value: Any) -> str | None:
     return None if isinstance(value, bool) else "expected true or false"
 
 
+def _check_billions(value: Any) -> str | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return None
+    return "expected a positive number (billions of parameters)"
+
+
 # field -> (required, checker)
 _FIELDS = {
     "name": (True, _check_name),
@@ -153,6 +173,7 @@ _FIELDS = {
     "reasoning_values": (False, _check_levels),
     "reasoning_default": (False, _check_notes),
     "bundled": (False, _check_bool),
+    "target_params_b": (False, _check_billions),
 }
 
 
@@ -200,6 +221,7 @@ def _parse_entry(source: str, index: int, table: Any) -> RegistryEntry:
         reasoning_values=tuple(table.get("reasoning_values", ())),
         reasoning_default=table.get("reasoning_default"),
         bundled=table.get("bundled", False),
+        target_params_b=table.get("target_params_b"),
     )
 
 

@@ -3,8 +3,8 @@
 `choose_model` turns a registry name, a target repo id or a local directory
 into a `ModelChoice` (what to load, which drafter, the registry entry), with
 errors that say what to do: close registry names for a typo, `--draft` (or
-``draft=``) for a target the registry does not know, a missing config.json, a
-family this version cannot run. `models.loading` loads a choice.
+``draft=``) for a target the registry does not know, a missing config.json.
+`models.loading` loads a choice (and refuses a target DFlash cannot run).
 `choose_block_size` applies the one precedence: an explicit block size (fixed)
 > registry default > drafter config (the adaptive policy's largest block),
 capping only defaults at 5 for targets or drafters of 4 bits or fewer.
@@ -16,8 +16,6 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..targets.adapter import UnsupportedTargetError
-from ..targets.families import FAMILIES
 from .block_size import capped_block_size, widest_block
 from .registry import RegistryEntry, is_repo_id, lookup, registry_entries
 
@@ -35,11 +33,6 @@ class ModelChoice:
     entry: RegistryEntry | None
     label: str  # how messages name it
     is_default: bool = False
-
-
-def supported(entry: RegistryEntry) -> bool:
-    """Whether this version can run the entry's target family (unknown family: assume yes)."""
-    return entry.family is None or entry.family in FAMILIES
 
 
 def entry_for_directory(path: Path) -> RegistryEntry | None:
@@ -113,17 +106,6 @@ def choose_model(model: str | None, draft: str | None = None, *, use_draft: bool
         raise ModelChoiceError(
             f"{where}: not a registry name, a local directory or a Hugging Face repo id "
             f"('owner/name').{hint} `dflash-mlx models` lists the registry."
-        )
-    if entry is not None and not supported(entry):
-        families = ", ".join(sorted(FAMILIES))
-        if api:
-            raise UnsupportedTargetError(
-                f"{model}: the registry lists {entry.name} (family {entry.family}), which this version of "
-                f"dflash-mlx cannot run yet; supported families: {families}."
-            )
-        raise UnsupportedTargetError(
-            f"{where}: the registry lists {entry.name} (family {entry.family}), but this "
-            f"version of dflash-mlx cannot run that family yet (supported: {families})."
         )
     if not use_draft:
         return ModelChoice(target, None, entry, model, is_default)

@@ -19,7 +19,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..models.block_size import check_block_size
 from ..models.loading import dtype_name, target_float_dtype
-from ..targets.families import context_length, text_model
+from ..targets.adapter import embedding_shape, token_embedding
+from ..targets.families import context_length
 from .handler import Handler
 from .prompt_cache import DEFAULT_SESSIONS
 from .request import ServerInfo
@@ -83,10 +84,8 @@ class DFlashServer(ThreadingHTTPServer):
 
 def vocab_size(model, tokenizer) -> int:
     """Rows of the target's embedding table (the logits' width), else the tokenizer's size."""
-    try:
-        return int(text_model(model).model.embed_tokens.weight.shape[0])
-    except AttributeError:
-        return len(tokenizer.vocab)
+    embedding = token_embedding(model)
+    return embedding_shape(embedding)[0] if embedding is not None else len(tokenizer.vocab)
 
 
 def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: int = 8080,
@@ -95,7 +94,7 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
                 log_requests: bool = False, adaptive: bool | None = None,
                 prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
                 prompt_cache_dir=None, group=None, decode_concurrency: int = 32, prefill_step_size: int = 2048,
-                max_batch_bytes: int | None = None) -> DFlashServer:  # fmt: skip
+                max_batch_bytes: int | None = None, kv: dict | None = None) -> DFlashServer:  # fmt: skip
     """A server for a loaded pair (`draft=None`: plain decoding), bound but not yet serving.
 
     `port=0` picks a free port (see `server.url`). `max_tokens` is the default
@@ -113,7 +112,9 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
     longer prompt joining them prefilled `prefill_step_size` tokens per step, and a request
     joins only while weights, active rows and prompt cache stay under `max_batch_bytes`
     (default: 3/4 of the device's memory), and one whose caches could not fit even alone is
-    refused (`limits`).
+    refused (`limits`). `kv` (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``, as
+    `stream_generate` takes them) quantizes every request's KV cache as mlx-lm does (requests
+    are then served one at a time).
     """
     check_block_size(block_size, draft)
     if max_tokens < 1:
@@ -123,7 +124,7 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
     worker = make_worker(model, tokenizer, draft, block_size=block_size, adaptive=adaptive,
                          prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
                          prompt_cache_dir=prompt_cache_dir, group=group, decode_concurrency=decode_concurrency,
-                         prefill_step_size=prefill_step_size, max_batch_bytes=max_batch_bytes)  # fmt: skip
+                         prefill_step_size=prefill_step_size, max_batch_bytes=max_batch_bytes, kv=kv)  # fmt: skip
     info = ServerInfo(
         vocab_size=vocab_size(model, tokenizer), has_draft=draft is not None,
         has_chat_template=bool(tokenizer.has_chat_template), model_id=model_id, max_tokens=max_tokens,
@@ -139,7 +140,7 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
 def make_worker(model, tokenizer, draft=None, *, block_size: int | None = None, adaptive: bool | None = None,
                 prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
                 prompt_cache_dir=None, group=None, decode_concurrency: int = 1, prefill_step_size: int = 2048,
-                max_batch_bytes: int | None = None) -> GenerationWorker:  # fmt: skip
+                max_batch_bytes: int | None = None, kv: dict | None = None) -> GenerationWorker:  # fmt: skip
     """The generation worker `make_server` puts behind its listener (not started)."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -147,4 +148,4 @@ def make_worker(model, tokenizer, draft=None, *, block_size: int | None = None, 
                             adaptive=block_size is None if adaptive is None else adaptive,
                             prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
                             prompt_cache_dir=prompt_cache_dir, group=group, decode_concurrency=decode_concurrency,
-                            prefill_step_size=prefill_step_size, max_batch_bytes=max_batch_bytes)  # fmt: skip
+                            prefill_step_size=prefill_step_size, max_batch_bytes=max_batch_bytes, kv=kv)  # fmt: skip

@@ -51,7 +51,7 @@ from ..generation import stream_generate
 from ..session import make_session
 from ..sharding.group import broadcast
 from ..stats import RunStats
-from ..targets.families import batch_problem
+from ..batch.ragged_cache import batch_problem
 from .batching import BatchedServing
 from .channels import initial_state
 from .events import GENERATION_ERRORS, Discard, Failed, Finished, Job, Started, Token, dflash_object
@@ -71,7 +71,8 @@ class GenerationWorker:
                  context_length: int | None = None, adaptive: bool = True,
                  prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
                  prompt_cache_dir=None, group=None, decode_concurrency: int = 1,
-                 prefill_step_size: int = 2048, max_batch_bytes: int | None = None):  # fmt: skip
+                 prefill_step_size: int = 2048, max_batch_bytes: int | None = None,
+                 kv: dict | None = None):  # fmt: skip
         if group is not None and prompt_cache_dir is not None:
             raise ValueError("prompt_cache_dir: a sharded server keeps its prompt cache in memory only (the "
                              "ranks' caches must stay alike).")  # fmt: skip
@@ -94,7 +95,8 @@ class GenerationWorker:
         self.batched = None  # the batched loop, when requests decode together
         if decode_concurrency < 1:
             raise ValueError(f"decode_concurrency must be >= 1, got {decode_concurrency}.")
-        problem = batch_problem(model)
+        self.kv = dict(kv or {})  # stream_generate's kv_bits, kv_group_size, quantized_kv_start
+        problem = batch_problem(model) or ("a quantized KV cache (kv_bits) is not batched" if self.kv else None)
         if decode_concurrency > 1 and self.group is None and problem:
             logging.warning("Serving one request at a time: %s.", problem)
         if decode_concurrency > 1 and self.group is None and not problem:  # (a sharded server: one at a time)
@@ -212,7 +214,7 @@ class GenerationWorker:
                 **(blocks if self.draft is not None else {}),
                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
                 xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
-                logits_processors=make_logits_processors(**req.processors) or None, session=session,
+                logits_processors=make_logits_processors(**req.processors) or None, session=session, **self.kv,
             )
             for r in responses:
                 if job.cancelled and self.group is None:

@@ -1,8 +1,8 @@
 """Loading a pair with the target tensor-sharded over a distributed group.
 
 `load_sharded(choice, group)` checks, on every rank at once (`group.agree`),
-before any weight is read: that the target's family is one dflash-mlx runs
-and mlx-lm can shard (`targets.families.shard_problem`: its heads and
+before any weight is read: that dflash-mlx can run the target
+(`targets.adapter.target_problem`) and mlx-lm can shard it (`targets.families.shard_problem`: its heads and
 hidden sizes divide by the group size), and that every rank holds the same
 model files (`fingerprint`: names, sizes and the first and last MiB of each
 file, hashed, compared across ranks). Then the target goes through mlx-lm's
@@ -21,8 +21,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..draft.load import load_draft, resolve_model_dir
-from ..targets.adapter import UnsupportedTargetError
-from ..targets.families import FAMILIES, model_family, shard_problem
+from ..targets.adapter import UnsupportedTargetError, target_problem
+from ..targets.families import shard_problem
 from .group import ShardError, agree, broadcast, same_everywhere, world
 
 SHARD_MODES = ("tensor", "pipeline")
@@ -62,10 +62,9 @@ def _preflight(choice, ranks: int) -> bytes:
 
     target_dir = resolve_model_dir(choice.target, "target model", METADATA)
     model, _ = load_model(target_dir, lazy=True, strict=False)  # lazy: no weight is read
-    family = model_family(model)
-    if family not in FAMILIES:
-        raise UnsupportedTargetError(f"Target model family '{family}' is not supported; supported families: "
-                                     f"{', '.join(sorted(FAMILIES))}.")  # fmt: skip
+    problem = target_problem(model)
+    if problem is not None:
+        raise UnsupportedTargetError(f"{choice.target}: {problem}")
     problem = shard_problem(model, ranks)
     if problem is not None:
         raise UnsupportedTargetError(f"{choice.target}: cannot tensor-shard over {ranks} ranks: {problem}")

@@ -2,7 +2,9 @@
 
 Hybrid targets (Qwen3.5/3.6, Qwen3-Next) keep, per linear-attention layer, a
 conv state (the last K-1 mixed q/k/v inputs) and a recurrent state in an
-`ArraysCache`; neither can be trimmed. `gated_delta_forward` computes what
+`ArraysCache`; neither can be trimmed. In the adapter's view of the target
+such a layer's GatedDeltaNet module is a `Recording`: mlx-lm's own module,
+except while a verify is recorded, when `gated_delta_forward` computes what
 mlx-lm's GatedDeltaNet module computes, with the same submodules and the same
 ops in the same order (so outputs are identical), and, when given a `GDNRecord`,
 keeps what a rollback needs: the initial recurrent state, the conv input and
@@ -100,3 +102,35 @@ def gated_delta_forward(layer: nn.Module, x: mx.array, mask, cache, records: lis
     out = layer.out_proj(layer.norm(out, z).reshape(B, S, -1))
     group = getattr(layer, "sharding_group", None)  # tensor-sharded heads: sum the ranks' parts, as mlx-lm does
     return out if group is None else mx.distributed.all_sum(out, group=group)
+
+
+def gated_delta_child(layer: nn.Module) -> str | None:
+    """The name of `layer`'s mlx-lm GatedDeltaNet module (qwen3_5 or qwen3_next kind), or None."""
+    for name, child in layer.items():
+        if isinstance(child, nn.Module) and hasattr(child, "A_log") and hasattr(child, "conv1d") and (
+            hasattr(child, "in_proj_qkvz") or hasattr(child, "in_proj_qkv")
+        ):
+            return name
+    return None
+
+
+class Recording:
+    """A GatedDeltaNet module that records its verify for the rollback (`recording()`: the record in
+    progress, or None: mlx-lm's own module runs). The record is keyed by the layer cache's identity."""
+
+    __slots__ = ("module", "recording")
+
+    def __init__(self, module: nn.Module, recording):
+        self.module, self.recording = module, recording
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        record = self.recording()
+        if record is None or cache is None:
+            return self.module(x, mask, cache)
+        records: list = []
+        out = gated_delta_forward(self.module, x, mask, cache, records)
+        record.gdn[id(cache)] = records[0]
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)

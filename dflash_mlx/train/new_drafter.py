@@ -36,7 +36,7 @@ def target_facts(model: nn.Module) -> dict[str, Any]:
         theta = rope.get("rope_theta")
     return {
         "hidden_size": hidden,
-        "num_target_layers": len(text.model.layers),
+        "num_target_layers": len(model.layers),
         "num_attention_heads": heads,
         "num_key_value_heads": getattr(args, "num_key_value_heads", None) or heads,
         "head_dim": getattr(args, "head_dim", None) or hidden // heads,

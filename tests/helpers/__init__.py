@@ -19,6 +19,7 @@ from .drafts2 import draft2_weight_shapes, make_draft2
 from .checks import (
     assert_cycle_accounting,
     assert_same_stream,
+    check_first_two_sampled_tokens,
     check_lossless,
     chi_square_p,
     oracle_cycle_sizes,
@@ -64,7 +65,8 @@ __all__ = [
     "ALL_FAMILIES", "BOS_ID", "BOS_TOKEN", "CHAT_TEMPLATE", "DEFAULT_SLIDING_WINDOW", "EOS_ID", "EOS_TOKEN",
     "EXTRA_FAMILIES", "FAMILIES", "HYBRID_FAMILIES", "IM_END_ID", "IM_END_TOKEN", "IM_START_ID", "IM_START_TOKEN",
     "MASK_ID", "MASK_TOKEN", "MOE_FAMILIES", "NESTED_FAMILIES", "PAD_ID", "SLIDING_FAMILIES", "SPECIAL_TOKENS",
-    "TINY_VOCAB", "assert_cycle_accounting", "assert_same_stream", "check_lossless", "chi_square_p",
+    "TINY_VOCAB", "assert_cycle_accounting", "assert_same_stream", "check_first_two_sampled_tokens", "check_lossless",
+    "chi_square_p",
     "derive_target_layer_ids", "draft2_weight_shapes", "draft_weight_shapes", "greedy_with_margins", "load_pair",
     "make_constant_draft", "make_draft", "make_draft2", "make_target", "make_tokenizer", "oracle_cycle_sizes", "ours",
     "prompt_ids", "reference", "repeated_token", "run_both", "target_config", "with_eos", "without_eos",

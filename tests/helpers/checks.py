@@ -127,3 +127,32 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
         return 1.0
     z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
     return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def check_first_two_sampled_tokens(model, draft, tokenizer, prompt, settings: dict, runs: int = 1000) -> None:
+    """Over `runs` seeds, the first two tokens of `stream_generate(..., **settings)` follow the target's exact
+    distributions (enumerated with the target; the second comes from a cycle that verified one draft)."""
+    from dflash_mlx import stream_generate
+    from dflash_mlx.sampling import SamplingSettings, distribution
+
+    s = SamplingSettings(**{k: v for k, v in settings.items() if k != "draft_sampling"})
+    logits = model(mx.array(prompt)[None])[0, -1:]
+    p1 = np.array(distribution(logits, s)[0], dtype=np.float64)
+    support = np.nonzero(p1 > 1e-9)[0]
+    rows = model(mx.array([prompt + [int(t)] for t in support]))[:, -1]
+    p2 = (p1[support, None] * np.array(distribution(rows, s), dtype=np.float64)).sum(axis=0)
+    firsts, seconds = [], []
+    with without_eos(tokenizer) as tok:
+        for seed in range(runs):
+            out = list(stream_generate(model, draft, tok, prompt, max_tokens=3, block_size=3, seed=seed, **settings))
+            assert out[2].cycle_tokens is not None and (out[1].cycle_tokens is None or out[1].cycle_tokens == 1)
+            firsts.append(out[0].token)
+            seconds.append(out[1].token)
+    for tokens, probs in ((firsts, p1), (seconds, p2)):
+        counts = np.bincount(tokens, minlength=probs.size)
+        assert counts[probs <= 1e-9].sum() == 0
+        probs = probs / probs.sum()
+        small = probs * runs < 5  # bins expected fewer than 5 times are pooled into one
+        c, p = np.append(counts[~small], counts[small].sum()), np.append(probs[~small], probs[small].sum())
+        assert chi_square_p(c, p) > 1e-3
+    assert not math.isnan(p2.sum())
