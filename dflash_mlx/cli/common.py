@@ -23,7 +23,7 @@ import typer
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from rich.console import Console
 
-from .chat_template import ReasoningError
+from ..models.chat_template import ReasoningError
 from ..draft.config import DraftConfigError
 from ..draft.load import DraftWeightsError
 from ..draft.pairing import PairMismatchError

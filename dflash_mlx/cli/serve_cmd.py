@@ -20,7 +20,7 @@ from mlx_lm.utils import _parse_size
 
 from ..models.resolve import choose_block_size
 from ..server.app import make_server, make_worker
-from .chat_template import reasoning_kwargs
+from ..models.chat_template import reasoning_kwargs
 from .common import DraftOpt, ModelOpt, ReasoningOpt, ShardOpt, fail, load_models, sharding_group, user_errors
 
 
