@@ -71,8 +71,14 @@ def serve(
         "--max-batch-bytes", metavar="SIZE", help="Bound on weights + active rows + prompt cache: a request whose "
         "caches would not fit waits (default: 3/4 of the device's memory).")] = None,
     shard: ShardOpt = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="DFLASH_MLX_API_KEY", help="Require this key (x-api-key or Authorization: Bearer) on "
+        "every route but /health (default: none).")] = None,
+    response_store_size: Annotated[int, typer.Option(
+        "--response-store-size", min=0, help="Responses API: conversations kept for previous_response_id "
+        "(least recently used go first).")] = 100,
 ) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API with DFlash speculative decoding."""
+    """Serve a model over OpenAI's and Anthropic's HTTP APIs with DFlash speculative decoding."""
     cache_bytes = _size(prompt_cache_bytes) if prompt_cache_bytes is not None else None
     batch_bytes = _size(max_batch_bytes, "--max-batch-bytes") if max_batch_bytes is not None else None
     template_args = {}
@@ -104,7 +110,8 @@ def serve(
         adaptive=block.adaptive, chat_template_args=template_args, log_requests=log_requests,
         prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, prompt_cache_dir=prompt_cache_dir,
         group=group, decode_concurrency=decode_concurrency, prefill_step_size=prefill_step_size,
-        max_batch_bytes=batch_bytes,
+        max_batch_bytes=batch_bytes, api_key=api_key, response_store_size=response_store_size,
+        registry_entry=choice.entry,
     )
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
