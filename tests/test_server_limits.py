@@ -148,12 +148,12 @@ def _text(url: str) -> str:
     return body["choices"][0]["message"]["content"]
 
 
-def _cancel_a_stream(url: str) -> None:
+def _cancel_a_stream(url: str, path: str = CHAT, body: dict | None = None) -> None:
     """Open a streamed request, read its first event, hang up."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=120) as sock:
-        data = json.dumps(_chat(max_tokens=200, stream=True)).encode()
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        data = json.dumps(body or _chat(max_tokens=200, stream=True)).encode()
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode() +
                      b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)  # fmt: skip
         received = b""
         while b"data:" not in received:  # the headers, then the first event
@@ -296,20 +296,6 @@ def _message_text(url: str) -> str:
     return "".join(b["text"] for b in body["content"] if b["type"] == "text")
 
 
-def _cancel_a_messages_stream(url: str) -> None:
-    """Open a streamed /v1/messages request, read its first event, hang up."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=120) as sock:
-        data = json.dumps(_ask(max_tokens=200, stream=True)).encode()
-        sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)  # fmt: skip
-        received = b""
-        while b"event: message_start" not in received:
-            chunk = sock.recv(4096)
-            assert chunk, received
-            received += chunk
-
-
 @pytest.mark.slow
 def test_hostile_requests_in_the_agent_dialects_leave_the_server_serving_unchanged(served):
     before, text = _text(served.url), _message_text(served.url)
@@ -323,7 +309,7 @@ def test_hostile_requests_in_the_agent_dialects_leave_the_server_serving_unchang
             assert reply["error"]["message"].startswith(field + ":"), (name, reply)
             assert reply.get("type") == "error" if path.startswith(ANTHROPIC) else reply["error"]["param"] == field
         assert _message_text(served.url) == before, name
-    _cancel_a_messages_stream(served.url)
+    _cancel_a_stream(served.url, ANTHROPIC, _ask(max_tokens=200, stream=True))
     assert _text(served.url) == before and _message_text(served.url) == before
     assert served.proc.poll() is None and "Traceback" not in served.stderr, served.stderr
 

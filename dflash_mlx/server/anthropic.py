@@ -38,7 +38,7 @@ import uuid
 
 from .dialect import Blocks, Exchange, Outcome
 from .errors import RequestError
-from .request import Fields, GenerationRequest, check_model, reasoning_args, sampling, stops
+from .request import Fields, GenerationRequest, check_model, listed, reasoning_args, sampling, stops
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}  # fmt: skip
@@ -195,12 +195,8 @@ def _user(blocks: list, where: str, calls: set) -> list[dict]:
 
 
 def _tools(value) -> list[dict]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise RequestError("tools", f"expected a list of tools, got {value!r}")
     out = []
-    for i, tool in enumerate(value):
+    for i, tool in enumerate(listed(value, "tools", "tools")):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise RequestError(where, "expected an object with 'name' and 'input_schema'")

@@ -42,8 +42,9 @@ from collections import OrderedDict
 
 from .dialect import Blocks, Exchange, Outcome
 from .errors import RequestError
+from .messages import call_arguments
 from .openai_chat import error_body
-from .request import Fields, GenerationRequest, check_model, reasoning_args, sampling
+from .request import Fields, GenerationRequest, check_model, listed, reasoning_args, sampling
 
 KNOWN = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
          "parallel_tool_calls", "reasoning", "previous_response_id", "store", "stream", "stream_options", "metadata",
@@ -142,15 +143,8 @@ def _call(item: dict, where: str) -> dict:
     call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "")
     if not all(isinstance(v, str) and v for v in (call_id, name)):
         raise RequestError(where, "a function_call needs a non-empty string 'call_id' and 'name'")
-    if not isinstance(arguments, str):
-        raise RequestError(f"{where}.arguments", f"expected a JSON string, got {arguments!r}")
-    try:
-        parsed = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError as e:
-        raise RequestError(f"{where}.arguments", f"not valid JSON: {e}") from None
-    if not isinstance(parsed, dict):
-        raise RequestError(f"{where}.arguments", f"expected a JSON object, got {arguments!r}")
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
+    arguments = call_arguments(arguments, f"{where}.arguments")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _with_call(messages: list[dict], call: dict, reasoning: str) -> list[dict]:
@@ -166,12 +160,8 @@ def _with_call(messages: list[dict], call: dict, reasoning: str) -> list[dict]:
 
 
 def _tools(value) -> list[dict]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise RequestError("tools", f"expected a list of tools, got {value!r}")
     out = []
-    for i, tool in enumerate(value):
+    for i, tool in enumerate(listed(value, "tools", "tools")):
         t = Fields(tool if isinstance(tool, dict) else {}, f"tools[{i}].")
         if t.string("type", None, ("function",)) is None:
             raise RequestError(f"tools[{i}].type", "expected 'function' (only function tools are supported)")

@@ -1,4 +1,10 @@
-"""Parsing and validating OpenAI-style request bodies into a `GenerationRequest`.
+"""The server's request model (`GenerationRequest`) and chat / text completions' bodies parsed into it.
+
+Every dialect (`dialect`) parses into the same `GenerationRequest`: chat
+messages and tools as chat templates take them, sampling, stops and limits;
+the field checks they share are here (`Fields`, `check_model`, `sampling`,
+`stops`, `reasoning_args`). (OpenAI's standard fields and structured outputs,
+when served, belong here too.)
 
 Every field mlx-lm's server reads is either honoured or refused with a
 `RequestError` naming it (HTTP 400); so is every field this module does not
@@ -194,6 +200,15 @@ def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
         raise RequestError("stream_options", f"unknown option {sorted(set(options) - {'include_usage'})[0]!r}")
     req.include_usage = Fields(options).boolean("include_usage")
     return req
+
+
+def listed(value, name: str, what: str) -> list:
+    """`value` as a list ([] for None, a `RequestError` naming `name` for anything else)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise RequestError(name, f"expected a list of {what}, got {value!r}")
+    return value
 
 
 def check_model(model, info: ServerInfo):
