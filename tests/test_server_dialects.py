@@ -222,6 +222,8 @@ BAD = [
      "messages[1]"),
     ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x"}]}]},
      "messages[0].content[0].tool_use_id"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": [1]}]}]},
+     "messages[0].content[0].tool_use_id"),
     ("/v1/messages", {"tools": [{"name": "f"}]}, "tools[0].input_schema"),
     ("/v1/messages", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ("/v1/messages", {"tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
@@ -235,6 +237,8 @@ BAD = [
      "input[0].content[0]"),
     ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{no"}]},
      "input[0].arguments"),
+    ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": {"a": 1}, "output": "x"}]},
+     "input[0].call_id"),
     ("/v1/responses", {"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ("/v1/responses", {"max_output_tokens": 0}, "max_output_tokens"),
     ("/v1/responses", {"top_p": 0}, "top_p"),
@@ -328,3 +332,69 @@ def test_the_three_dialects_batch_together(server, monkeypatch):
     assert together["responses"]["output"][1]["arguments"] == alone["responses"]["output"][1]["arguments"]
     assert [together["chat"]["dflash"]["batch_rows"], together["messages"]["dflash"]["batch_rows"],
             together["responses"]["dflash"]["batch_rows"]] == [3, 3, 3]  # fmt: skip
+
+
+FULL_MESSAGES = {
+    "model": "scripted", "max_tokens": 8, "system": [{"type": "text", "text": "Be brief.", "cache_control": {}}],
+    "messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION}]},
+                 {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
+                                                   {"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                    "input": {"city": "Paris"}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                     {"type": "text", "text": "18"}]}, {"type": "text", "text": "Thanks."}]}],
+    "tools": [TOOL], "tool_choice": {"type": "auto"}, "thinking": {"type": "enabled", "budget_tokens": 1024},
+    "metadata": {"user_id": "u"}, "stop_sequences": ["x"], "temperature": 0.5, "top_p": 0.9, "top_k": 5}  # fmt: skip
+FULL_RESPONSES = {
+    "model": "scripted", "instructions": "Be brief.", "max_output_tokens": 8, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+        {"type": "reasoning", "id": "r", "summary": [], "content": [{"type": "reasoning_text", "text": "t"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "18"}],
+    "tools": [FUNCTION], "tool_choice": "auto", "reasoning": {"effort": "low", "summary": "auto"},
+    "text": {"format": {"type": "text"}, "verbosity": "low"}, "include": ["reasoning.encrypted_content"],
+    "store": True, "metadata": {"a": "b"}, "parallel_tool_calls": False, "temperature": 0.3, "top_p": 0.8}  # fmt: skip
+ODD = [None, 0, -1, 2**70, 10**400, 1.5, 1e308, "", "x", [], [1], {}, {"type": "text"}, {"a": [1]}, True, [[]], [{}],
+       [{"type": None}]]  # fmt: skip
+
+
+def _paths(value, prefix=()):
+    """Every place in a JSON value (the path to it)."""
+    yield prefix
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in children:
+        yield from _paths(child, prefix + (key,))
+
+
+def _replaced(body: dict, path: tuple, value) -> dict:
+    out = json.loads(json.dumps(body))
+    place = out
+    for key in path[:-1]:
+        place = place[key]
+    place[path[-1]] = value
+    return out
+
+
+def test_every_field_of_odd_types_is_a_4xx_or_served_never_a_5xx(server):
+    """Each place of full Messages, count_tokens and Responses bodies set to a value of every JSON
+    type (whole and streamed): never a 5xx, and the server answers the full bodies as before."""
+    counted = {k: v for k, v in FULL_MESSAGES.items() if k not in ("max_tokens", "stop_sequences", "temperature",
+                                                                      "top_p", "top_k")}  # fmt: skip
+    cases = [("/v1/messages", FULL_MESSAGES), ("/v1/messages/count_tokens", counted), ("/v1/responses", FULL_RESPONSES)]
+    before = {path: post(server, path, body) for path, body in cases}
+    assert all(status == 200 for status, _ in before.values()), before
+    failures = []
+    for path, body in cases:
+        for place in list(_paths(body))[1:]:
+            for value in ODD:
+                for stream in (False, True) if "count" not in path else (False,):
+                    sent = {**_replaced(body, place, value), **({"stream": True} if stream else {})}
+                    status, reply = post(server, path, sent)
+                    if status >= 500:
+                        failures.append((path, place, value, stream, reply))
+    assert not failures, failures[:5]
+    again = {path: post(server, path, body) for path, body in cases}
+    assert again["/v1/messages/count_tokens"] == before["/v1/messages/count_tokens"]
+    unnamed = [[{k: v for k, v in b.items() if k != "id"} for b in reply[1]["content"]] for reply in (
+        again["/v1/messages"], before["/v1/messages"])]  # (tool_use ids are random)  # fmt: skip
+    assert unnamed[0] == unnamed[1]
+    assert again["/v1/responses"][1]["output"][0]["content"] == before["/v1/responses"][1]["output"][0]["content"]

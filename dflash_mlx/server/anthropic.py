@@ -179,7 +179,7 @@ def _user(blocks: list, where: str, calls: set) -> list[dict]:
             texts.append(_text(block, at))
         elif kind == "tool_result":
             call_id = block.get("tool_use_id")
-            if call_id not in calls:
+            if not isinstance(call_id, str) or call_id not in calls:
                 raise RequestError(f"{at}.tool_use_id", f"{call_id!r} answers no tool_use block of the assistant "
                                                         f"turn before it ({sorted(calls)})")  # fmt: skip
             if not isinstance(block.get("is_error", False), bool):

@@ -129,7 +129,7 @@ def _items(value, calls: set) -> list[dict]:
             calls.add(item["call_id"])
         elif kind == "function_call_output":
             call_id = item.get("call_id")
-            if call_id not in calls:
+            if not isinstance(call_id, str) or call_id not in calls:
                 raise RequestError(f"{where}.call_id", f"{call_id!r} answers no function_call before it")
             out.append({"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output"),
                                                                                      f"{where}.output")})  # fmt: skip

@@ -107,7 +107,13 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    """A finite number a float holds (an integer beyond a float's range is not one)."""
+    if not (_is_int(value) or isinstance(value, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 class Fields:
@@ -129,7 +135,7 @@ class Fields:
             raise RequestError(where, f"must be {'>' if low_open else '>='} {low}, got {value!r}")
         if high is not None and value > high:
             raise RequestError(where, f"must be <= {high}, got {value!r}")
-        return value
+        return float(value)  # (MLX cannot take a Python integer beyond 64 bits)
 
     def integer(self, name, default, low=None, high=None):
         value, where = self.get(name, default), self.prefix + name
