@@ -104,6 +104,7 @@ def test_anthropic_messages_equal_chat_completions(demo):
         assert _text(claude.messages.create(**ask, thinking=thinking)) == want  # (the demo has no switch)
     count = claude.messages.count_tokens(model="demo", system=SYSTEM, messages=ask["messages"])
     assert count.input_tokens == chat.usage.prompt_tokens
+    assert [m.id for m in claude.models.list()] == [m.id for m in oai.models.list()] == ["demo"]
 
 
 def test_sampling_fields_ride_in_extra_body(demo):

@@ -266,6 +266,16 @@ def test_bad_input_is_a_400_in_the_dialects_shape_naming_the_field(server, path,
     assert reply["error"]["message"].startswith(f"{field}: "), reply
 
 
+def test_unknown_routes_and_the_model_list(server):
+    status, reply = post(server, "/v1/messages/batches", ASK)
+    assert status == 404 and reply["type"] == "error" and reply["error"]["type"] == "not_found_error"
+    status, reply = post(server, "/v1/responses/compact", {"input": QUESTION})
+    assert status == 404 and "no such endpoint" in reply["error"]["message"]
+    status, models = post(server, "/v1/models", None, method="GET")
+    assert models["data"][0]["id"] == "scripted" and models["data"][0]["type"] == "model"  # both SDKs' fields
+    assert models["has_more"] is False and models["first_id"] == "scripted"
+
+
 def test_a_prompt_beyond_the_context_names_the_dialects_field(server):
     long = "apples " * 3000
     status, reply = post(server, "/v1/messages", {**ASK, "messages": [{"role": "user", "content": long}]})

@@ -62,10 +62,12 @@ class DFlashServer(ThreadingHTTPServer):
         return f"http://{host}:{port}"
 
     def model_card(self) -> dict:
-        """`/v1/models`' entry, with what this server computes: drafter, default block (and whether it
-        is adaptive, up to block_size), dtype."""
+        """`/v1/models`' entry (OpenAI's fields and Anthropic's), with what this server computes: drafter,
+        default block (and whether it is adaptive, up to block_size), dtype."""
         has_draft = self.worker.draft is not None
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "dflash-mlx",
+                "type": "model", "display_name": self.model_id,
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created)),
                 "draft": self.draft_id, "block_size": self.worker.block_size if has_draft else None,
                 "adaptive_block": self.worker.adaptive,
                 "dtype": dtype_name(target_float_dtype(self.worker.model))}  # fmt: skip

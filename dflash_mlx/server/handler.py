@@ -141,7 +141,9 @@ class Handler(BaseHTTPRequestHandler):
         elif not self._authorized():
             self._send_json(401, error_body(UNAUTHORIZED, None, 401))
         elif path == "/v1/models":
-            self._send_json(200, {"object": "list", "data": [self.server.model_card()]})
+            card = self.server.model_card()  # OpenAI's list, with Anthropic's paging fields
+            self._send_json(200, {"object": "list", "data": [card], "has_more": False, "first_id": card["id"],
+                                  "last_id": card["id"]})  # fmt: skip
         else:
             self._send_json(404, error_body(f"no such endpoint: GET {self.path}", None, 404))
 
@@ -161,8 +163,9 @@ class Handler(BaseHTTPRequestHandler):
                 self._job.cancel()  # a no-op once it finished; else the worker stops it at its next token
 
     def _post(self, dialect) -> None:
-        if dialect is None:
-            self._send_json(404, error_body(f"no such endpoint: POST {self.path}", None, 404))
+        if dialect is None:  # (in Anthropic's shape under its paths)
+            shape = Messages if self.path.split("?")[0].startswith(("/v1/messages", "/messages")) else Completion
+            self._send_json(404, shape.error(404, f"no such endpoint: POST {self.path}"))
             return
         if not self._authorized():
             self._send_json(401, dialect.error(401, UNAUTHORIZED))
