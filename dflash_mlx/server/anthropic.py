@@ -42,9 +42,9 @@ from .request import Fields, GenerationRequest, check_model, listed, reasoning_a
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}  # fmt: skip
-IGNORED = {"metadata", "cache_control", "context_management", "output_config", "service_tier", "inference_geo",
-           "speed", "diagnostics", "user_profile_id", "workspace_id"}  # fmt: skip
-COUNT = {"model", "messages", "system", "tools", "tool_choice", "thinking"} | IGNORED
+IGNORED_OBJECTS = ("metadata", "cache_control", "context_management", "output_config", "diagnostics")
+IGNORED_STRINGS = ("service_tier", "inference_geo", "speed", "user_profile_id", "workspace_id")
+COUNT = {"model", "messages", "system", "tools", "tool_choice", "thinking", *IGNORED_OBJECTS, *IGNORED_STRINGS}
 CREATE = COUNT | {"max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream"}
 BLOCK_NAME = {"content": "text", "reasoning": "thinking"}
 
@@ -76,9 +76,9 @@ def parse(body: dict, info, known: set) -> GenerationRequest:
 
 
 def _ignored(b: Fields) -> None:
-    for name in ("metadata", "cache_control", "context_management", "output_config", "diagnostics"):
+    for name in IGNORED_OBJECTS:
         b.mapping(name)
-    for name in ("service_tier", "inference_geo", "speed", "user_profile_id", "workspace_id"):
+    for name in IGNORED_STRINGS:
         b.string(name)
     meta = Fields(b.mapping("metadata"), "metadata.")
     meta.unknown({"user_id"})

@@ -221,10 +221,11 @@ class Responses(Exchange):
 
     error = staticmethod(error)
 
-    def __init__(self, request: GenerationRequest, model: str, echo: dict, conversation: list | None, store):
+    def __init__(self, request: GenerationRequest, model: str, echo: dict, conversation: list | None,
+                 conversations: Conversations):  # fmt: skip
         super().__init__(request, model)
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
-        self.echo, self.conversation, self.store = echo, conversation, store
+        self.echo, self.conversation, self.conversations = echo, conversation, conversations
         self.blocks, self.ids, self.sequence, self.reasoning_tokens = Blocks(), {}, 0, 0
 
     @classmethod
@@ -306,7 +307,7 @@ class Responses(Exchange):
     def finish(self, delta, outcome: Outcome) -> list:
         events = self.feed(delta) + self._steps(self.blocks.close())
         if self.conversation is not None:
-            self.store.put(self.id, self.conversation + [self._assistant()])
+            self.conversations.put(self.id, self.conversation + [self._assistant()])
         if not self.request.stream:
             return []
         status = "incomplete" if outcome.finish_reason == "length" else "completed"
