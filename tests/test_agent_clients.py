@@ -12,7 +12,8 @@
   and reasoning items, and a Claude-Code-shaped request (tests/data: a long
   system prompt, fifteen tools, ``cache_control`` marks, an earlier assistant
   turn with thinking and tool_use, ``stream: true``) sent as raw HTTP;
-- ``--api-key``: both clients with the key, without it a 401 in each dialect.
+- ``--api-key`` (listening on every interface): both clients with the key,
+  without it a 401 in each dialect.
 """
 
 from __future__ import annotations
@@ -266,8 +267,9 @@ def test_a_claude_code_shaped_request(scripted):
 
 def test_serve_api_key(scripted_dirs):
     target, draft = scripted_dirs
-    server = ServeProcess("--model", str(target), "--draft", str(draft), "--api-key", "sesame")
+    server = ServeProcess("--model", str(target), "--draft", str(draft), "--api-key", "sesame", "--host", "0.0.0.0")
     try:
+        assert "without an API key" not in server.stderr  # (beyond loopback, but with a key)
         claude, oai = _clients(server.url, "sesame")
         ask = {"model": "default_model", "max_tokens": 64, "messages": [{"role": "user", "content": WEATHER}]}
         assert claude.messages.create(**ask).stop_reason == "tool_use"
