@@ -106,7 +106,7 @@ def test_sampled_rows_with_different_settings_follow_the_target(tiny_pair):
 
 
 def test_batch_generate_on_the_bundled_pair():
-    from dflash_mlx.cli.chat_template import render
+    from dflash_mlx.models.chat_template import render
     from dflash_mlx.datasets import sample
 
     model, tokenizer, draft = dflash_mlx.load("demo")

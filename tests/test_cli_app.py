@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_mlx import generate as dflash_generate
-from dflash_mlx.cli.chat_template import ReasoningError, reasoning_kwargs
+from dflash_mlx.models.chat_template import ReasoningError, reasoning_kwargs
 from dflash_mlx.cli import app
 from dflash_mlx.models.registry import RegistryEntry, lookup
 from dflash_mlx.models.resolve import BlockChoice, ModelChoiceError, choose_block_size, choose_model

@@ -12,7 +12,7 @@ from mlx_lm import stream_generate as mlx_lm_stream_generate
 from typer.testing import CliRunner
 
 import dflash_mlx
-from dflash_mlx.cli.chat_template import render
+from dflash_mlx.models.chat_template import render
 from dflash_mlx.cli import app
 from dflash_mlx.datasets import sample
 from dflash_mlx.models.registry import lookup

@@ -65,6 +65,8 @@ HOSTILE = [
     ("temperature negative", CHAT, _chat(temperature=-1), None, BAD),
     ("temperature 1e308", CHAT, _chat(temperature=1e308, seed=1), None, {200}),
     ("temperature 1e-300 (greedy)", CHAT, _chat(temperature=1e-300), None, {200}),
+    ("temperature 2**70, an integer", CHAT, _chat(temperature=2**70, seed=1), None, {200}),
+    ("repetition_penalty 10**400, beyond a float", CHAT, _chat(repetition_penalty=10**400), None, BAD),
     ("temperature NaN", CHAT, b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
      None, BAD),
     ("top_p zero", CHAT, _chat(top_p=0), None, BAD),
@@ -151,12 +153,12 @@ def _text(url: str) -> str:
     return body["choices"][0]["message"]["content"]
 
 
-def _cancel_a_stream(url: str) -> None:
+def _cancel_a_stream(url: str, path: str = CHAT, body: dict | None = None) -> None:
     """Open a streamed request, read its first event, hang up."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=120) as sock:
-        data = json.dumps(_chat(max_tokens=200, stream=True)).encode()
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        data = json.dumps(body or _chat(max_tokens=200, stream=True)).encode()
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode() +
                      b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)  # fmt: skip
         received = b""
         while b"data:" not in received:  # the headers, then the first event
@@ -215,6 +217,107 @@ def test_good_and_bad_requests_interleaved_from_threads(served):
     assert all(results[("good", i)] == want for i in range(len(bad))), results
     assert all(results[("bad", i)] == 400 for i in range(len(bad))), results
     assert _text(served.url) == want
+
+
+# -- the Anthropic and Responses dialects --------------------------------------------------------
+
+ANTHROPIC, RESPONSES = "/v1/messages", "/v1/responses"
+ASK = {"model": "demo", "max_tokens": 24, "messages": MESSAGES}
+INPUT = {"model": "demo", "max_output_tokens": 24, "input": QUESTION}
+
+
+def _ask(**fields) -> dict:
+    return {**ASK, **fields}
+
+
+def _input(**fields) -> dict:
+    return {**INPUT, **fields}
+
+
+# (name, path, body, the field a 400 names; None: served, 200)
+DIALECT_HOSTILE = [
+    ("messages: max_tokens missing", ANTHROPIC, _ask(max_tokens=None), "max_tokens"),
+    ("messages: max_tokens 2**63 (capped by the context)", ANTHROPIC, _ask(max_tokens=2**63, stop_sequences=["."]),
+     None),
+    ("messages: max_tokens a string", ANTHROPIC, _ask(max_tokens="24"), "max_tokens"),
+    ("messages: temperature 1e308", ANTHROPIC, _ask(temperature=1e308), None),
+    ("messages: temperature 2**70, an integer", ANTHROPIC, _ask(temperature=2**70), None),
+    ("messages: top_k beyond the vocabulary", ANTHROPIC, _ask(top_k=10**12), "top_k"),
+    ("messages: 10,000 stop sequences", ANTHROPIC, _ask(stop_sequences=["x"] * 10_000), "stop_sequences"),
+    ("messages: a stop sequence of a million characters", ANTHROPIC, _ask(stop_sequences=["x" * 10**6]),
+     "stop_sequences"),
+    ("messages: content not a list", ANTHROPIC, _ask(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
+    ("messages: 100,000 text blocks", ANTHROPIC, _ask(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a"}] * 100_000}]), "messages"),
+    ("messages: a role of its own", ANTHROPIC, _ask(messages=[{"role": "system", "content": "hi"}]), "messages[0]"),
+    ("messages: a tool_result answering nothing", ANTHROPIC, _ask(messages=[{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}]), "messages[0].content[0].tool_use_id"),
+    ("messages: a tool_use input not an object", ANTHROPIC, _ask(messages=[
+        MESSAGES[0], {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": [1]}]},
+        MESSAGES[0]]), "messages[1].content[0].input"),
+    ("messages: a tool with a 60-level schema", ANTHROPIC, _ask(tools=[{"name": "f", "input_schema": {
+        "type": "object", "properties": {"a": {"type": "array", "items": _deep(55)}}}}]), None),
+    ("messages: a server tool", ANTHROPIC, _ask(tools=[{"type": "bash_20250124", "name": "bash"}]), "tools[0].type"),
+    ("messages: system a number", ANTHROPIC, _ask(system=5), "system"),
+    ("messages: thinking a string", ANTHROPIC, _ask(thinking="on"), "thinking"),
+    ("messages: budget_tokens 1e30", ANTHROPIC, _ask(thinking={"type": "enabled", "budget_tokens": 1e30}),
+     "thinking.budget_tokens"),
+    ("messages: tool_choice a string", ANTHROPIC, _ask(tool_choice="auto"), "tool_choice"),
+    ("messages: stream a string", ANTHROPIC, _ask(stream="yes"), "stream"),
+    ("messages: an unknown field", ANTHROPIC, _ask(n=2), "n"),
+    ("messages: metadata with more", ANTHROPIC, _ask(metadata={"user_id": "u", "x": 1}), "metadata.x"),
+    ("messages: cache_control and context_management (ignored)", ANTHROPIC, _ask(
+        cache_control={"type": "ephemeral"}, context_management={"edits": []}, metadata={"user_id": "u"}), None),
+    ("count_tokens: 200,000 words", "/v1/messages/count_tokens", {"model": "demo", "messages": [
+        {"role": "user", "content": "apples " * 200_000}]}, None),
+    ("count_tokens: max_tokens", "/v1/messages/count_tokens", _ask(), "max_tokens"),
+    ("messages: a prompt of 200,000 words", ANTHROPIC, _ask(messages=[{"role": "user", "content": "apples " * 200_000}
+                                                                      ]), "messages"),
+    ("responses: input a number", RESPONSES, _input(input=5), "input"),
+    ("responses: 100,000 items", RESPONSES, _input(input=[{"role": "user", "content": "a"}] * 100_000), "input"),
+    ("responses: an item without a role", RESPONSES, _input(input=[{"type": "message", "content": "a"}]),
+     "input[0].role"),
+    ("responses: a call output answering nothing", RESPONSES, _input(input=[
+        {"type": "function_call_output", "call_id": "c", "output": "1"}]), "input[0].call_id"),
+    ("responses: arguments not JSON", RESPONSES, _input(input=[
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]), "input[0].arguments"),
+    ("responses: max_output_tokens 10**30", RESPONSES, _input(max_output_tokens=10**30), None),
+    ("responses: max_output_tokens negative", RESPONSES, _input(max_output_tokens=-1), "max_output_tokens"),
+    ("responses: temperature NaN-like string", RESPONSES, _input(temperature="nan"), "temperature"),
+    ("responses: previous_response_id unknown", RESPONSES, _input(previous_response_id="resp_" + "x" * 10_000),
+     "previous_response_id"),
+    ("responses: previous_response_id a number", RESPONSES, _input(previous_response_id=5), "previous_response_id"),
+    ("responses: include of 10,000", RESPONSES, _input(include=["x"] * 10_000), "include"),
+    ("responses: metadata of 1,000 keys", RESPONSES, _input(metadata={str(i): "v" for i in range(1000)}), "metadata"),
+    ("responses: reasoning effort on a model without a switch", RESPONSES, _input(reasoning={"effort": "high"}),
+     None),
+    ("responses: store false", RESPONSES, _input(store=False), None),
+    ("responses: an unknown field", RESPONSES, _input(conversation="c"), "conversation"),
+]
+
+
+def _message_text(url: str) -> str:
+    status, body = _post(url, ANTHROPIC, ASK)
+    assert status == 200, body
+    return "".join(b["text"] for b in body["content"] if b["type"] == "text")
+
+
+@pytest.mark.slow
+def test_hostile_requests_in_the_agent_dialects_leave_the_server_serving_unchanged(served):
+    before, text = _text(served.url), _message_text(served.url)
+    assert text == before  # the same conversation, the same greedy text
+    for name, path, body, field in DIALECT_HOSTILE:
+        status, reply = _post(served.url, path, body)
+        if field is None:
+            assert status == 200, (name, reply)
+        else:
+            assert status == 400, (name, status, reply)
+            assert reply["error"]["message"].startswith(field + ":"), (name, reply)
+            assert reply.get("type") == "error" if path.startswith(ANTHROPIC) else reply["error"]["param"] == field
+        assert _message_text(served.url) == before, name
+    _cancel_a_stream(served.url, ANTHROPIC, _ask(max_tokens=200, stream=True))
+    assert _text(served.url) == before and _message_text(served.url) == before
+    assert served.proc.poll() is None and "Traceback" not in served.stderr, served.stderr
 
 
 # -- faults injected into the batched loop, in process --------------------------------------------

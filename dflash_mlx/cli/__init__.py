@@ -4,8 +4,8 @@
 with the system OpenBLAS preloaded (`openblas`), and only then imports the
 app (`commands`: one module per command), so the package is imported once per
 start. Embedders and tests use ``from dflash_mlx.cli import app``. The helpers
-only commands use live here too: `benchmark`, `environment`,
-`chat_template`, `live_panel`, `common`.
+only commands use live here too: `benchmark`, `environment`, `live_panel`,
+`common`.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .benchmark import BenchSettings, report, run_benchmark
-from .chat_template import reasoning_kwargs
+from ..models.chat_template import reasoning_kwargs
 from ..datasets import DATASETS, sample
 from ..utils.machine import describe
 from ..models.loading import dtype_name, target_float_dtype

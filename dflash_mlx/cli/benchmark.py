@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from .chat_template import render, template_source
+from ..models.chat_template import render, template_source
 from ..generation import stream_generate
 from ..models.resolve import BlockChoice
 from ..stats import RunStats

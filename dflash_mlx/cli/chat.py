@@ -19,7 +19,7 @@ import typer
 from rich.live import Live
 from rich.markup import escape
 
-from .chat_template import reasoning_kwargs, render, template_source
+from ..models.chat_template import reasoning_kwargs, render, template_source
 from ..generation import encode_prompt, stream_generate
 from ..models.block_size import widest_block
 from ..models.loading import dtype_name, target_float_dtype

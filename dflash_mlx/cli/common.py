@@ -24,7 +24,7 @@ from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from rich.console import Console
 
-from .chat_template import ReasoningError
+from ..models.chat_template import ReasoningError
 from ..draft.config import DraftConfigError
 from ..draft.load import DraftWeightsError
 from ..draft.pairing import PairMismatchError

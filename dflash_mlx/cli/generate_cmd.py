@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .chat_template import reasoning_kwargs, render, template_source
+from ..models.chat_template import reasoning_kwargs, render, template_source
 from ..generation import stream_generate
 from ..models.resolve import choose_block_size
 from ..stats import RunStats

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .benchmark import BenchSettings, report, run_benchmark
-from .chat_template import reasoning_kwargs
+from ..models.chat_template import reasoning_kwargs
 from ..datasets import sample
 from ..utils.machine import describe
 from .openblas import openblas_path

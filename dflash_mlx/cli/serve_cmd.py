@@ -20,7 +20,7 @@ from mlx_lm.utils import _parse_size
 
 from ..models.resolve import choose_block_size
 from ..server.app import make_server, make_worker
-from .chat_template import reasoning_kwargs
+from ..models.chat_template import reasoning_kwargs
 from .common import (
     KV_DEFAULTS, DraftOpt, KVBitsOpt, KVGroupSizeOpt, ModelOpt, QuantizedKVStartOpt, ReasoningOpt, ShardOpt, fail,
     kv_settings, load_models, sharding_group, user_errors,
@@ -77,8 +77,14 @@ def serve(
     kv_bits: KVBitsOpt = KV_DEFAULTS["kv_bits"],
     kv_group_size: KVGroupSizeOpt = KV_DEFAULTS["kv_group_size"],
     quantized_kv_start: QuantizedKVStartOpt = KV_DEFAULTS["quantized_kv_start"],
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="DFLASH_MLX_API_KEY", help="Require this key (x-api-key or Authorization: Bearer) on "
+        "every route but /health (default: none).")] = None,
+    response_store_size: Annotated[int, typer.Option(
+        "--response-store-size", min=0, help="Responses API: conversations kept for previous_response_id "
+        "(least recently used go first).")] = 100,
 ) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API with DFlash speculative decoding."""
+    """Serve a model over OpenAI's and Anthropic's HTTP APIs with DFlash speculative decoding."""
     cache_bytes = _size(prompt_cache_bytes) if prompt_cache_bytes is not None else None
     batch_bytes = _size(max_batch_bytes, "--max-batch-bytes") if max_batch_bytes is not None else None
     template_args = {}
@@ -111,7 +117,8 @@ def serve(
         adaptive=block.adaptive, chat_template_args=template_args, log_requests=log_requests,
         prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, prompt_cache_dir=prompt_cache_dir,
         group=group, decode_concurrency=decode_concurrency, prefill_step_size=prefill_step_size,
-        max_batch_bytes=batch_bytes, kv=kv,
+        max_batch_bytes=batch_bytes, kv=kv, api_key=api_key, response_store_size=response_store_size,
+        registry_entry=choice.entry,
     )
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:

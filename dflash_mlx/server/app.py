@@ -5,11 +5,15 @@ their requests on the one `worker.GenerationWorker`, which owns the model.
 `start()` serves from a background thread (tests, embedding); `serve_forever()`
 serves from the caller's. `stop()` shuts the listener down, cancels the
 running job, fails queued ones with 503, joins the worker and closes the
-socket; it is safe to call more than once.
+socket; it is safe to call more than once. With an `api_key` every route but
+``/health`` wants it; without one, a server listening beyond the loopback
+interface warns that anyone who reaches it may use it.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import socket
 import threading
 import time
@@ -18,10 +22,12 @@ from http.server import ThreadingHTTPServer
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..models.block_size import check_block_size
+from ..models.chat_template import reasoning_switches
 from ..models.loading import dtype_name, target_float_dtype
 from ..targets.adapter import embedding_shape, token_embedding
 from ..targets.families import context_length
 from .handler import Handler
+from .openai_responses import DEFAULT_STORED, Conversations
 from .prompt_cache import DEFAULT_SESSIONS
 from .request import ServerInfo
 from .worker import GenerationWorker
@@ -33,13 +39,19 @@ class DFlashServer(ThreadingHTTPServer):
     request_queue_size = socket.SOMAXCONN  # socketserver's 5 resets clients that connect at once
 
     def __init__(self, address: tuple[str, int], worker: GenerationWorker, info: ServerInfo, *,
-                 model_id: str, draft_id: str | None, log_requests: bool = False):  # fmt: skip
+                 model_id: str, draft_id: str | None, log_requests: bool = False, api_key: str | None = None,
+                 response_store_size: int = DEFAULT_STORED):  # fmt: skip
         infos = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         self.address_family = infos[0][0]
         super().__init__(infos[0][4][:2], Handler)
         self.worker, self.info = worker, info
         self.model_id, self.draft_id = model_id, draft_id
         self.log_requests = log_requests
+        self.api_key = api_key or None
+        self.conversations = Conversations(response_store_size)  # the Responses API's previous_response_id
+        if self.api_key is None and not ipaddress.ip_address(self.server_address[0].split("%")[0]).is_loopback:
+            logging.warning("Listening on %s without an API key: anyone who can reach this address can use the "
+                            "model (set --api-key).", self.server_address[0])  # fmt: skip
         self.created = int(time.time())
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -51,10 +63,12 @@ class DFlashServer(ThreadingHTTPServer):
         return f"http://{host}:{port}"
 
     def model_card(self) -> dict:
-        """`/v1/models`' entry, with what this server computes: drafter, default block (and whether it
-        is adaptive, up to block_size), dtype."""
+        """`/v1/models`' entry (OpenAI's fields and Anthropic's), with what this server computes: drafter,
+        default block (and whether it is adaptive, up to block_size), dtype."""
         has_draft = self.worker.draft is not None
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "dflash-mlx",
+                "type": "model", "display_name": self.model_id,
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created)),
                 "draft": self.draft_id, "block_size": self.worker.block_size if has_draft else None,
                 "adaptive_block": self.worker.adaptive,
                 "dtype": dtype_name(target_float_dtype(self.worker.model))}  # fmt: skip
@@ -94,7 +108,8 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
                 log_requests: bool = False, adaptive: bool | None = None,
                 prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
                 prompt_cache_dir=None, group=None, decode_concurrency: int = 32, prefill_step_size: int = 2048,
-                max_batch_bytes: int | None = None, kv: dict | None = None) -> DFlashServer:  # fmt: skip
+                max_batch_bytes: int | None = None, kv: dict | None = None, api_key: str | None = None,
+                response_store_size: int = DEFAULT_STORED, registry_entry=None) -> DFlashServer:  # fmt: skip
     """A server for a loaded pair (`draft=None`: plain decoding), bound but not yet serving.
 
     `port=0` picks a free port (see `server.url`). `max_tokens` is the default
@@ -114,7 +129,11 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
     (default: 3/4 of the device's memory), and one whose caches could not fit even alone is
     refused (`limits`). `kv` (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``, as
     `stream_generate` takes them) quantizes every request's KV cache as mlx-lm does (requests
-    are then served one at a time).
+    are then served one at a time). `api_key` (None: none) is required by every route but
+    /health; `response_store_size` bounds the Responses API's stored conversations;
+    `registry_entry` (the model's models.toml entry) tells how its chat template switches
+    reasoning, which requests' thinking / reasoning fields set
+    (`models.chat_template.reasoning_switches`).
     """
     check_block_size(block_size, draft)
     if max_tokens < 1:
@@ -129,10 +148,10 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
         vocab_size=vocab_size(model, tokenizer), has_draft=draft is not None,
         has_chat_template=bool(tokenizer.has_chat_template), model_id=model_id, max_tokens=max_tokens,
         chat_template_args=dict(chat_template_args or {}), max_block=worker.block_size,
-        context_length=worker.context_length,
+        context_length=worker.context_length, reasoning=reasoning_switches(tokenizer, registry_entry, model_id),
     )
-    server = DFlashServer((host, port), worker, info, model_id=model_id, draft_id=draft_id,
-                          log_requests=log_requests)  # fmt: skip
+    server = DFlashServer((host, port), worker, info, model_id=model_id, draft_id=draft_id, log_requests=log_requests,
+                          api_key=api_key, response_store_size=response_store_size)  # fmt: skip
     worker.start()
     return server
 

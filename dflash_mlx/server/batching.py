@@ -284,7 +284,8 @@ class BatchedServing:
         if tail:
             put(Token(tail, None))
         dflash = dflash_object(row.stats) if worker.draft is not None else {}
-        self._leave(row, Finished(finish, row.stats.tokens, {**dflash, "batch_rows": row.widest} if dflash else {}))
+        dflash = {**dflash, "batch_rows": row.widest} if dflash else {}
+        self._leave(row, Finished(finish, row.stats.tokens, dflash, row.stopper.matched))
 
     def _drop_cancelled(self) -> None:
         for row in [r for r in self.rows.values() if r.job.cancelled]:

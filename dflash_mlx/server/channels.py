@@ -38,20 +38,40 @@ def initial_state(tokenizer, prompt: list[int]) -> str:
 
 @dataclass
 class Delta:
-    """What a piece of the reply adds to each channel."""
+    """What a piece of the reply adds to each channel; `parts` keeps the pieces in the order the
+    model wrote them (("reasoning" | "content", text) and ("tool", call)), for dialects whose
+    replies are ordered blocks."""
 
     content: str = ""
     reasoning: str = ""
     tool_calls: list[dict] = field(default_factory=list)
+    parts: list[tuple[str, object]] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.parts:
+            pieces = [("reasoning", self.reasoning), ("content", self.content)]
+            self.parts = [p for p in pieces if p[1]] + [("tool", c) for c in self.tool_calls]
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
 
+    def put(self, channel: str, value) -> None:
+        """Append text to "content" or "reasoning", or a call to "tool"."""
+        if channel == "tool":
+            self.tool_calls.append(value)
+        elif value:
+            setattr(self, channel, getattr(self, channel) + value)
+        else:
+            return
+        if channel != "tool" and self.parts and self.parts[-1][0] == channel:
+            self.parts[-1] = (channel, self.parts[-1][1] + value)
+        else:
+            self.parts.append((channel, value))
+
     def add(self, other: Delta) -> None:
         """Append `other`'s pieces (a whole reply gathers its deltas)."""
-        self.content += other.content
-        self.reasoning += other.reasoning
-        self.tool_calls.extend(other.tool_calls)
+        for channel, value in other.parts:
+            self.put(channel, value)
 
 
 class Channels:
@@ -96,13 +116,13 @@ class Channels:
         delta = Delta()
         for state, text in segments:
             if state == "reasoning":
-                delta.reasoning += text
+                delta.put("reasoning", text)
             elif state == "tool":
                 self._tool_text += text
             elif state == "normal":
                 if self._previous == "tool":
                     self._close_tool(delta)
-                delta.content += text
+                delta.put("content", text)
             self._previous = state
         return delta
 
@@ -111,10 +131,10 @@ class Channels:
         for call in calls:
             if _UUID.fullmatch(call["id"]):
                 call["id"] = f"call_{uuid.UUID(call['id']).hex[:24]}"
-        if calls:
-            delta.tool_calls.extend(calls)
-            self.made_tool_call = True
-        else:  # not a tool call after all: the text as the model wrote it
+        for call in calls:
+            delta.put("tool", call)
+        self.made_tool_call = self.made_tool_call or bool(calls)
+        if not calls:  # not a tool call after all: the text as the model wrote it
             start, end = self._markers
-            delta.content += start + self._tool_text + (end if closed else "")
+            delta.put("content", start + self._tool_text + (end if closed else ""))
         self._tool_text = ""

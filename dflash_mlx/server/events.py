@@ -40,6 +40,7 @@ class Finished:
     finish_reason: str
     completion_tokens: int
     dflash: dict = field(default_factory=dict)
+    stop_sequence: str | None = None  # the stop sequence that ended the reply (finish_reason "stop")
 
 
 @dataclass

@@ -1,34 +1,45 @@
-"""The HTTP handler: routes, request bodies, JSON replies and server-sent events.
+"""The HTTP handler: routes, request bodies, the API key, and replies whole or as server-sent events.
 
-POST ``/v1/chat/completions`` and ``/v1/completions`` (also without ``/v1``),
-GET ``/v1/models`` and ``/health``. A completion request is validated
-(`request.parse_request`: HTTP 400 naming the field), queued on the worker,
-and answered once its first token exists, so errors found before generation
-starts still get a proper status; a body nested deeper than `MAX_DEPTH` is a
-400, and an unexpected error in a handler is that request's 500 (its job is
-cancelled), never a dropped connection. Chat replies go through `channels.Channels`
-(content, reasoning, tool calls; a streamed tool call is sent once its block
-closes, as mlx_lm.server sends it). Streamed replies are SSE ``data:`` lines
-ending with ``data: [DONE]``; a client that goes away cancels its job.
+Three dialects over one request model (`dialect`): OpenAI's chat and text
+completions (`openai_chat`: POST ``/v1/chat/completions``, ``/v1/completions``),
+Anthropic's Messages API (`anthropic`: ``/v1/messages``,
+``/v1/messages/count_tokens``) and OpenAI's Responses API
+(`openai_responses`: ``/v1/responses``), each also without ``/v1``; GET
+``/v1/models`` and ``/health``. With an API key (``--api-key``) every route but
+``/health`` wants it as ``x-api-key`` or ``Authorization: Bearer``: else a 401.
+A request is validated (a 400 naming the field, in its dialect's error shape),
+queued on the worker, and answered once its first token exists, so errors found
+before generation starts still get a proper status; a body nested deeper than
+`MAX_DEPTH` is a 400, and an unexpected error in a handler is that request's
+500 (its job is cancelled), never a dropped connection. Chat replies go through
+`channels.Channels` (content, reasoning, tool calls: a tool call is released
+once its block closes, as mlx_lm.server sends it). Streamed replies are SSE
+(``event:`` lines where the dialect names its events); a client that goes away
+cancels its job.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import queue
 import time
 from http.server import BaseHTTPRequestHandler
 
+from .anthropic import CountTokens, Messages
 from .channels import Channels, Delta
-from .request import RequestError, parse_request
-from .responses import Reply, error_body, meta_info, usage
+from .dialect import Outcome
+from .errors import RequestError
 from .events import Failed, Finished, Started, Token
+from .openai_chat import Completion, TextCompletion, error_body
+from .openai_responses import Responses
 
 MAX_BODY = 32 * 2**20
 MAX_DEPTH = 64  # nesting of a body's arrays and objects (tool schemas need a few levels, nothing needs 64)
-ROUTES = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1/completions": "text",
-          "/completions": "text"}  # fmt: skip
+ROUTES = {"/chat/completions": Completion, "/completions": TextCompletion, "/messages": Messages,
+          "/messages/count_tokens": CountTokens, "/responses": Responses}  # fmt: skip
+ROUTES.update({"/v1" + path: dialect for path, dialect in list(ROUTES.items())})
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -58,8 +69,16 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _error(self, status: int, message: str, param: str | None = None) -> None:
-        self._send_json(status, error_body(message, param, status))
+    def _authorized(self) -> bool:
+        """Whether the request carries the server's API key (always, when it has none)."""
+        key = self.server.api_key
+        if key is None:
+            return True
+        given = self.headers.get("x-api-key")
+        bearer = self.headers.get("Authorization", "")
+        if given is None and bearer[:7].lower() == "bearer ":
+            given = bearer[7:].strip()
+        return given is not None and hmac.compare_digest(given.encode(), key.encode())
 
     def _read_json(self):
         """The body, parsed; a `RequestError` (411, 413 or 400) when it cannot be."""
@@ -83,6 +102,8 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(None, too_deep) from None
         if depth(body) > MAX_DEPTH:
             raise RequestError(None, too_deep)
+        if not isinstance(body, dict):
+            raise RequestError(None, "the request body must be a JSON object")
         return body
 
     def _next_event(self, job):
@@ -93,6 +114,18 @@ class Handler(BaseHTTPRequestHandler):
                 if not self.server.worker.alive and job.events.empty():
                     return Failed(503, "the generation thread has stopped")
 
+    def _open_stream(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self._cors()
+        self.end_headers()
+
+    def _send_events(self, events) -> None:
+        if events:
+            self.wfile.write(b"".join(sse(name, data) for name, data in events))
+            self.wfile.flush()
+
     # --- routes -------------------------------------------------------------------------------
 
     def do_OPTIONS(self):
@@ -102,117 +135,103 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         path = self.path.split("?")[0].rstrip("/")
-        if path == "/v1/models":
-            self._send_json(200, {"object": "list", "data": [self.server.model_card()]})
-        elif path == "/health":
+        if path == "/health":
             alive = self.server.worker.alive
             self._send_json(200 if alive else 503, {"status": "ok" if alive else "unavailable"})
+        elif not self._authorized():
+            self._send_json(401, error_body(UNAUTHORIZED, None, 401))
+        elif path == "/v1/models":
+            card = self.server.model_card()  # OpenAI's list, with Anthropic's paging fields
+            self._send_json(200, {"object": "list", "data": [card], "has_more": False, "first_id": card["id"],
+                                  "last_id": card["id"]})  # fmt: skip
         else:
-            self._error(404, f"no such endpoint: GET {self.path}")
+            self._send_json(404, error_body(f"no such endpoint: GET {self.path}", None, 404))
 
     def do_POST(self):
         self._received, self._responded, self._job = time.perf_counter(), False, None
+        dialect = ROUTES.get(self.path.split("?")[0].rstrip("/"))
         try:
-            self._post()
+            self._post(dialect)
         except (BrokenPipeError, ConnectionResetError):
             pass
         except Exception as e:  # a fault of this request's own handling: its 500, never the server's end
             logging.exception("Request to %s failed", self.path)
             if not self._responded:
-                self._error(500, f"internal error: {type(e).__name__}: {e}")
+                self._send_json(500, (dialect or Completion).error(500, f"internal error: {type(e).__name__}: {e}"))
         finally:
             if self._job is not None:
                 self._job.cancel()  # a no-op once it finished; else the worker stops it at its next token
 
-    def _post(self) -> None:
-        kind = ROUTES.get(self.path.split("?")[0].rstrip("/"))
-        if kind is None:
-            self._error(404, f"no such endpoint: POST {self.path}")
+    def _post(self, dialect) -> None:
+        if dialect is None:  # (in Anthropic's shape under its paths)
+            shape = Messages if self.path.split("?")[0].startswith(("/v1/messages", "/messages")) else Completion
+            self._send_json(404, shape.error(404, f"no such endpoint: POST {self.path}"))
+            return
+        if not self._authorized():
+            self._send_json(401, dialect.error(401, UNAUTHORIZED))
             return
         try:
-            req = parse_request(kind, self._read_json(), self.server.info)
+            exchange = dialect.parse(self._read_json(), self.server)
+            answer = exchange.answer(self.server)
         except RequestError as e:
-            self._error(e.status, str(e), e.field)
+            self._send_json(e.status, dialect.error(e.status, str(e), e.field))
             return
+        if answer is not None:
+            self._send_json(200, answer)
+            return
+        req = exchange.request
         job = self._job = self.server.worker.submit(req)
         first = self._next_event(job)
         if isinstance(first, Failed):
-            self._error(first.status, first.message, first.field)
+            self._send_json(first.status, exchange.error(first.status, first.message, first.field))
             return
         assert isinstance(first, Started)
-        reply = Reply(kind, self.server.model_id)
         channels = None
-        if kind == "chat":
+        if req.kind == "chat":
             channels = Channels(self.server.worker.tokenizer, req.tools, first.initial_state, streaming=req.stream)
-        (self._stream if req.stream else self._whole)(job, req, first, reply, channels)
+        if req.stream:
+            self._open_stream()
+            self._send_events(exchange.start(first))
+        self._reply(job, exchange, first, channels)
 
-    def _meta(self, req, reply: Reply, finish_reason: str, use: dict, dflash: dict) -> dict | None:
-        if not req.return_meta_info:
-            return None
-        return meta_info(reply.id, finish_reason, use, dflash, time.perf_counter() - self._received)
-
-    def _whole(self, job, req, started: Started, reply: Reply, channels: Channels | None) -> None:
-        parts, tokens = Delta(), []
+    def _reply(self, job, exchange, started: Started, channels: Channels | None) -> None:
+        """Read the job's events into the exchange: its stream events as they come, or its whole reply."""
+        stream = exchange.request.stream
         while True:
             event = self._next_event(job)
             if isinstance(event, Token):
-                parts.add(channels.feed(event.text) if channels else Delta(event.text))
-                if event.token is not None:
-                    tokens.append(event)
-            elif isinstance(event, Finished):
-                finish = event.finish_reason
-                if channels:
-                    parts.add(channels.finish(finish))
-                    finish = channels.finish_reason(finish)
-                use = usage(started.prompt_tokens, event.completion_tokens, started.cached_tokens)
-                self._send_json(200, reply.whole(parts.content, tokens, finish, use, event.dflash,
-                                                 reasoning=parts.reasoning, tool_calls=parts.tool_calls,
-                                                 meta=self._meta(req, reply, finish, use, event.dflash)))  # fmt: skip
-                return
-            else:
-                self._error(event.status, event.message, event.field)
-                return
-
-    def _stream(self, job, req, started: Started, reply: Reply, channels: Channels | None) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self._cors()
-        self.end_headers()
-        first, tokens = True, []  # tokens: events whose logprobs are not sent yet (held inside a tool call)
-        while True:
-            event = self._next_event(job)
-            if isinstance(event, Token):
-                if event.token is not None:
-                    tokens.append(event)
                 delta = channels.feed(event.text) if channels else Delta(event.text)
-                if channels and channels.in_tool_call:
-                    continue
-                if delta or first or (req.logprobs and tokens):
-                    self._sse(reply.chunk(delta.content, tokens, first=first, reasoning=delta.reasoning,
-                                          tool_calls=delta.tool_calls))  # fmt: skip
-                    first, tokens = False, []
+                events = exchange.feed(delta, event, holding=channels is not None and channels.in_tool_call)
             elif isinstance(event, Finished):
-                finish, delta = event.finish_reason, Delta()
-                if channels:
-                    delta = channels.finish(finish)
-                    finish = channels.finish_reason(finish)
-                use = usage(started.prompt_tokens, event.completion_tokens, started.cached_tokens)
-                self._sse(reply.chunk(delta.content, tokens, finish, first=first, dflash=event.dflash,
-                                      reasoning=delta.reasoning, tool_calls=delta.tool_calls,
-                                      meta=self._meta(req, reply, finish, use, event.dflash)))  # fmt: skip
-                if req.include_usage:
-                    self._sse(reply.usage_chunk(use))
-                break
+                delta = channels.finish(event.finish_reason) if channels else Delta()
+                outcome = Outcome(event.finish_reason, started.prompt_tokens, started.cached_tokens,
+                                  event.completion_tokens, event.dflash, event.stop_sequence,
+                                  channels is not None and channels.made_tool_call,
+                                  time.perf_counter() - self._received)  # fmt: skip
+                events = exchange.finish(delta, outcome)
+                if not stream:
+                    self._send_json(200, exchange.whole(outcome))
+                    return
+            elif not stream:
+                self._send_json(event.status, exchange.error(event.status, event.message, event.field))
+                return
             else:
-                self._sse(error_body(event.message, event.field, event.status))
+                events = exchange.fail(event)
+            if stream:
+                self._send_events(events)
+            if not isinstance(event, Token):
                 break
-        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.write(exchange.done)
         self.wfile.flush()
 
-    def _sse(self, obj: dict) -> None:
-        self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
-        self.wfile.flush()
+
+UNAUTHORIZED = "a valid API key is required (the x-api-key header or Authorization: Bearer)"
+
+
+def sse(name: str | None, data: dict) -> bytes:
+    """One server-sent event (an ``event:`` line when it has a name)."""
+    head = f"event: {name}\n" if name else ""
+    return f"{head}data: {json.dumps(data)}\n\n".encode()
 
 
 def depth(value) -> int:

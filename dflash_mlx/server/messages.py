@@ -72,16 +72,21 @@ def _tool_calls(calls, where: str) -> list[dict]:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise RequestError(f"{at}.function", "expected an object with a non-empty string 'name'")
-        arguments = function.get("arguments", {})
-        if isinstance(arguments, str):  # OpenAI sends a JSON string; templates want the object
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as e:
-                raise RequestError(f"{at}.function.arguments", f"not valid JSON: {e}") from None
-        if not isinstance(arguments, dict):
-            raise RequestError(f"{at}.function.arguments", f"expected a JSON object, got {arguments!r}")
+        arguments = call_arguments(function.get("arguments", {}), f"{at}.function.arguments")
         out.append({**call, "function": {**function, "arguments": arguments}})
     return out
+
+
+def call_arguments(arguments, where: str) -> dict:
+    """A tool call's arguments as the object chat templates take (OpenAI sends a JSON string)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            raise RequestError(where, f"not valid JSON: {e}") from None
+    if not isinstance(arguments, dict):
+        raise RequestError(where, f"expected a JSON object, got {arguments!r}")
+    return arguments
 
 
 def tools(value) -> list | None:

@@ -1,4 +1,10 @@
-"""Parsing and validating OpenAI-style request bodies into a `GenerationRequest`.
+"""The server's request model (`GenerationRequest`) and chat / text completions' bodies parsed into it.
+
+Every dialect (`dialect`) parses into the same `GenerationRequest`: chat
+messages and tools as chat templates take them, sampling, stops and limits;
+the field checks they share are here (`Fields`, `check_model`, `sampling`,
+`stops`, `reasoning_args`). (OpenAI's standard fields and structured outputs,
+when served, belong here too.)
 
 Every field mlx-lm's server reads is either honoured or refused with a
 `RequestError` naming it (HTTP 400); so is every field this module does not
@@ -60,6 +66,7 @@ class ServerInfo:
     chat_template_args: dict = field(default_factory=dict)
     max_block: int = 1  # the widest block this server verifies (anchor included): num_draft_tokens < it
     context_length: int | None = None  # the model's context in tokens (None: its config gives none)
+    reasoning: dict = field(default_factory=dict)  # level -> template arguments, or why not (reasoning_switches)
 
     @property
     def window_bound(self) -> int:
@@ -100,61 +107,80 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    """A finite number a float holds (an integer beyond a float's range is not one)."""
+    if not (_is_int(value) or isinstance(value, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
-class _Body:
-    """Typed access to the body's fields; each getter validates and names the field on error."""
+class Fields:
+    """Typed access to a body's fields; each getter validates and names the field on error (its
+    name after `prefix`, for a nested object: "thinking." names "thinking.budget_tokens")."""
 
-    def __init__(self, body: dict):
-        self.body = body
+    def __init__(self, body: dict, prefix: str = ""):
+        self.body, self.prefix = body, prefix
 
     def get(self, name, default=None):
         value = self.body.get(name)
         return default if value is None else value
 
     def number(self, name, default, low=None, high=None, *, low_open=False):
-        value = self.get(name, default)
+        value, where = self.get(name, default), self.prefix + name
         if not _is_number(value):
-            raise RequestError(name, f"expected a number, got {value!r}")
+            raise RequestError(where, f"expected a number, got {value!r}")
         if low is not None and (value < low or (low_open and value == low)):
-            raise RequestError(name, f"must be {'>' if low_open else '>='} {low}, got {value!r}")
+            raise RequestError(where, f"must be {'>' if low_open else '>='} {low}, got {value!r}")
         if high is not None and value > high:
-            raise RequestError(name, f"must be <= {high}, got {value!r}")
-        return value
+            raise RequestError(where, f"must be <= {high}, got {value!r}")
+        return float(value)  # (MLX cannot take a Python integer beyond 64 bits)
 
     def integer(self, name, default, low=None, high=None):
-        value = self.get(name, default)
+        value, where = self.get(name, default), self.prefix + name
         if value is not None and not _is_int(value):
-            raise RequestError(name, f"expected an integer, got {value!r}")
+            raise RequestError(where, f"expected an integer, got {value!r}")
         if value is not None and low is not None and value < low:
-            raise RequestError(name, f"must be >= {low}, got {value!r}")
+            raise RequestError(where, f"must be >= {low}, got {value!r}")
         if value is not None and high is not None and value > high:
-            raise RequestError(name, f"must be <= {high}, got {value!r}")
+            raise RequestError(where, f"must be <= {high}, got {value!r}")
         return value
 
     def boolean(self, name, default=False):
         value = self.get(name, default)
         if not isinstance(value, bool):
-            raise RequestError(name, f"expected true or false, got {value!r}")
+            raise RequestError(self.prefix + name, f"expected true or false, got {value!r}")
         return value
 
     def mapping(self, name):
         value = self.get(name, {})
         if not isinstance(value, dict):
-            raise RequestError(name, f"expected an object, got {value!r}")
+            raise RequestError(self.prefix + name, f"expected an object, got {value!r}")
         return value
+
+    def string(self, name, default=None, choices=None):
+        """A string field (None when absent and no default), one of `choices` when given."""
+        value = self.get(name, default)
+        if value is not None and not isinstance(value, str):
+            raise RequestError(self.prefix + name, f"expected a string, got {value!r}")
+        if value is not None and choices is not None and value not in choices:
+            raise RequestError(self.prefix + name, f"expected one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+
+    def unknown(self, known) -> None:
+        """Refuse the first field not in `known`."""
+        extra = sorted(set(self.body) - set(known))
+        if extra:
+            raise RequestError(self.prefix + extra[0], "unknown field (not supported by this server)")
 
 
 def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
     """Validate a /v1/chat/completions ("chat") or /v1/completions ("text") body."""
     if not isinstance(body, dict):
         raise RequestError(None, "the request body must be a JSON object")
-    known = CHAT if kind == "chat" else TEXT
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise RequestError(unknown[0], "unknown field (not supported by this server)")
-    b = _Body(body)
+    b = Fields(body)
+    b.unknown(CHAT if kind == "chat" else TEXT)
     req = GenerationRequest(kind=kind)
     _refusals(b, kind, info)
     if kind == "chat":
@@ -165,14 +191,11 @@ def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
         req.chat_template_kwargs = {**info.chat_template_args, **b.mapping("chat_template_kwargs")}
     else:
         req.prompt = _prompt(body.get("prompt"), info.vocab_size)
-    model = body.get("model")
-    if model not in (None, "default_model", info.model_id):
-        raise RequestError("model", f"this server serves {info.model_id!r} only (see GET /v1/models), got {model!r}")
-    req.model = model
+    req.model = check_model(body.get("model"), info)
     _lengths(b, req, info)
-    _sampling(b, req, info)
+    sampling(b, req, info)
     req.processors = _processors(b, info)
-    req.stop = _stop(body.get("stop"))
+    req.stop = stops(body.get("stop"))
     _logprobs(b, req, kind)
     req.stream = b.boolean("stream")
     req.return_meta_info = b.boolean("return_meta_info")
@@ -181,11 +204,39 @@ def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
         raise RequestError("stream_options", "only allowed with stream: true")
     if set(options) - {"include_usage"}:
         raise RequestError("stream_options", f"unknown option {sorted(set(options) - {'include_usage'})[0]!r}")
-    req.include_usage = _Body(options).boolean("include_usage")
+    req.include_usage = Fields(options).boolean("include_usage")
     return req
 
 
-def _refusals(b: _Body, kind: str, info: ServerInfo) -> None:
+def listed(value, name: str, what: str) -> list:
+    """`value` as a list ([] for None, a `RequestError` naming `name` for anything else)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise RequestError(name, f"expected a list of {what}, got {value!r}")
+    return value
+
+
+def check_model(model, info: ServerInfo):
+    """The request's ``model``: the served model's id, mlx-lm's "default_model" or none."""
+    if model not in (None, "default_model", info.model_id):
+        raise RequestError("model", f"this server serves {info.model_id!r} only (see GET /v1/models), got {model!r}")
+    return model
+
+
+def reasoning_args(info: ServerInfo, level: str, name: str) -> dict:
+    """The chat template arguments that switch reasoning to `level` (``--reasoning``'s levels) for a
+    request's field `name`; {} when the template has no switch (the field then changes nothing). A template
+    switched on or off takes any effort as "on"."""
+    switch = info.reasoning.get(level, {})
+    if isinstance(switch, str) and level != "off" and "enable_thinking" in info.reasoning.get("on", ()):
+        switch = info.reasoning["on"]
+    if isinstance(switch, str):
+        raise RequestError(name, switch)
+    return switch
+
+
+def _refusals(b: Fields, kind: str, info: ServerInfo) -> None:
     if b.get("n", 1) != 1:
         raise RequestError("n", f"only one choice per request is supported, got {b.get('n')!r}")
     if b.get("draft_model") not in (None, "default_model"):
@@ -203,7 +254,7 @@ def _refusals(b: _Body, kind: str, info: ServerInfo) -> None:
             raise RequestError("suffix", "insertion (a suffix) is not supported")
 
 
-def _role_mapping(b: _Body, info: ServerInfo) -> dict | None:
+def _role_mapping(b: Fields, info: ServerInfo) -> dict | None:
     mapping = b.get("role_mapping")
     if mapping is None:
         return None
@@ -227,7 +278,7 @@ def _prompt(prompt, vocab_size: int) -> str | list[int]:
     raise RequestError("prompt", "expected a non-empty string or a non-empty list of token ids (one prompt)")
 
 
-def _lengths(b: _Body, req: GenerationRequest, info: ServerInfo) -> None:
+def _lengths(b: Fields, req: GenerationRequest, info: ServerInfo) -> None:
     a = b.integer("max_completion_tokens", None, low=1)
     m = b.integer("max_tokens", None, low=1)
     if a is not None and m is not None and a != m:
@@ -235,7 +286,8 @@ def _lengths(b: _Body, req: GenerationRequest, info: ServerInfo) -> None:
     req.max_tokens = a or m or info.max_tokens
 
 
-def _sampling(b: _Body, req: GenerationRequest, info: ServerInfo) -> None:
+def sampling(b: Fields, req: GenerationRequest, info: ServerInfo) -> None:
+    """temperature, top_p, top_k, min_p, seed, XTC and num_draft_tokens (absent: the defaults)."""
     req.temperature = b.number("temperature", 0.0, low=0)
     if req.temperature < MIN_TEMPERATURE:  # dividing float32 logits by less overflows them (vLLM's rule too)
         req.temperature = 0.0
@@ -259,7 +311,7 @@ def _sampling(b: _Body, req: GenerationRequest, info: ServerInfo) -> None:
                                                f"{info.max_block - 1} drafts), got {req.num_draft_tokens}")  # fmt: skip
 
 
-def _processors(b: _Body, info: ServerInfo) -> dict:
+def _processors(b: Fields, info: ServerInfo) -> dict:
     kwargs, vocab_size, window = {}, info.vocab_size, info.window_bound
     bias = b.mapping("logit_bias")
     if bias:
@@ -290,21 +342,22 @@ def _processors(b: _Body, info: ServerInfo) -> dict:
     return kwargs
 
 
-def _stop(stop) -> list[str]:
+def stops(stop, name: str = "stop") -> list[str]:
+    """The stop sequences of field `name`: a string or a list of at most `MAX_STOPS` non-empty ones."""
     if stop is None:
         return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError("stop", f"expected a non-empty string or a list of them, got {stop!r}")
-    if len(stops) > MAX_STOPS:
-        raise RequestError("stop", f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
-    long = next((s for s in stops if len(s) > MAX_STOP_CHARS), None)
+    out = [stop] if isinstance(stop, str) else stop
+    if not isinstance(out, list) or not all(isinstance(s, str) and s for s in out):
+        raise RequestError(name, f"expected a non-empty string or a list of them, got {stop!r}")
+    if len(out) > MAX_STOPS:
+        raise RequestError(name, f"at most {MAX_STOPS} stop sequences, got {len(out)}")
+    long = next((s for s in out if len(s) > MAX_STOP_CHARS), None)
     if long is not None:
-        raise RequestError("stop", f"a stop sequence is at most {MAX_STOP_CHARS} characters, got {len(long)}")
-    return stops
+        raise RequestError(name, f"a stop sequence is at most {MAX_STOP_CHARS} characters, got {len(long)}")
+    return out
 
 
-def _logprobs(b: _Body, req: GenerationRequest, kind: str) -> None:
+def _logprobs(b: Fields, req: GenerationRequest, kind: str) -> None:
     value = b.get("logprobs", False)
     top = b.integer("top_logprobs", None, low=-1, high=MAX_TOP_LOGPROBS)
     if kind == "text" and _is_int(value):  # the legacy completions API: logprobs = how many top entries

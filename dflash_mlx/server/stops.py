@@ -4,7 +4,8 @@
 text that cannot be the start of a stop sequence is released at once, a tail
 that could still grow into one is held back, and when a stop sequence appears
 the text before it is released and `stopped` becomes true (the sequence itself
-is never sent, as in OpenAI's API). Matching on text rather than token ids
+is never sent, as in OpenAI's API; `matched` names it, for Anthropic's
+``stop_sequence``). Matching on text rather than token ids
 finds a stop sequence however the model happens to tokenize it.
 """
 
@@ -16,6 +17,7 @@ class StopText:
         self.stops = [s for s in stops if s]
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop sequence that ended the text
 
     def feed(self, text: str) -> str:
         """The text that can be released after `text` arrives ("" once stopped)."""
@@ -25,10 +27,11 @@ class StopText:
         if not self.stops:
             out, self.pending = self.pending, ""
             return out
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda hit: hit[0])
             self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
+            out, self.pending = self.pending[:at], ""
             return out
         keep = self._held_tail()
         out = self.pending[: len(self.pending) - keep]

@@ -58,6 +58,7 @@ from .events import GENERATION_ERRORS, Discard, Failed, Finished, Job, Started, 
 from .limits import Footprint, memory_budget, weight_bytes
 from .prompt_cache import DEFAULT_SESSIONS, PromptCache
 from .session_store import SessionStore, identity
+from .errors import RequestError
 from .request import GenerationRequest
 from .stops import StopText
 
@@ -236,7 +237,7 @@ class GenerationWorker:
             tail = stopper.flush()
             if tail:
                 put(Token(tail, None))
-            end = Finished(finish, count, dflash_object(stats) if self.draft is not None else {})
+            end = Finished(finish, count, dflash_object(stats) if self.draft is not None else {}, stopper.matched)
         except ValueError as e:
             end = Failed(400 if not started else 500, str(e))
         except Exception as e:  # this request's failure: its 500, and the next requests are served
@@ -277,9 +278,9 @@ class GenerationWorker:
         req, put = job.request, job.events.put
         field = "messages" if req.kind == "chat" else "prompt"
         try:
-            prompt = self._tokenize(req)
-        except (TemplateError, ValueError, TypeError, KeyError) as e:  # the template's or tokenizer's: a 400
-            put(Failed(400, f"cannot build the prompt: {e}", field))
+            prompt = self.tokenize(req)
+        except RequestError as e:
+            put(Failed(e.status, str(e), e.field))
             return None
         except Exception as e:
             logging.exception("Building a prompt failed")
@@ -318,6 +319,15 @@ class GenerationWorker:
         return Failed(400, f"max_tokens: a {prompt}-token prompt and {max_tokens} generated tokens need about "
                            f"{need:.2f} GB of caches; {budget}: at most {fits - prompt} tokens after this prompt",
                       "max_tokens")  # fmt: skip
+
+    def tokenize(self, req: GenerationRequest) -> list[int]:
+        """The request's prompt tokens; a `RequestError` (400) naming its messages or prompt when the chat
+        template or the tokenizer refuses them. (The tokenizer only reads: handler threads call this too.)"""
+        try:
+            return self._tokenize(req)
+        except (TemplateError, ValueError, TypeError, KeyError) as e:  # the template's or tokenizer's
+            field = "messages" if req.kind == "chat" else "prompt"
+            raise RequestError(field, f"cannot build the prompt: {e}") from None
 
     def _tokenize(self, req: GenerationRequest) -> list[int]:
         tokenizer = self.tokenizer

@@ -75,8 +75,9 @@ def _pieces() -> list[str]:
     return seen
 
 
-def make_scripted_target(out_dir: Path) -> Path:
-    """Write the scripted qwen3 target (float32) and its tokenizer to `out_dir`."""
+def make_scripted_target(out_dir: Path, context: int = 4096) -> Path:
+    """Write the scripted qwen3 target (float32) and its tokenizer to `out_dir`, with a context of
+    `context` tokens."""
     from mlx_lm.utils import _get_classes, save_config
     from mlx.utils import tree_flatten
     from tokenizers import AddedToken
@@ -91,12 +92,12 @@ def make_scripted_target(out_dir: Path) -> Path:
     write_json(out_dir / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN,
         "mask_token": MASK_TOKEN, "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
-        "chat_template": TEMPLATE, "clean_up_tokenization_spaces": False, "model_max_length": 4096,
+        "chat_template": TEMPLATE, "clean_up_tokenization_spaces": False, "model_max_length": context,
     })  # fmt: skip
 
     config = {"model_type": "qwen3", "hidden_size": hidden, "num_hidden_layers": 4, "intermediate_size": 32,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-              "vocab_size": hidden, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+              "vocab_size": hidden, "max_position_embeddings": context, "rope_theta": 10000.0,
               "tie_word_embeddings": False, "eos_token_id": EOS_ID, "torch_dtype": "float32"}  # fmt: skip
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))

@@ -5,8 +5,10 @@ Models switch reasoning through their chat template, each with its own key:
 low / medium / high) or `reasoning_strength`. `reasoning_kwargs` maps one
 user-facing level onto the key the template actually reads (found in the
 template source, or given by the registry entry), validates the level, and
-fails with a clear message when the template has no such key. `render` applies
-the template exactly as `mlx_lm generate` does (text, then mlx-lm's encoding).
+fails with a clear message when the template has no such key;
+`reasoning_switches` lists every level's arguments for the server, which maps
+requests' thinking / reasoning fields onto them. `render` applies the template
+exactly as `mlx_lm generate` does (text, then mlx-lm's encoding).
 """
 
 from __future__ import annotations
@@ -86,6 +88,20 @@ def reasoning_kwargs(
             f"{', '.join(levels)}" + ("" if level != "off" else "; it cannot be switched off") + "."
         )
     return {key: level}
+
+
+def reasoning_switches(tokenizer, entry: RegistryEntry | None = None, model_name: str = "the model") -> dict:
+    """Each of `LEVELS`' template arguments, or the reason the template cannot take it (a string);
+    empty when the template has no reasoning switch."""
+    if template_source(tokenizer) is None or reasoning_key(tokenizer, entry) is None:
+        return {}
+    out = {}
+    for level in LEVELS:
+        try:
+            out[level] = reasoning_kwargs(tokenizer, level, entry, model_name)
+        except ReasoningError as e:
+            out[level] = str(e).split(": ", 1)[-1]  # without the "--reasoning LEVEL: " of the CLI's message
+    return out
 
 
 def render(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> str:

@@ -1,4 +1,8 @@
-"""OpenAI response objects: chat and text completions, whole or as stream chunks, and errors.
+"""The OpenAI chat and text completions dialect: its replies, whole or as stream chunks, and errors.
+
+Its requests are the server's own request model (`request.parse_request`);
+`Completion` (``/v1/chat/completions``) and `TextCompletion`
+(``/v1/completions``) turn the reply back into these objects.
 
 Shapes follow OpenAI's API: ``chat.completion`` / ``chat.completion.chunk``
 (``message`` / ``delta``, chat-style ``logprobs.content`` entries with
@@ -20,7 +24,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from .channels import Delta
+from .dialect import Exchange, Outcome
 from .events import Token
+from .request import parse_request
 
 
 def error_body(message: str, param: str | None = None, status: int = 400) -> dict:
@@ -133,3 +140,70 @@ class Reply:
         if meta:
             out["meta_info"] = meta
         return out
+
+
+class Completion(Exchange):
+    """A /v1/chat/completions request (`TextCompletion`: /v1/completions). A streamed reply holds the
+    logprobs of a tool call's tokens until the call is sent, as mlx_lm.server does, and ends with
+    ``data: [DONE]``."""
+
+    kind = "chat"
+    done = b"data: [DONE]\n\n"
+
+    @staticmethod
+    def error(status: int, message: str, field: str | None = None) -> dict:
+        return error_body(message, field, status)
+
+    def __init__(self, request, model: str):
+        super().__init__(request, model)
+        self.reply = Reply(request.kind, model)
+        self.parts, self.tokens = Delta(), []  # tokens: events whose logprobs are not sent yet
+        self.first = True
+
+    @classmethod
+    def parse(cls, body, server) -> Completion:
+        return cls(parse_request(cls.kind, body, server.info), server.model_id)
+
+    def feed(self, delta: Delta, token: Token, holding: bool) -> list:
+        if token.token is not None:
+            self.tokens.append(token)
+        if not self.request.stream:
+            self.parts.add(delta)
+            return []
+        if holding or not (delta or self.first or (self.request.logprobs and self.tokens)):
+            return []
+        chunk = self.reply.chunk(delta.content, self.tokens, first=self.first, reasoning=delta.reasoning,
+                                 tool_calls=delta.tool_calls)  # fmt: skip
+        self.first, self.tokens = False, []
+        return [(None, chunk)]
+
+    def finish(self, delta: Delta, outcome: Outcome) -> list:
+        if not self.request.stream:
+            self.parts.add(delta)
+            return []
+        use = self._usage(outcome)
+        events = [(None, self.reply.chunk(delta.content, self.tokens, outcome.reason, first=self.first,
+                                          dflash=outcome.dflash, reasoning=delta.reasoning,
+                                          tool_calls=delta.tool_calls, meta=self._meta(outcome, use)))]  # fmt: skip
+        if self.request.include_usage:
+            events.append((None, self.reply.usage_chunk(use)))
+        return events
+
+    def whole(self, outcome: Outcome) -> dict:
+        use = self._usage(outcome)
+        return self.reply.whole(self.parts.content, self.tokens, outcome.reason, use, outcome.dflash,
+                                reasoning=self.parts.reasoning, tool_calls=self.parts.tool_calls,
+                                meta=self._meta(outcome, use))  # fmt: skip
+
+    @staticmethod
+    def _usage(outcome: Outcome) -> dict:
+        return usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens)
+
+    def _meta(self, outcome: Outcome, use: dict) -> dict | None:
+        if not self.request.return_meta_info:
+            return None
+        return meta_info(self.reply.id, outcome.reason, use, outcome.dflash, outcome.seconds)
+
+
+class TextCompletion(Completion):
+    kind = "text"
