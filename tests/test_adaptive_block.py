@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import make_session, stream_generate
 from dflash_mlx.engine import speculative_cycles
-from dflash_mlx.policy import AdaptiveBlock
+from dflash_mlx.policy.adaptive import AdaptiveBlock
 from dflash_mlx.policy.cost import CostCurve
 from dflash_mlx.proposers.oracle import OracleProposer
 from dflash_mlx.sampling import SamplingSettings, distribution

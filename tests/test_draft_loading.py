@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import dflash_mlx
 from helpers import MASK_ID, TINY_VOCAB
 from dflash_mlx.models.block_size import default_block_size
-from dflash_mlx.models.loading import on_cpu, target_float_dtype
+from dflash_mlx.models.dtype import on_cpu, target_float_dtype
 from dflash_mlx.draft.config import DraftConfigError, derive_target_layer_ids, parse_draft_config
 from dflash_mlx.draft.load import DraftWeightsError, load_draft
 from dflash_mlx.draft.model import DFlashDraftModel

@@ -28,7 +28,7 @@ import pytest
 from dflash_mlx.models.registry import lookup
 from helpers.calibrations import write_cheap_blocks_curve
 from helpers.servers import ServeProcess
-from dflash_mlx.models.loading import on_cpu
+from dflash_mlx.models.dtype import on_cpu
 
 openai = pytest.importorskip("openai")
 

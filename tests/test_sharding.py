@@ -110,7 +110,7 @@ def pairs(tmp_path_factory):
 def single_process_greedy(target: Path, prompt: list[int], max_tokens: int) -> list[int]:
     from mlx_lm import load, stream_generate
 
-    from dflash_mlx.models.loading import as_float32, on_cpu
+    from dflash_mlx.models.dtype import as_float32, on_cpu
 
     model, tokenizer = load(str(target))
     if on_cpu():  # the ranks compute in float32 on a CPU, as dflash-mlx does

@@ -25,17 +25,18 @@ rows join an empty batch.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from ..policy.adaptive import PROBE_BLOCK, PROBE_SOFTEN, ProbeSchedule
-from .calibration import BatchCost
 
 PROBE_TAX = 0.05  # what probing may add to the time of the b = 1 steps between probes
 
 
 class BatchBlockChoice:
-    """Chooses each step's block for rows with `estimate` (AcceptanceEstimate) and `max_block`."""
+    """Chooses each step's block for rows with `estimate` (AcceptanceEstimate) and `max_block`;
+    `cost(rows, b)` is T(B, b) (`calibration.BatchCost`)."""
 
-    def __init__(self, cost: BatchCost, max_block: int):
+    def __init__(self, cost: Callable[[int, int], float], max_block: int):
         if max_block < 1:
             raise ValueError(f"max_block must be >= 1, got {max_block}.")
         self.cost, self.max_block = cost, max_block

@@ -30,6 +30,7 @@ from ..policy.fit import non_decreasing
 from ..sampling import SamplingSettings
 from ..session import Session
 from ..utils.io import write_json_atomic
+from .engine import BatchDecoder
 
 FORMAT = 1
 ROWS = (1, 2, 4, 8)
@@ -72,8 +73,6 @@ def grid(max_block: int) -> list[int]:
 
 def measure(session: Session, max_block: int, rows=ROWS, rounds: int = ROUNDS) -> list[list[float]]:
     """Seconds per step at every (rows, block) point, on private sessions like `session`."""
-    from .engine import BatchDecoder  # (the engine imports the block choice, which imports nothing of this)
-
     blocks = grid(max_block)
     fork = getattr(session.proposer, "fork", None)
     if session.proposer is not None and not callable(fork):

@@ -26,7 +26,7 @@ TABLE_STEP = 1024  # positions the rotary tables grow by
 
 
 def default_device_is_cpu() -> bool:
-    """Whether ops now run on the CPU (per call: unlike `models.loading.on_cpu`, which asks whether
+    """Whether ops now run on the CPU (per call: unlike `models.dtype.on_cpu`, which asks whether
     the machine has Metal, a Mac that chose the CPU counts)."""
     return mx.default_device().type == mx.DeviceType.cpu
 

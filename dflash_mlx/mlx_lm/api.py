@@ -54,7 +54,7 @@ from ..draft.model import DFlashDraftModel
 from ..engine import SUPERSEDED
 from ..generation import encode_prompt
 from ..generation import stream_generate as dflash_stream_generate
-from ..models.loading import target_float_dtype
+from ..models.dtype import target_float_dtype
 from .samplers import UnsupportedSampler, sampler_settings
 from ..proposers.base import Proposer
 from .cache import list_cache_problem, list_session, opened_on, remember

@@ -67,6 +67,24 @@ def read_facts(model: nn.Module) -> ModelFacts:
     return facts
 
 
+def model_config(model):
+    """A model's config object (mlx-lm models keep theirs as `args`), or None."""
+    return getattr(model, "config", None) or getattr(model, "args", None)
+
+
+def model_facts(model) -> dict:
+    """What identifies a model's computation (type, size, dtypes, quantization, shape), as JSON-able data:
+    the calibration key's and the prompt-cache files' description of a model."""
+    if not isinstance(model, nn.Module):
+        return {"type": type(model).__name__}
+    facts = read_facts(model)
+    config = model_config(model)
+    shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
+                                                    "block_size", "intermediate_size")}  # fmt: skip
+    return {"type": type(model).__name__, "parameters": facts.parameters, "float_dtypes": list(facts.float_dtypes),
+            "bits": facts.bits, **shape}  # fmt: skip
+
+
 def _getter(node):
     try:
         return weakref.ref(node)

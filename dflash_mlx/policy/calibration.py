@@ -61,7 +61,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..models.facts import read_facts
+from ..models.facts import model_config, model_facts, read_facts
 from ..proposers.base import Proposal
 from ..sharding.group import broadcast_floats
 from ..utils.io import write_json_atomic
@@ -121,17 +121,6 @@ def grid_for(max_block: int) -> list[int]:
     return sorted({b for b in GRID if b < max_block} | {max_block})
 
 
-def model_facts(model) -> dict:
-    if not isinstance(model, nn.Module):
-        return {"type": type(model).__name__}
-    facts = read_facts(model)
-    config = _config(model)
-    shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
-                                                    "block_size", "intermediate_size")}  # fmt: skip
-    return {"type": type(model).__name__, "parameters": facts.parameters, "float_dtypes": list(facts.float_dtypes),
-            "bits": facts.bits, **shape}  # fmt: skip
-
-
 def calibration_key(target, proposer, max_block: int) -> dict:
     """Everything T(b) depends on: the models, the device, the software."""
     group = _group(target)
@@ -155,12 +144,9 @@ def _setup(target, proposer, max_block: int) -> tuple | None:
     model = target.model
     if not isinstance(model, nn.Module) or not isinstance(drafter, nn.Module) or _group(target) is not None:
         return None
-    made_of = (read_facts(model), read_facts(drafter), _config(model), _config(drafter), type(model), type(drafter))
+    made_of = (read_facts(model), read_facts(drafter), model_config(model), model_config(drafter), type(model),
+               type(drafter))
     return (id(model), id(drafter), type(proposer).__name__, max_block, str(mx.default_device())), made_of
-
-
-def _config(model):  # (mlx-lm models keep theirs as `args`)
-    return getattr(model, "config", None) or getattr(model, "args", None)
 
 
 def _group(target):

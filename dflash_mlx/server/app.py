@@ -17,7 +17,7 @@ from http.server import ThreadingHTTPServer
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..models.loading import dtype_name, target_float_dtype
+from ..models.dtype import dtype_name, target_float_dtype
 from ..targets.families import context_length, text_model
 from .handler import Handler
 from .prompt_cache import DEFAULT_SESSIONS
