@@ -134,6 +134,7 @@ def _run(code_or_args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *code_or_args], capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_importing_the_package_and_the_cli_entry_point_is_cheap():
     """The console script re-executes itself before it imports MLX: the package root and
     `dflash_mlx.cli` import neither MLX nor mlx-lm nor the commands."""
@@ -143,12 +144,14 @@ def test_importing_the_package_and_the_cli_entry_point_is_cheap():
     assert run.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_python_m_dflash_mlx_generate_runs_without_a_double_import():
     run = _run(["-W", "error::RuntimeWarning", "-m", "dflash_mlx.generate", "--help"])
     assert run.returncode == 0, run.stderr
     assert "--draft-model" in run.stdout and "found in sys.modules" not in run.stderr
 
 
+@pytest.mark.slow
 def test_importing_the_generate_entry_point_keeps_the_package_function():
     """`dflash_mlx.generate` is the library's function even after ``import dflash_mlx.generate``
     (the module behind ``python -m dflash_mlx.generate``)."""

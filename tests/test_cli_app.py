@@ -252,6 +252,7 @@ def test_models_and_doctor():
     assert "mlx" in r.stdout and "device" in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("dflash-mlx") is None, reason="console script not installed")
 def test_chat_in_a_real_terminal(pair_dirs):
     import pexpect

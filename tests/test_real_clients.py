@@ -30,6 +30,8 @@ from helpers.calibrations import write_cheap_blocks_curve
 from helpers.servers import ServeProcess
 from dflash_mlx.models.dtype import on_cpu
 
+pytestmark = pytest.mark.slow  # real servers and processes
+
 openai = pytest.importorskip("openai")
 
 DEMO_TARGET = lookup("demo").target_path()

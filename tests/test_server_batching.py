@@ -25,6 +25,8 @@ from dflash_mlx.server import make_server
 from helpers import prompt_ids, without_eos
 from helpers.servers import ServeProcess
 
+pytestmark = pytest.mark.slow  # servers
+
 openai = pytest.importorskip("openai")
 
 MAX_TOKENS = 24

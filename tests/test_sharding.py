@@ -32,6 +32,8 @@ from helpers.builders import make_draft, make_target
 from helpers.checks import prompt_ids
 from helpers.servers import ServeProcess, ShardedServeProcess
 
+pytestmark = pytest.mark.slow  # ranks started with mlx.launch
+
 RANK_SCRIPT = Path(__file__).parent / "helpers" / "sharded_rank.py"
 TIMEOUT = 300  # a launch that takes longer hangs
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}  # two ranks share this machine's cores

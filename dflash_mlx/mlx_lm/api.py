@@ -174,6 +174,11 @@ def _is_dflash(draft) -> bool:
     return isinstance(draft, (DFlashDraftModel, Proposer))
 
 
+def reset_warnings() -> None:
+    """Warn again of fallbacks already warned of (each reason is warned of once per process)."""
+    _warned.clear()
+
+
 def _warn_once(reason: str) -> None:
     if reason not in _warned:
         _warned.add(reason)
