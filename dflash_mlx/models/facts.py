@@ -1,22 +1,13 @@
 """What a loaded model is made of: its arrays and its quantized layers, read once per model.
 
 Every adaptive generation reads these (the block cap, the calibration key).
-The first read walks the module tree directly (mlx's `parameters()` and
-`named_modules()` build dictionaries of the whole tree and cost several
-times as much; whether a dtype is floating is asked once per dtype, not per
-array) and records every link it followed: container, key, child. Later
-reads return the same facts while every link still holds: each container
-has as many entries and each entry is the same object as before, checked
-with C-level `map`s over weak references (the tree itself is not kept
-alive; lists and plain dicts, which cannot be weakly referenced, are held).
-So a model changed in place (`nn.quantize`, `set_dtype`, LoRA layers,
-`load_weights` with other dtypes) is walked again, while an unchanged one
-costs a check: on this project's CPU, warm, 12 against 55 microseconds for
-the synthetic pair's 4-layer target (112 links), 17 against 75 for the
-bundled 6-layer target, 6.5 against 29 for their drafters. Right after a
-generation (caches cold) both mostly wait for the tree's memory, so the
-check saves less there (~70 microseconds of an adaptive setup on the
-synthetic pair, 0.4% of a short reply).
+The first read walks the module tree directly (cheaper than mlx's
+`parameters()`) and records every link it followed: container, key, child.
+Later reads return the same facts while every link still holds (checked
+over weak references; the tree itself is not kept alive), so a model changed
+in place (`nn.quantize`, `set_dtype`, LoRA layers) is walked again while an
+unchanged one costs a check. `model_facts` is the JSON-able description that
+calibration keys and prompt-cache files record.
 """
 
 from __future__ import annotations

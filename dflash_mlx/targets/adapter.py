@@ -93,7 +93,7 @@ class TargetAdapter:
 
         Both are lazy. `logits=False` (a prefill chunk: only the caches and the
         features are needed) returns None for the logits without building the
-        head: an unevaluated head is a graph kept alive, then torn down (~50 us).
+        head: an unevaluated head is a graph kept alive, then torn down.
         """
         logits, features, _ = self._forward(ids, cache, None, logits)
         return logits, features
@@ -149,7 +149,7 @@ def tensor_group(text: nn.Module):
     layers = text.model.layers
     stack = [layers[0]] if len(layers) else []
     pop, push = stack.pop, stack.append
-    while stack:  # the layer's modules, walked directly (`Module.modules()` costs ~50 us a call)
+    while stack:  # the layer's modules, walked directly (cheaper than `Module.modules()`)
         module = pop()
         if isinstance(module, _SHARDED):
             return module.group
