@@ -2,7 +2,8 @@
 
   engine   the loop's own overhead: a random float32 qwen3 target (246M parameters), an oracle
            proposer the target accepts at a fixed rate, against the ideal tau x T(1) / T(b) from
-           separately timed target forwards, and the plain path against mlx-lm's generate_step
+           separately timed target forwards, and the plain path against mlx-lm's generate_step;
+           every leg once per round, medians over the rounds
   legs     mlx-lm's `stream_generate` against dflash-mlx legs (`plain`: no drafter, `adaptive`:
            the default, `b2` ... `b16`: a fixed block), alternated in a new random order for every
            prompt of every round, ratios with 95% bootstrap intervals over the units, after a fresh
@@ -109,20 +110,24 @@ def engine(args) -> None:
         return statistics.median(times)
 
     decode_tps(generate_step(prompt, model, max_tokens=8))  # warm-up
-    reference, plain_tps, _ = decode_tps(generate_step(prompt, model, max_tokens=args.max_tokens))
-    ours, ours_plain_tps, _ = decode_tps(cycles(None, 1))
-    oracle = OracleProposer(reference, [args.accept], args.vocab, args.block_size)
-    drafted, dflash_tps, sizes = decode_tps(cycles(oracle, args.block_size))
-    assert ours == reference and drafted == reference, "the engine's output differs from mlx-lm's greedy"
     context = args.prompt_len + args.max_tokens // 2
-    t1, tb = forward_seconds(1, context), forward_seconds(args.block_size, context)
-    tau = sum(sizes) / len(sizes)
+    rounds = []  # each round times every leg back to back, so a busy moment of the machine hits one round
+    for _ in range(args.rounds):
+        reference, plain_tps, _ = decode_tps(generate_step(prompt, model, max_tokens=args.max_tokens))
+        ours, ours_plain_tps, _ = decode_tps(cycles(None, 1))
+        oracle = OracleProposer(reference, [args.accept], args.vocab, args.block_size)
+        drafted, dflash_tps, sizes = decode_tps(cycles(oracle, args.block_size))
+        assert ours == reference and drafted == reference, "the engine's output differs from mlx-lm's greedy"
+        t1, tb = forward_seconds(1, context), forward_seconds(args.block_size, context)
+        tau = sum(sizes) / len(sizes)
+        rounds.append({"mlx_lm_tps": plain_tps, "plain_path_tps": ours_plain_tps, "dflash_oracle_tps": dflash_tps,
+                       "t_forward_1_ms": t1 * 1e3, "t_forward_b_ms": tb * 1e3, "speedup": dflash_tps / plain_tps,
+                       "ideal": tau * t1 / tb, "ratio": dflash_tps / plain_tps / (tau * t1 / tb)})  # fmt: skip
     result = {"params_millions": round(sum(v.size for _, v in tree_flatten(model.parameters())) / 1e6, 1),
-              "block_size": args.block_size, "tau": round(tau, 3), "mlx_lm_tps": round(plain_tps, 2),
-              "plain_path_tps": round(ours_plain_tps, 2), "dflash_oracle_tps": round(dflash_tps, 2),
-              "t_forward_1_ms": round(t1 * 1e3, 2), "t_forward_b_ms": round(tb * 1e3, 2),
-              "speedup": round(dflash_tps / plain_tps, 3), "ideal": round(tau * t1 / tb, 3),
-              "ratio": round(dflash_tps / plain_tps / (tau * t1 / tb), 3)}  # fmt: skip
+              "block_size": args.block_size, "tau": round(tau, 3), "rounds": args.rounds,
+              **{k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]},
+              "ratio_per_round": [round(r["ratio"], 3) for r in rounds]}  # medians over the rounds  # fmt: skip
+    t1, tb = result["t_forward_1_ms"] / 1e3, result["t_forward_b_ms"] / 1e3
     if args.draft_layers:  # a random drafter of the target's width: the ideal with a real drafter's forward
         layer_ids = [1 + i * (args.layers - 4) // max(args.draft_layers - 1, 1) for i in range(args.draft_layers)]
         draft = DFlashDraftModel(parse_draft_config(dict(
@@ -712,7 +717,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--accept", type=int, default=7, help="drafts the oracle gets accepted per cycle")
-    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--repeats", type=int, default=15, help="timed forwards per round")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of every leg; medians are reported")
     p.add_argument("--draft-layers", type=int, default=5, help="also time a random drafter (0: skip)")
     p.add_argument("--json", action="store_true")
 
