@@ -1,4 +1,4 @@
-"""Fine-tune the bundled demo drafter for long prompts: the README's worked example of `train --init`.
+"""Fine-tune the bundled demo drafter for long prompts: docs/training.md's worked example of `train --init`.
 
 The demo pair (dflash_mlx/demo) was trained on single GSM8K questions of ~100
 tokens; its acceptance falls on long prompts. This script:
