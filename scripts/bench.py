@@ -350,14 +350,15 @@ def legs_table(report: dict) -> str:
         return f"{x['ratio']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}]"
 
     lines = ["| setting | leg | units | mlx-lm tok/s | leg tok/s | leg / mlx-lm | decode window | first token, ms "
-             "| blocks |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+             "| blocks | greedy mismatches |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]  # fmt: skip
     for st in report["settings"]:
         title = TITLES.get(st["setting"], st["setting"]) + (f", T = {st['temperature']:g}" if st["temperature"] else "")
         for leg, x in st["legs"].items():
             blocks = " ".join(f"{b}:{n}" for b, n in x["blocks"].items())
             lines.append(f"| {title} | {leg} | {st['prompts'] * st['rounds']} | {st['tps']['mlx-lm']:.1f} "
                          f"| {st['tps'][leg]:.1f} | {r(x['vs_mlx_lm'])} | {r(x['vs_mlx_lm_decode'])} "
-                         f"| {x['first_token_ms_paired_median']:+.2f} | {blocks} |")  # fmt: skip
+                         f"| {x['first_token_ms_paired_median']:+.2f} | {blocks} "
+                         f"| {'-' if x['greedy_mismatches'] is None else x['greedy_mismatches']} |")  # fmt: skip
     pairs = [(st, pair, x) for st in report["settings"] for pair, x in st["pairs"].items()]
     if pairs:
         lines += ["", "| setting | legs (best fixed: cross-fitted) | ratio, end to end |", "|---|---|---:|"]
