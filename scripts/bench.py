@@ -325,10 +325,11 @@ def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
                 blocks[k].update(unit[k][4])
             units.rows.append({k: (len(v[0]), *v[1:4]) for k, v in unit.items()})
     speeds = {k: round(units.speed(k), 2) for k in legs}
-    pairs = [(a, b) for i, a in enumerate(compared) for b in compared[i + 1 :]]
+    lead = "adaptive" if "adaptive" in compared else compared[0]  # each pair: the lead leg over another
+    pairs = [(lead, k) for k in compared if k != lead]
     if len(units.fixed) > 1:
         speeds["best fixed"] = round(units.speed("best fixed"), 2)
-        pairs += [(k, "best fixed") for k in compared if k not in units.fixed]
+        pairs.append((lead, "best fixed"))
 
     def first_token_ms(leg: str) -> float:  # time to the first token: from the call minus the decode window
         return round(1000 * statistics.median((u[leg][3] - u[leg][1]) - (u["mlx-lm"][3] - u["mlx-lm"][1])
