@@ -360,6 +360,11 @@ def legs_table(report: dict) -> str:
                          f"| {st['tps'][leg]:.1f} | {r(x['vs_mlx_lm'])} | {r(x['vs_mlx_lm_decode'])} "
                          f"| {x['first_token_ms_paired_median']:+.2f} | {blocks} "
                          f"| {'-' if x['greedy_mismatches'] is None else x['greedy_mismatches']} |")  # fmt: skip
+    lines += ["", "| setting | calibrated T(b) / T(1) at b = | took |", "|---|---|---:|"]
+    for st in report["settings"]:
+        cal = st["calibration"]
+        ratios = ", ".join(f"{b}: {t / cal['ms'][0]:.2f}" for b, t in zip(cal["grid"][1:], cal["ms"][1:]))
+        lines.append(f"| {TITLES.get(st['setting'], st['setting'])} | {ratios} | {cal['seconds']:.2f} s |")
     pairs = [(st, pair, x) for st in report["settings"] for pair, x in st["pairs"].items()]
     if pairs:
         lines += ["", "| setting | legs (best fixed: cross-fitted) | ratio, end to end |", "|---|---|---:|"]
