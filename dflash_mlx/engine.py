@@ -14,8 +14,8 @@ token be a stop token. At b = 1 the drafter's context still receives every
 committed position, batched and left lazy until a larger block needs it (the
 prompt's too, when the first cycle is plain). What a verify commits (greedy
 or exact sampling, logits processors) is the `Acceptor`'s. Log-probabilities
-are left lazy (a full-vocabulary log-softmax over every verified row costs
-~10% of a 240M-parameter verify on a CPU). An exception raised inside the
+are left lazy (a full-vocabulary log-softmax over every verified row is a
+sizeable share of a verify on a CPU). An exception raised inside the
 loop (a progress callback cancelling, a logits processor, Ctrl-C) hands the
 session back holding only what it records (`Session.abandon`), and a
 generation left open is settled when its session is used again
@@ -132,7 +132,7 @@ def speculative_cycles(
     does not hold are prefilled. `kv` quantizes the KV caches as mlx-lm's `kv_bits` does
     (`targets.quantized_kv`: when mlx-lm would, and no verify crosses that point unquantized).
     """
-    # duck-typed: isinstance() against the runtime-checkable Protocol costs ~7-30 us a call
+    # duck-typed: isinstance() against a runtime-checkable Protocol is slow, and this runs every call
     policy = block_size if hasattr(block_size, "choose") else FixedBlock(block_size)
     if prefill_step_size < 1:
         raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}.")

@@ -23,7 +23,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .acceptance import Acceptor
 from .models.block_size import check_block_size, default_block_size
 from .engine import speculative_cycles
-from .policy import adaptive_policy
+from .policy.adaptive import adaptive_policy
 from .sampling import SamplingSettings
 from .session import Session, check_draft_sampling, make_session
 from .sharding.lockstep import check_lockstep

@@ -9,7 +9,7 @@ Steps (each resumable; run them in order):
 
 `train` saves a checkpoint (weights, optimizer state, step) every
 `--save-every` steps and continues from the last one when rerun. On Linux run
-it with the system OpenBLAS preloaded (see README), float32 throughout; the
+it with the system OpenBLAS preloaded (docs/usage.md), float32 throughout; the
 exported model is stored in bfloat16.
 """
 

@@ -1,4 +1,4 @@
-"""Fine-tune the bundled demo drafter for long prompts: the README's worked example of `train --init`.
+"""Fine-tune the bundled demo drafter for long prompts: docs/training.md's worked example of `train --init`.
 
 The demo pair (dflash_mlx/demo) was trained on single GSM8K questions of ~100
 tokens; its acceptance falls on long prompts. This script:
@@ -20,12 +20,7 @@ tokens; its acceptance falls on long prompts. This script:
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python3 scripts/finetune_long_demo.py --work /tmp/dflash-long-demo
 
-Measured on the project's 2-core Linux machine (float32, OpenBLAS): prompts of
-1,710 tokens on average, acceptance 1.31 -> 2.89 at block 8 after 150 steps
-(batch 4, 3 long + 1 replay sequence per step; 10 min 23 s of training, 11 min
-54 s for the command with the responses already cached; regenerating the 176
-responses took about 6 more minutes in a first run), short GSM8K prompts
-4.43 -> 3.76, peak RSS 0.57 GB.
+What it printed on the project's machine: docs/training.md.
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import time
@@ -41,32 +35,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "dflash_mlx" / "demo"
-
-
-def clean_answer(answer: str) -> str:
-    """A GSM8K reference answer in the demo target's own answer style."""
-    body, _, final = answer.rpartition("####")
-    body = re.sub(r"<<[^>]*>>", "", body).strip()
-    return f"{body}\nThe final answer is \\boxed{{{final.strip()}}}."
-
-
-def long_conversations(rows: list[dict], tokenizer, prompt_tokens: int, count: int) -> list[list[dict]]:
-    """`count` conversations of about `prompt_tokens` tokens, each ending with a user question."""
-    from dflash_mlx.datasets import GSM8K_FORMAT
-
-    out, i = [], 0
-    while len(out) < count:
-        messages: list[dict] = []
-        while True:
-            row = rows[i % len(rows)]
-            i += 1
-            question = {"role": "user", "content": GSM8K_FORMAT.format(question=row["question"])}
-            text = tokenizer.apply_chat_template(messages + [question], add_generation_prompt=True, tokenize=False)
-            if len(tokenizer.encode(text)) >= prompt_tokens:
-                out.append(messages + [question])
-                break
-            messages += [question, {"role": "assistant", "content": clean_answer(row["answer"])}]
-    return out
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -110,7 +78,7 @@ def main() -> None:
     import mlx.core as mx
     from mlx_lm import load
 
-    from dflash_mlx.datasets import GSM8K_FORMAT
+    from dflash_mlx.datasets import GSM8K_FORMAT, long_gsm8k_conversations
 
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -118,7 +86,7 @@ def main() -> None:
     model.set_dtype(mx.float32)  # as `--target-dtype float32` below
     rows = [json.loads(line) for line in (REPO / "dflash_mlx/datasets/gsm8k_test.jsonl").read_text().splitlines()]
     train_rows = rows[: len(rows) // 2]
-    conversations = long_conversations(train_rows, tokenizer, args.prompt_tokens, args.prompts)
+    conversations = long_gsm8k_conversations(tokenizer, args.prompt_tokens, args.prompts, stop=len(rows) // 2)
     long_file = write_jsonl(work / "long.jsonl", [{"messages": m} for m in conversations])
     short = [{"messages": [{"role": "user", "content": GSM8K_FORMAT.format(question=r["question"])}]}
              for r in train_rows[-args.replay_prompts :]]  # fmt: skip

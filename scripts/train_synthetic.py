@@ -20,11 +20,9 @@
 
 Prints the timings and the mean acceptance length and writes them to
 `<work>/synthetic_report.json`. Rerunning reuses the trained target (delete
-`<work>` to start over). Measured on the project's 2-core Linux machine (float32,
-OpenBLAS preloaded, another training job running niced): 3 min 40 s in all
-(target 500 steps ~95 s, `train_drafter` 300 steps incl. regenerating 1000
-answers and validation 120 s), mean acceptance length 4.15 on 32 held-out
-prompts at block 8, DFlash output identical to plain greedy on 16/16 fresh ones.
+`<work>` to start over). `scripts/bench.py legs --settings synthetic` and
+`sharded --synthetic` benchmark the pair it leaves in `<work>`
+(docs/benchmarks.md, docs/training.md).
 """
 
 from __future__ import annotations

@@ -86,6 +86,14 @@ def qwen3_target(tiny_target) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_model(qwen3_target):
+    """``qwen3_target`` as plain ``mlx_lm.load`` returns it (read-only)."""
+    import mlx_lm
+
+    return mlx_lm.load(str(qwen3_target))[0]
+
+
+@pytest.fixture(scope="session")
 def tiny_pair_dirs(tiny_target, tiny_draft):
     """Factory: ``tiny_pair_dirs(family="qwen3", *, draft_kw=None, **target_kw) -> (target_dir, draft_dir)``.
 
@@ -134,6 +142,19 @@ def constant_pair_dirs(qwen3_target, tmp_path_factory):
         return qwen3_target, helpers.make_constant_draft(out_dir, qwen3_target, token)
 
     return _Builder(tmp_path_factory.mktemp("const"), build, "draft")
+
+
+@pytest.fixture
+def calibration_cache(tmp_path, monkeypatch):
+    """A private, empty calibration cache for one test (`<tmp>/calibration`, yielded), with this process's
+    in-memory curves and batch tables forgotten before and after."""
+    from dflash_mlx.batch.calibration import forget_costs
+    from dflash_mlx.policy.calibration import forget_curve
+
+    monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))
+    forget_curve(), forget_costs()
+    yield tmp_path / "calibration"
+    forget_curve(), forget_costs()
 
 
 def pytest_configure(config):

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import make_session, stream_generate
 from dflash_mlx.engine import speculative_cycles
-from dflash_mlx.policy import AdaptiveBlock
+from dflash_mlx.policy.adaptive import AdaptiveBlock
 from dflash_mlx.policy.cost import CostCurve
 from dflash_mlx.proposers.oracle import OracleProposer
 from dflash_mlx.sampling import SamplingSettings, distribution
@@ -42,18 +42,13 @@ class Cycling:
         self.chosen.append(block_size)
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_pair):
-    return tiny_pair
-
-
 def oracle_for(want, pattern):
     return OracleProposer([r.token for r in want] + [0] * 16, pattern, TINY_VOCAB, 16)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_changing_blocks_equal_mlx_lm(pair, family):
-    model, tokenizer, draft = pair(family)
+def test_changing_blocks_equal_mlx_lm(tiny_pair, family):
+    model, tokenizer, draft = tiny_pair(family)
     prompt = prompt_ids(30, seed=21)
     with without_eos(tokenizer) as tok:
         want = reference(model, tok, prompt, 150)
@@ -66,11 +61,11 @@ def test_changing_blocks_equal_mlx_lm(pair, family):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "llama_sliding"])
-def test_the_adaptive_block_follows_acceptance_and_stays_lossless(pair, family):
+def test_the_adaptive_block_follows_acceptance_and_stays_lossless(tiny_pair, family):
     """An oracle that accepts everything, then nothing, then everything: 16 -> 1 -> 16
     (on a fixed cost curve where each row costs a quarter of a forward, so the choices are
     the policy's alone; `block_size=None` runs the same policy on this machine's curve)."""
-    model, tokenizer, _ = pair(family)
+    model, tokenizer, _ = tiny_pair(family)
     prompt = prompt_ids(25, seed=22)
     curve = CostCurve([1, 2, 4, 8, 16], [0.010, 0.0125, 0.0175, 0.0275, 0.0475])
     with without_eos(tokenizer) as tok:
@@ -88,8 +83,8 @@ def test_the_adaptive_block_follows_acceptance_and_stays_lossless(pair, family):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma4"])
-def test_a_session_across_block_changes(pair, family):
-    model, tokenizer, draft = pair(family)
+def test_a_session_across_block_changes(tiny_pair, family):
+    model, tokenizer, draft = tiny_pair(family)
     session = make_session(model, draft)
     with without_eos(tokenizer) as tok:
         p1 = prompt_ids(20, seed=23)
@@ -106,9 +101,9 @@ def test_a_session_across_block_changes(pair, family):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_a_stop_token_at_a_pipelined_plain_step_keeps_nothing_after_it(pair, family):
+def test_a_stop_token_at_a_pipelined_plain_step_keeps_nothing_after_it(tiny_pair, family):
     """At b = 1 the next step is queued on the stop token before it is read: it is undone whole."""
-    model, tokenizer, draft = pair(family)
+    model, tokenizer, draft = tiny_pair(family)
     p1 = prompt_ids(15, seed=26)
     with without_eos(tokenizer) as tok:
         stream = [r.token for r in reference(model, tok, p1, 30)]
@@ -128,8 +123,8 @@ def test_a_stop_token_at_a_pipelined_plain_step_keeps_nothing_after_it(pair, fam
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "llama_sliding"])
-def test_closing_a_stream_inside_a_run_of_plain_steps(pair, family):
-    model, tokenizer, draft = pair(family)
+def test_closing_a_stream_inside_a_run_of_plain_steps(tiny_pair, family):
+    model, tokenizer, draft = tiny_pair(family)
     session = make_session(model, draft)
     with without_eos(tokenizer) as tok:
         p1 = prompt_ids(18, seed=28)
@@ -144,11 +139,11 @@ def test_closing_a_stream_inside_a_run_of_plain_steps(pair, family):
         assert_same_stream(got, reference(model, tok, p2, 30), logprob_atol=1e-3)
 
 
-def test_plain_steps_are_queued_before_the_previous_token_is_read(pair):
+def test_plain_steps_are_queued_before_the_previous_token_is_read(tiny_pair):
     """mlx-lm's pipelining: at b = 1, verify n + 1 is built before cycle n's token reaches the host
     (the session hears of cycle n after it); ring caches, which cannot undo one row, are not pipelined."""
     for family, pipelined in (("qwen3", True), ("qwen3_5", True), ("llama_sliding", False)):
-        model, tokenizer, draft = pair(family)
+        model, tokenizer, draft = tiny_pair(family)
         session = make_session(model, draft)
         events = []
         verify, fed = session.target.verify, session.fed
@@ -164,11 +159,11 @@ def test_plain_steps_are_queued_before_the_previous_token_is_read(pair):
         assert ahead[:-1] == ([2] * (len(ahead) - 1) if pipelined else [1] * (len(ahead) - 1)), (family, events)
 
 
-def test_calibrating_in_the_middle_of_a_session_leaves_it_alone(pair, monkeypatch, tmp_path):
+def test_calibrating_in_the_middle_of_a_session_leaves_it_alone(tiny_pair, monkeypatch, tmp_path):
     from dflash_mlx.policy import calibration
 
     monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))
-    model, tokenizer, draft = pair("qwen3_5")
+    model, tokenizer, draft = tiny_pair("qwen3_5")
     session = make_session(model, draft)
     with without_eos(tokenizer) as tok:
         p1 = prompt_ids(16, seed=31)
@@ -180,9 +175,10 @@ def test_calibrating_in_the_middle_of_a_session_leaves_it_alone(pair, monkeypatc
     assert list(tmp_path.glob("calibration/*.json")) and session.reused > len(p1)
 
 
-def test_sampled_tokens_follow_the_target_across_a_block_change(pair):
+@pytest.mark.slow
+def test_sampled_tokens_follow_the_target_across_a_block_change(tiny_pair):
     """t2 comes from a plain step, t3 from the first row of a block of 3 (a drafted position)."""
-    model, tokenizer, draft = pair("qwen3")
+    model, tokenizer, draft = tiny_pair("qwen3")
     prompt = prompt_ids(6, seed=33)
     s = SamplingSettings(temperature=1.0, top_k=12)
     p1 = np.array(distribution(model(mx.array(prompt)[None])[0, -1:], s)[0], dtype=np.float64)
@@ -207,12 +203,12 @@ def test_sampled_tokens_follow_the_target_across_a_block_change(pair):
     assert chi_square_p(c, p) > 1e-3
 
 
-def test_greedy_calls_carry_the_drafters_acceptance_sampled_calls_do_not(pair, monkeypatch):
+def test_greedy_calls_carry_the_drafters_acceptance_sampled_calls_do_not(tiny_pair, monkeypatch):
     from dflash_mlx.policy import calibration
 
     curve = CostCurve([1, 2, 4, 8, 16], [0.010, 0.0125, 0.0175, 0.0275, 0.0475])  # rows cost: the choice is clear
     monkeypatch.setattr(calibration, "cost_curve", lambda *a, **k: curve)
-    model, tokenizer, _ = pair("qwen3")
+    model, tokenizer, _ = tiny_pair("qwen3")
     prompt = prompt_ids(12, seed=34)
     with without_eos(tokenizer) as tok:
         want = reference(model, tok, prompt, 40)

@@ -76,6 +76,7 @@ def test_rows_inserted_between_steps(tiny_pair, family):
         assert session.tokens == prompt + tokens[:-1]
 
 
+@pytest.mark.slow
 def test_sampled_rows_with_different_settings_follow_the_target(tiny_pair):
     model, tokenizer, draft = tiny_pair("qwen3")
     prompt = prompt_ids(6, seed=5)

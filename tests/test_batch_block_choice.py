@@ -87,15 +87,7 @@ def test_probes_at_plain_decoding_back_off_and_restart():
     assert [choice.choose(rows) for _ in range(gap)] == [1] * (gap - 1) + [2]
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))
-    calibration._memo.clear()
-    yield tmp_path
-    calibration._memo.clear()
-
-
-def test_the_table_is_measured_once_and_cached(cache_dir, tiny_pair, monkeypatch):
+def test_the_table_is_measured_once_and_cached(calibration_cache, tiny_pair, monkeypatch):
     model, tokenizer, draft = tiny_pair("qwen3")
     session = make_session(model, draft)
     calls = []
@@ -104,12 +96,12 @@ def test_the_table_is_measured_once_and_cached(cache_dir, tiny_pair, monkeypatch
     first = batch_cost(session, 4)
     assert calls == [1] and first.rows == list(calibration.ROWS) and first.blocks == [1, 2, 3, 4]
     assert all(line == sorted(line) for line in first.seconds)  # each row count's line fitted non-decreasing
-    (written,) = (cache_dir / "calibration").glob("batch-*.json")
-    calibration._memo.clear()
+    (written,) = calibration_cache.glob("batch-*.json")
+    calibration.forget_costs()
     again = batch_cost(session, 4)  # from the file
     assert calls == [1] and again.seconds == first.seconds
     written.write_text("{ half")
-    calibration._memo.clear()
+    calibration.forget_costs()
     batch_cost(session, 4)  # corrupt: measured again and rewritten
     assert calls == [1, 1] and "seconds" in written.read_text()
 

@@ -19,6 +19,8 @@ import pytest
 from dflash_mlx.models.registry import lookup
 from helpers.servers import MlxLmServer, ServeProcess, free_port
 
+pytestmark = pytest.mark.slow  # real servers
+
 pytest.importorskip("openai")
 
 

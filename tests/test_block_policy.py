@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from dflash_mlx.policy import AdaptiveBlock, FixedBlock
+from dflash_mlx.policy import FixedBlock
+from dflash_mlx.policy.adaptive import AdaptiveBlock
 from dflash_mlx.policy.adaptive import (
     BLOCK_RESOLUTION,
     MAX_PROBE_GAP,

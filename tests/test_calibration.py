@@ -24,14 +24,6 @@ from dflash_mlx.policy.fit import (
 from helpers import prompt_ids, without_eos
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))
-    calibration._memo.clear()
-    yield tmp_path / "calibration"
-    calibration._memo.clear()
-
-
 @pytest.fixture(scope="module")
 def setup(tiny_pair):
     model, tokenizer, draft = tiny_pair("qwen3")
@@ -39,12 +31,12 @@ def setup(tiny_pair):
     return model, tokenizer, draft, session.target, session.proposer
 
 
-def test_first_use_measures_and_writes_the_curve(cache_dir, setup):
+def test_first_use_measures_and_writes_the_curve(calibration_cache, setup):
     model, tokenizer, draft, target, proposer = setup
     with without_eos(tokenizer) as tok:
         out = list(stream_generate(model, draft, tok, prompt_ids(8), max_tokens=10))  # adaptive: calibrates
     assert len(out) == 10
-    files = list(cache_dir.glob("*.json"))
+    files = list(calibration_cache.glob("*.json"))
     assert len(files) == 1 and files[0] == calibration_file(target, proposer, draft.config.block_size)
     doc = json.loads(files[0].read_text())
     assert doc["grid"] == grid_for(draft.config.block_size) == [b for b in GRID if b < 16] + [16]
@@ -53,10 +45,10 @@ def test_first_use_measures_and_writes_the_curve(cache_dir, setup):
     assert doc["key"]["mlx"] and doc["key"]["target"]["parameters"] > 0 and doc["key"]["draft"]["block_size"] == 16
 
 
-def test_a_cached_curve_is_reused_without_measuring(cache_dir, setup, monkeypatch):
+def test_a_cached_curve_is_reused_without_measuring(calibration_cache, setup, monkeypatch):
     _, _, draft, target, proposer = setup
     first = cost_curve(target, proposer, 8)
-    calibration._memo.clear()
+    calibration.forget_curve()
 
     def refuse(*args, **kwargs):
         raise AssertionError("measured again")
@@ -67,7 +59,7 @@ def test_a_cached_curve_is_reused_without_measuring(cache_dir, setup, monkeypatc
     assert cached_curve(target, proposer, 8).seconds == first.seconds
 
 
-def test_a_curve_in_memory_is_used_until_forgotten(cache_dir, setup, monkeypatch):
+def test_a_curve_in_memory_is_used_until_forgotten(calibration_cache, setup, monkeypatch):
     _, _, _, target, proposer = setup
     monkeypatch.setattr(calibration, "measure", lambda *a, **k: pytest.fail("measured"))
     path = calibration_file(target, proposer, 4)
@@ -88,7 +80,7 @@ def test_a_curve_in_memory_is_used_until_forgotten(cache_dir, setup, monkeypatch
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "other key", "bad numbers", "empty"])
-def test_a_corrupt_or_stale_file_is_ignored_and_rewritten(cache_dir, setup, damage):
+def test_a_corrupt_or_stale_file_is_ignored_and_rewritten(calibration_cache, setup, damage):
     _, _, _, target, proposer = setup
     path = calibration_file(target, proposer, 4)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,10 +112,10 @@ def test_the_key_tells_setups_apart(setup, tiny_pair):
     assert {"device", "chip", "mlx", "blas", "format"} <= set(keys[0])
 
 
-def test_clear_and_force(cache_dir, setup, monkeypatch):
+def test_clear_and_force(calibration_cache, setup, monkeypatch):
     _, _, _, target, proposer = setup
     cost_curve(target, proposer, 4)
-    assert clear_calibrations() == 1 and not list(cache_dir.glob("*.json"))
+    assert clear_calibrations() == 1 and not list(calibration_cache.glob("*.json"))
     calls = []
     real = calibration.measure
     monkeypatch.setattr(calibration, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -134,6 +126,7 @@ def test_clear_and_force(cache_dir, setup, monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.slow
 def test_the_calibrate_command_on_the_bundled_pair(tmp_path):
     """The real console script: measure, then read from the cache, then clear."""
     env_dir = tmp_path / "cache"
@@ -258,7 +251,7 @@ def test_the_drafters_floor_tells_a_busy_machines_curve():
     assert with_floor([5.0, 6.0, 6.1, 6.2], [0.0, 4.4, 1.0, 2.0]) == pytest.approx([5.0, 9.4, 9.4, 9.4])  # monotone
 
 
-def test_a_curve_under_the_drafters_floor_is_measured_again_and_kept_on_it(cache_dir, setup, monkeypatch):
+def test_a_curve_under_the_drafters_floor_is_measured_again_and_kept_on_it(calibration_cache, setup, monkeypatch):
     _, _, _, target, proposer = setup
     grid = grid_for(4)
     busy = [[0.0072, 0.0073, 0.0074, 0.0075]] * 4  # blocks that look free over a plain step
@@ -275,7 +268,7 @@ def test_a_curve_under_the_drafters_floor_is_measured_again_and_kept_on_it(cache
     assert all(t >= curve.seconds[0] + d - 1e-12 for t, d in zip(curve.seconds, floor))
     assert doc["seconds"] == curve.seconds and doc["plausible"] == plausible(curve.seconds, floor)
 
-    calibration._memo.clear()  # busy every time: measured twice, lifted onto the floor, cached
+    calibration.forget_curve()  # busy every time: measured twice, lifted onto the floor, cached
     tables[:] = [busy, busy]
     curve = cost_curve(target, proposer, 4, force=True)
     doc = json.loads(calibration_file(target, proposer, 4).read_text())
@@ -308,7 +301,8 @@ def test_the_drafter_is_timed_alone_on_a_private_copy(setup):
     assert calibration.draft_seconds(target, NoFork(), [2, 8]) == [0.0, 0.0]
 
 
-def test_a_setup_seen_before_skips_the_key_until_a_model_changes_in_place(cache_dir, tiny_pair_dirs, monkeypatch):
+def test_a_setup_seen_before_skips_the_key_until_a_model_changes_in_place(calibration_cache, tiny_pair_dirs,
+                                                                          monkeypatch):
     """The process remembers which curve a (target, drafter) pair maps to while their facts stand; a target
     quantized in place is a new setup (its own key and file), not the old curve."""
     import mlx.nn as nn
@@ -333,7 +327,7 @@ def test_a_setup_seen_before_skips_the_key_until_a_model_changes_in_place(cache_
     assert measured and second is not first
     assert calibration_key(target, proposer, 4)["target"]["bits"] == 4
     assert calibration_file(target, proposer, 4) != old_file and calibration_file(target, proposer, 4).exists()
-    calibration._memo.clear()  # (clear_calibrations and forget_curve drop it: the next lookup builds the key)
+    calibration.forget_curve()  # (clear_calibrations and forget_curve drop it: the next lookup builds the key)
     monkeypatch.setattr(calibration, "calibration_key", lambda *a: pytest.fail("the key was built again"))
     with pytest.raises(pytest.fail.Exception):
         cost_curve(target, proposer, 4)

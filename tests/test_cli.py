@@ -54,6 +54,7 @@ def _console_script() -> str:
     return found
 
 
+@pytest.mark.slow
 def test_console_script_version_subprocess():
     # LD_PRELOAD cleared: where OpenBLAS exists this goes through the re-exec.
     result = subprocess.run(
@@ -130,6 +131,7 @@ def test_maybe_reexec_without_library_is_a_no_op(monkeypatch):
     openblas.maybe_reexec()
 
 
+@pytest.mark.slow
 def test_reexec_child_has_openblas_preloaded():
     library = openblas.openblas_path()
     if library is None:

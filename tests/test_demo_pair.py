@@ -57,3 +57,17 @@ def test_commands_default_to_the_demo_pair():
     assert "bundled demo pair" in r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["model"] == "demo" and out["tokens"] > 0
+
+
+def test_long_gsm8k_conversations_reach_their_length(demo):
+    """The long-context benchmark's prompts (scripts/): earlier questions answered, then a new one."""
+    from dflash_mlx.datasets import long_gsm8k_conversations
+
+    tokenizer = demo[1]
+    chats = long_gsm8k_conversations(tokenizer, 1600, 2, stop=100)
+    assert len(chats) == 2 and chats[0] != chats[1]
+    for chat in chats:
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        assert 1600 <= len(tokenizer.encode(text)) < 2048  # within the demo target's context
+        assert [m["role"] for m in chat] == ["user", "assistant"] * (len(chat) // 2) + ["user"]
+        assert all("\\boxed{" in m["content"] for m in chat if m["role"] == "assistant")

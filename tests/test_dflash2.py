@@ -80,6 +80,7 @@ REFERENCE_V2 = (REFERENCE_PREAMBLE + textwrap.dedent(
 )).format(repo=REPO_ID)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("dflash") is None, reason="upstream dflash==0.1.0 not installed")
 def test_parity_with_upstream(tiny_target, draft2_factory, tmp_path):
     target_dir = tiny_target("qwen3")

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import dflash_mlx
 from helpers import MASK_ID, TINY_VOCAB
 from dflash_mlx.models.block_size import default_block_size
-from dflash_mlx.models.loading import on_cpu, target_float_dtype
+from dflash_mlx.models.dtype import on_cpu, target_float_dtype
 from dflash_mlx.draft.config import DraftConfigError, derive_target_layer_ids, parse_draft_config
 from dflash_mlx.draft.load import DraftWeightsError, load_draft
 from dflash_mlx.draft.model import DFlashDraftModel
@@ -28,11 +28,6 @@ from dflash_mlx.targets.adapter import TargetAdapter, UnsupportedTargetError, ta
 PROMPT = mx.array([[40, 41, 57, 99, 120, 7, 300, 301, 12, 250]])  # S = 10 context rows
 BLOCK = mx.array([17] + [MASK_ID] * 3)  # b = 4
 SLIDING = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4)
-
-
-@pytest.fixture(scope="module")
-def model(qwen3_target):
-    return mlx_lm.load(str(qwen3_target))[0]
 
 
 def _features(model, ids):
@@ -78,21 +73,21 @@ def _raw(qwen3_draft, **top):
     return {**json.loads((qwen3_draft / "config.json").read_text()), **top}
 
 
-def test_flat_and_nested_schemas_load_identically(tiny_draft, qwen3_target, qwen3_draft, model):
+def test_flat_and_nested_schemas_load_identically(tiny_draft, qwen3_target, qwen3_draft, qwen3_model):
     flat = tiny_draft(qwen3_target, target_layer_ids=[1, 2], schema="flat")
     assert "block_size" not in json.loads((flat / "config.json").read_text())["dflash_config"]
-    a, b = load_draft(qwen3_draft, model), load_draft(flat, model)
+    a, b = load_draft(qwen3_draft, qwen3_model), load_draft(flat, qwen3_model)
     assert a.config == b.config and a.config.block_size == 16
     pa, pb = tree_flatten(a.parameters()), tree_flatten(b.parameters())
     assert [k for k, _ in pa] == [k for k, _ in pb] and len(pa) == 2 * 11 + 3
     for (k, x), (_, y) in zip(pa, pb):
         assert x.shape == y.shape and mx.array_equal(x, y), k
-    la, lb = _logits(a, model), _logits(b, model)
+    la, lb = _logits(a, qwen3_model), _logits(b, qwen3_model)
     assert la.shape == (3, TINY_VOCAB) and np.isfinite(la).all()
     np.testing.assert_array_equal(la, lb)
 
 
-def test_rope_theta_location_and_scaling(qwen3_draft, model, tmp_path):
+def test_rope_theta_location_and_scaling(qwen3_draft, qwen3_model, tmp_path):
     rope = {"rope_theta": 5e5, "rope_type": "default"}
     nested = lambda c: c.update(rope_parameters=rope) or c.pop("rope_theta")  # noqa: E731
     a = load_draft(_variant(qwen3_draft, tmp_path / "a", _set(rope_theta=5e5)))
@@ -100,14 +95,14 @@ def test_rope_theta_location_and_scaling(qwen3_draft, model, tmp_path):
     assert a.config.rope_theta == b.config.rope_theta == 5e5
     # rope_parameters is also kept as the scaling config (rope_type default: no scaling).
     assert b.config == a.config  # a default rope_parameters block implies no scaling
-    base, la = _logits(load_draft(qwen3_draft), model), _logits(a, model)
-    np.testing.assert_allclose(la, _logits(b, model), atol=1e-6)
+    base, la = _logits(load_draft(qwen3_draft), qwen3_model), _logits(a, qwen3_model)
+    np.testing.assert_allclose(la, _logits(b, qwen3_model), atol=1e-6)
     assert np.abs(la - base).max() > 1e-3  # theta is really used
     linear = _set(rope_scaling={"rope_type": "linear", "factor": 2.0})
     lin = load_draft(_variant(qwen3_draft, tmp_path / "lin", linear))
     assert lin.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert isinstance(lin.rope, nn.RoPE) and lin.rope.scale == 0.5
-    assert np.abs(_logits(lin, model) - base).max() > 1e-3
+    assert np.abs(_logits(lin, qwen3_model) - base).max() > 1e-3
     llama3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                   original_max_position_embeddings=64)  # fmt: skip
     cfg = parse_draft_config(_raw(qwen3_draft, rope_scaling=llama3))
@@ -161,28 +156,28 @@ def test_config_rule_errors(qwen3_draft, extra, fragments):
         assert f in str(e.value)
 
 
-def test_scales_and_softcap(qwen3_draft, model, tmp_path):
+def test_scales_and_softcap(qwen3_draft, qwen3_model, tmp_path):
     load = lambda name, edit: load_draft(_variant(qwen3_draft, tmp_path / name, edit))  # noqa: E731
     base = load_draft(qwen3_draft)
-    raw = _logits(base, model)
+    raw = _logits(base, qwen3_model)
     assert np.abs(raw).max() > 4.0
     assert (mult := load("mult", _dflash(output_multiplier=0.25))).config.output_multiplier == 0.25
-    np.testing.assert_allclose(_logits(mult, model), 0.25 * raw, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(_logits(mult, qwen3_model), 0.25 * raw, rtol=1e-6, atol=1e-6)
     cap = load("cap", _dflash(final_logit_softcapping=2.0))
     top = load("top", _set(final_logit_softcapping=2.0))
     assert cap.config.final_logit_softcapping == top.config.final_logit_softcapping == 2.0
-    capped = _logits(cap, model)
+    capped = _logits(cap, qwen3_model)
     assert np.abs(capped).max() <= 2.0 + 1e-6 and np.abs(capped).max() > 1.9
     np.testing.assert_allclose(capped, 2.0 * np.tanh(raw / 2.0), atol=1e-5)
-    np.testing.assert_array_equal(capped, _logits(top, model))
+    np.testing.assert_array_equal(capped, _logits(top, qwen3_model))
     both = load("both", _dflash(output_multiplier=0.25, final_logit_softcapping=2.0))
-    np.testing.assert_allclose(_logits(both, model), 2.0 * np.tanh(0.25 * raw / 2.0), atol=1e-5)
+    np.testing.assert_allclose(_logits(both, qwen3_model), 2.0 * np.tanh(0.25 * raw / 2.0), atol=1e-5)
     scaled = load("emb", _dflash(input_embedding_scale=3.0))
     assert scaled.config.input_embedding_scale == 3.0
-    adapter = TargetAdapter(model, base.config.target_layer_ids)  # unscaled, on a 3x table:
+    adapter = TargetAdapter(qwen3_model, base.config.target_layer_ids)  # unscaled, on a 3x table:
     hooks = SimpleNamespace(embed=lambda ids: adapter.embed(ids) * 3.0, head=adapter.head)
-    got = _logits(scaled, model)
-    np.testing.assert_allclose(got, _logits(base, model, hooks=hooks), atol=1e-5)
+    got = _logits(scaled, qwen3_model)
+    np.testing.assert_allclose(got, _logits(base, qwen3_model, hooks=hooks), atol=1e-5)
     assert np.abs(got - raw).max() > 1e-3
 
 
@@ -203,23 +198,23 @@ def test_target_layer_ids_derivation(qwen3_draft):
         parse_draft_config(cfg)
 
 
-def test_derived_duplicate_layer_ids(qwen3_draft, model, tmp_path):
+def test_derived_duplicate_layer_ids(qwen3_draft, qwen3_model, tmp_path):
     drop = lambda c: c["dflash_config"].pop("target_layer_ids")  # noqa: E731
-    draft = load_draft(_variant(qwen3_draft, tmp_path / "derived", drop), model)
+    draft = load_draft(_variant(qwen3_draft, tmp_path / "derived", drop), qwen3_model)
     assert draft.config.target_layer_ids == derive_target_layer_ids(2, 4) == (1, 1)
-    one = _features(model, (1,))
-    np.testing.assert_array_equal(np.array(_features(model, (1, 1))),
+    one = _features(qwen3_model, (1,))
+    np.testing.assert_array_equal(np.array(_features(qwen3_model, (1, 1))),
                                   np.array(mx.concatenate([one, one], -1)))  # fmt: skip
 
 
-def test_extra_embedding_and_head_keys_are_ignored(tiny_draft, qwen3_target, qwen3_draft, model):
+def test_extra_embedding_and_head_keys_are_ignored(tiny_draft, qwen3_target, qwen3_draft, qwen3_model):
     extra = tiny_draft(qwen3_target, target_layer_ids=[1, 2],
                        extra_keys=["embed_tokens.weight", "lm_head.weight"])  # fmt: skip
     assert "lm_head.weight" in mx.load(str(extra / "model.safetensors"))
-    draft = load_draft(extra, model)
+    draft = load_draft(extra, qwen3_model)
     names = [k for k, _ in tree_flatten(draft.parameters())]
     assert not any("embed" in k or "lm_head" in k for k in names)
-    np.testing.assert_array_equal(_logits(draft, model), _logits(load_draft(qwen3_draft), model))
+    np.testing.assert_array_equal(_logits(draft, qwen3_model), _logits(load_draft(qwen3_draft), qwen3_model))
 
 
 CONV = "layers.0.attention_conv.base_kernel"  # a DFlash 2 tensor
@@ -251,11 +246,11 @@ BAD_CHECKPOINTS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CHECKPOINTS))
-def test_bad_checkpoints(case, qwen3_draft, qwen3_target, model, tmp_path):
+def test_bad_checkpoints(case, qwen3_draft, qwen3_target, qwen3_model, tmp_path):
     edits, exc, fragments = BAD_CHECKPOINTS[case]
     path = _variant(qwen3_draft, tmp_path / case, **edits)
     with pytest.raises(exc) as e:
-        load_draft(path, model, target_name="TINY-TARGET")
+        load_draft(path, qwen3_model, target_name="TINY-TARGET")
     msg = str(e.value)
     for f in fragments:
         assert f.format(dir=path) in msg, msg
@@ -289,34 +284,34 @@ def test_file_errors(case, qwen3_draft, tmp_path):
     assert phrase in str(e.value) and str(path / file) in str(e.value), str(e.value)
 
 
-def test_pair_mismatches(tiny_target, tiny_draft, qwen3_target, model):
+def test_pair_mismatches(tiny_target, tiny_draft, qwen3_target, qwen3_model):
     beyond = tiny_draft(qwen3_target, target_layer_ids=[1, 7])
     with pytest.raises(PairMismatchError) as e:
-        load_draft(beyond, model, target_name=str(qwen3_target))
+        load_draft(beyond, qwen3_model, target_name=str(qwen3_target))
     msg = str(e.value)
     for f in [str(beyond), str(qwen3_target), "target_layer_ids", "[1, 7]", "4 layers", "[7]"]:
         assert f in msg, msg
     narrow = tiny_draft(tiny_target("qwen3", hidden_size=32), target_layer_ids=[1, 2])
     assert load_draft(narrow).config.hidden_size == 32
     with pytest.raises(PairMismatchError) as e:
-        load_draft(narrow, model)
+        load_draft(narrow, qwen3_model)
     for f in ["hidden_size is 32 in the draft", "the target has 64", str(narrow), "qwen3"]:
         assert f in str(e.value), str(e.value)
 
 
-def test_quantized_draft_and_block_size_cap(tiny_target, qwen3_draft, model):
+def test_quantized_draft_and_block_size_cap(tiny_target, qwen3_draft, qwen3_model):
     base = load_draft(qwen3_draft)
     n_linear = sum(isinstance(m, nn.Linear) for _, m in base.named_modules())
     assert n_linear == 1 + 2 * 7
-    assert default_block_size(model, base) == 16
-    ref = _logits(base, model)
+    assert default_block_size(qwen3_model, base) == 16
+    ref = _logits(base, qwen3_model)
     for bits in (4, 8):
         q = load_draft(qwen3_draft, bits=bits, group_size=32)
         ql = [m for _, m in q.named_modules() if isinstance(m, nn.QuantizedLinear)]
         assert len(ql) == n_linear and {(m.bits, m.group_size) for m in ql} == {(bits, 32)}
-        assert default_block_size(model, q) == (5 if bits == 4 else 16)
+        assert default_block_size(qwen3_model, q) == (5 if bits == 4 else 16)
         if bits == 8:
-            diff = np.abs(_logits(q, model) - ref).max()
+            diff = np.abs(_logits(q, qwen3_model) - ref).max()
             assert 0 < diff < 0.02 * np.abs(ref).max()
     for bits, expected in ((4, 5), (8, 16)):
         qt = mlx_lm.load(str(tiny_target("qwen3", quantize_bits=bits)))[0]
@@ -366,13 +361,13 @@ def test_a_family_outside_any_table_runs_and_an_unknown_cache_class_is_refused(t
     assert "ConcatenateKVCache" in target_problem(ConcatenatingQwen3(args))
 
 
-def test_adapter_forward_matches_model_and_layer_outputs(model):
-    adapter = TargetAdapter(model, (2, 0))
+def test_adapter_forward_matches_model_and_layer_outputs(qwen3_model):
+    adapter = TargetAdapter(qwen3_model, (2, 0))
     logits, feats = adapter.forward(PROMPT, adapter.make_cache())
-    ref = model(PROMPT, cache=make_prompt_cache(model))
+    ref = qwen3_model(PROMPT, cache=make_prompt_cache(qwen3_model))
     np.testing.assert_allclose(np.array(logits), np.array(ref), atol=1e-5, rtol=1e-5)
-    h, outs = model.model.embed_tokens(PROMPT), []
-    for layer in model.model.layers:
+    h, outs = qwen3_model.model.embed_tokens(PROMPT), []
+    for layer in qwen3_model.model.layers:
         h = layer(h, "causal", None)
         outs.append(h)
     assert feats.shape == (1, 10, 2 * 64)
@@ -384,33 +379,33 @@ def test_adapter_forward_matches_model_and_layer_outputs(model):
 
 
 @pytest.mark.parametrize("kind", ["full", "causal", "sliding"])
-def test_context_cache_and_incremental_context(kind, tiny_draft, qwen3_target, model):
+def test_context_cache_and_incremental_context(kind, tiny_draft, qwen3_target, qwen3_model):
     extra = {"full": {}, "causal": {"is_causal": True}, "sliding": SLIDING}[kind]
-    draft = load_draft(tiny_draft(qwen3_target, target_layer_ids=[1, 2], **extra), model)
-    adapter, cache = TargetAdapter(model, (1, 2)), draft.make_cache()
-    draft.extend_context(_features(model, (1, 2))[None], cache)
+    draft = load_draft(tiny_draft(qwen3_target, target_layer_ids=[1, 2], **extra), qwen3_model)
+    adapter, cache = TargetAdapter(qwen3_model, (1, 2)), draft.make_cache()
+    draft.extend_context(_features(qwen3_model, (1, 2))[None], cache)
     first = np.array(draft(BLOCK[None], cache, adapter))
     for c, n in zip(cache, [3 if kind == "sliding" else 10, 10]):
         assert c.end == 10 and c.visible_rows == n and c.start == 10 - n
         assert c.fetch()[0].shape == c.fetch()[1].shape == (1, 2, n, 16)
     np.testing.assert_array_equal(first, np.array(draft(BLOCK[None], cache, adapter)))
     assert [c.end for c in cache] == [10, 10]  # the block left no trace
-    whole = _logits(draft, model)
+    whole = _logits(draft, qwen3_model)
     np.testing.assert_allclose(whole[None], first, atol=1e-6)
     for chunks in [(2, 5, 3), (1,) * 10, (9, 1)]:
-        np.testing.assert_allclose(_logits(draft, model, chunks), whole, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(_logits(draft, qwen3_model, chunks), whole, atol=1e-5, rtol=1e-5)
     # Long random contexts: buffer growth (> 256 rows) keeps the earlier rows intact.
     feats = mx.random.normal((800, 128), key=mx.random.key(0))
-    np.testing.assert_allclose(_logits(draft, model, (500, 299, 1), feats=feats),
-                               _logits(draft, model, (800,), feats=feats), atol=1e-5, rtol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(_logits(draft, qwen3_model, (500, 299, 1), feats=feats),
+                               _logits(draft, qwen3_model, (800,), feats=feats), atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
-def test_drafting_writes_the_block_after_the_context_and_leaves_it_intact(tiny_draft, qwen3_target, model):
+def test_drafting_writes_the_block_after_the_context_and_leaves_it_intact(tiny_draft, qwen3_target, qwen3_model):
     """The block's keys and values go into the context buffers right after the held rows (no copy of
     the context per cycle): drafting leaves the held rows and positions as they were, a later append
     overwrites the block, and a context that fills its buffer exactly makes room for the block."""
-    draft = load_draft(tiny_draft(qwen3_target, target_layer_ids=[1, 2]), model)
-    adapter = TargetAdapter(model, (1, 2))
+    draft = load_draft(tiny_draft(qwen3_target, target_layer_ids=[1, 2]), qwen3_model)
+    adapter = TargetAdapter(qwen3_model, (1, 2))
     feats = mx.random.normal((520, 128), key=mx.random.key(1))
     cache = draft.make_cache()
     draft.extend_context(feats[None, :256], cache)
@@ -418,25 +413,25 @@ def test_drafting_writes_the_block_after_the_context_and_leaves_it_intact(tiny_d
     assert cache[0].keys.shape[2] == cache[0].held_rows == 512  # full: the block needs a larger buffer
     held = [np.array(c.fetch()[0]) for c in cache]
     first = np.array(draft(BLOCK[None], cache, adapter))
-    np.testing.assert_allclose(first[0], _logits(draft, model, (512,), feats=feats[:512]), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(first[0], _logits(draft, qwen3_model, (512,), feats=feats[:512]), atol=1e-5, rtol=1e-5)
     for c, h in zip(cache, held):
         assert c.end == c.held_rows == 512
         np.testing.assert_array_equal(np.array(c.fetch()[0]), h)
     np.testing.assert_array_equal(np.array(draft(BLOCK[None], cache, adapter)), first)
     draft.extend_context(feats[None, 512:], cache)  # over the block's rows
     np.testing.assert_allclose(np.array(draft(BLOCK[None], cache, adapter))[0],
-                               _logits(draft, model, (520,), feats=feats), atol=1e-5, rtol=1e-5)  # fmt: skip
+                               _logits(draft, qwen3_model, (520,), feats=feats), atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["full", "causal", "sliding", "bounded"])
 @pytest.mark.parametrize("split", [7, 3])  # sliding at 3: more fused rows (7) than the window shows (3)
-def test_a_block_ingests_the_newest_context_rows_in_its_own_forward(kind, split, tiny_draft, qwen3_target, model):
+def test_a_block_ingests_the_newest_context_rows_in_its_own_forward(kind, split, tiny_draft, qwen3_target, qwen3_model):
     """`draft(block, cache, hooks, features)` = ingesting `features` with `extend_context`, then the
     block: the same logits, the same cache (positions, visible rows, keys and values), and a later
     block sees the same context."""
     extra = {"full": {}, "causal": {"is_causal": True}, "sliding": SLIDING, "bounded": {}}[kind]
-    draft = load_draft(tiny_draft(qwen3_target, target_layer_ids=[1, 2], **extra), model)
-    adapter, feats = TargetAdapter(model, (1, 2)), _features(model, (1, 2))[None]
+    draft = load_draft(tiny_draft(qwen3_target, target_layer_ids=[1, 2], **extra), qwen3_model)
+    adapter, feats = TargetAdapter(qwen3_model, (1, 2)), _features(qwen3_model, (1, 2))[None]
     bound = 5 if kind == "bounded" else None
     apart, fused = draft.make_cache(bound), draft.make_cache(bound)
     draft.extend_context(feats[:, :split], apart)
@@ -452,7 +447,7 @@ def test_a_block_ingests_the_newest_context_rows_in_its_own_forward(kind, split,
     np.testing.assert_allclose(np.array(draft(BLOCK[None], fused, adapter)), want, atol=1e-5, rtol=1e-5)
 
 
-def test_sliding_window_rule(tiny_draft, qwen3_target, model):
+def test_sliding_window_rule(tiny_draft, qwen3_target, qwen3_model):
     """Context key visible iff query_pos - key_pos < window. One causal layer, window 4, block
     [anchor, mask] after 10 rows: row 1 sees the last 2 context rows only, like a full layer fed
     just those 2 rows (RoPE is relative); a window nobody reaches changes nothing."""
@@ -460,9 +455,9 @@ def test_sliding_window_rule(tiny_draft, qwen3_target, model):
     def run(feats=None, **kw):
         path = tiny_draft(qwen3_target, num_layers=1, target_layer_ids=[2], is_causal=True, **kw)
         chunks = (10,) if feats is None else (len(feats),)
-        return _logits(load_draft(path), model, chunks, feats=feats, block=BLOCK[:2])
+        return _logits(load_draft(path), qwen3_model, chunks, feats=feats, block=BLOCK[:2])
 
-    feats = _features(model, (2,))
+    feats = _features(qwen3_model, (2,))
     sliding = dict(layer_types=["sliding_attention"], sliding_window=4)
     np.testing.assert_allclose(run(**sliding), run(feats[-2:]), atol=1e-5)
     assert np.abs(run(**sliding) - run(feats[-3:])).max() > 1e-4

@@ -29,23 +29,17 @@ FAMILIES = HYBRID + SLIDING
 FLOAT32_ONLY = {"qwen3_5_moe", "qwen3_next", "gpt_oss"}  # MoE gather kernels on MLX's CPU
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_pair):
-    """pair(family, **target_kw) -> (model, tokenizer, random drafter)."""
-    return tiny_pair
-
-
 @pytest.mark.parametrize("block_size", [2, 5, 16])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_random_drafter_and_oracle_equal_mlx_lm(pair, family, block_size):
-    model, tokenizer, draft = pair(family)
+def test_random_drafter_and_oracle_equal_mlx_lm(tiny_pair, family, block_size):
+    model, tokenizer, draft = tiny_pair(family)
     prompt = prompt_ids(40, seed=5)
     check_lossless(model, tokenizer, draft, prompt, 160, block_size, logprob_atol=1e-3)
 
 
 @pytest.mark.parametrize("block_size", [2, 16])
-def test_gemma4_with_kv_sharing_and_per_layer_inputs(pair, block_size):
-    model, tokenizer, draft = pair("gemma4", num_kv_shared_layers=2, hidden_size_per_layer_input=8)
+def test_gemma4_with_kv_sharing_and_per_layer_inputs(tiny_pair, block_size):
+    model, tokenizer, draft = tiny_pair("gemma4", num_kv_shared_layers=2, hidden_size_per_layer_input=8)
     assert len(TargetAdapter(model).make_cache()) == 2  # the shared layers own no cache
     prompt = prompt_ids(40, seed=12)
     check_lossless(model, tokenizer, draft, prompt, 120, block_size, logprob_atol=1e-3)
@@ -53,15 +47,16 @@ def test_gemma4_with_kv_sharing_and_per_layer_inputs(pair, block_size):
 
 @pytest.mark.parametrize("prompt_len", [1, 650])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_prompt_lengths_with_chunked_prefill(pair, family, prompt_len):
-    model, tokenizer, draft = pair(family)
+def test_prompt_lengths_with_chunked_prefill(tiny_pair, family, prompt_len):
+    model, tokenizer, draft = tiny_pair(family)
     prompt = prompt_ids(prompt_len, seed=6)
     check_lossless(model, tokenizer, draft, prompt, 60, 5, logprob_atol=1e-3, prefill_step_size=256)
 
 
+@pytest.mark.slow  # the dtype and quantization matrix: the full suite
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in FLOAT32_ONLY])
-def test_bfloat16(pair, family):
-    model, tokenizer, draft = pair(family, dtype="bfloat16")
+def test_bfloat16(tiny_pair, family):
+    model, tokenizer, draft = tiny_pair(family, dtype="bfloat16")
     prompt = prompt_ids(40, seed=7)
     with without_eos(tokenizer) as tok:
         for block_size in (5, 16):
@@ -70,34 +65,37 @@ def test_bfloat16(pair, family):
                 assert_same_stream(got, want, logprob_atol=None)
 
 
+@pytest.mark.slow  # the dtype and quantization matrix: the full suite
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "gemma3_text", "llama_sliding"])
-def test_quantized(pair, family, bits, group_size):
-    model, tokenizer, draft = pair(family, quantize_bits=bits, quantize_group_size=group_size)
+def test_quantized(tiny_pair, family, bits, group_size):
+    model, tokenizer, draft = tiny_pair(family, quantize_bits=bits, quantize_group_size=group_size)
     assert default_block_size(model, draft) == (5 if bits == 4 else draft.config.block_size)
     prompt = prompt_ids(40, seed=8)
     check_lossless(model, tokenizer, draft, prompt, 100, 16, logprob_atol=None)
 
 
+@pytest.mark.slow  # the dtype and quantization matrix: the full suite
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gpt_oss"])
-def test_mxfp4_targets(pair, family):
-    model, tokenizer, draft = pair(family, quantize_bits=4, quantize_mode="mxfp4")
+def test_mxfp4_targets(tiny_pair, family):
+    model, tokenizer, draft = tiny_pair(family, quantize_bits=4, quantize_mode="mxfp4")
     assert default_block_size(model, draft) == 5
     prompt = prompt_ids(40, seed=8)
     check_lossless(model, tokenizer, draft, prompt, 80, 5, logprob_atol=None)
 
 
+@pytest.mark.slow  # the dtype and quantization matrix: the full suite
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next", "gpt_oss"])
-def test_quantized_moe_in_bfloat16(pair, family):
-    model, tokenizer, draft = pair(family, dtype="bfloat16", quantize_bits=4)
+def test_quantized_moe_in_bfloat16(tiny_pair, family):
+    model, tokenizer, draft = tiny_pair(family, dtype="bfloat16", quantize_bits=4)
     prompt = prompt_ids(40, seed=8)
     check_lossless(model, tokenizer, draft, prompt, 80, 5, logprob_atol=None)
 
 
-def test_mlx_lm_speculative_decoding_diverges_on_full_ring_caches_but_we_do_not(pair, tiny_target):
+def test_mlx_lm_speculative_decoding_diverges_on_full_ring_caches_but_we_do_not(tiny_pair, tiny_target):
     """mlx-lm's trim returns 0 once a ring cache is full, so rejected tokens stay."""
-    model, tokenizer, draft = pair("llama_sliding")
+    model, tokenizer, draft = tiny_pair("llama_sliding")
     other, _ = mlx_lm_load(str(tiny_target("llama", seed=7)))  # a draft model it will reject
     prompt = prompt_ids(40, seed=9)
     with without_eos(tokenizer) as tok:
@@ -112,8 +110,8 @@ def test_mlx_lm_speculative_decoding_diverges_on_full_ring_caches_but_we_do_not(
 
 
 @pytest.mark.parametrize("family", HYBRID)
-def test_gated_delta_rollback_equals_feeding_only_the_kept_rows(pair, family):
-    model, _, _ = pair(family)
+def test_gated_delta_rollback_equals_feeding_only_the_kept_rows(tiny_pair, family):
+    model, _, _ = tiny_pair(family)
     target = TargetAdapter(model)
     ids = mx.array([prompt_ids(30, seed=10)])
     for keep in (0, 1, 4, 7):
@@ -139,8 +137,8 @@ def test_gated_delta_rollback_equals_feeding_only_the_kept_rows(pair, family):
 
 
 @pytest.mark.parametrize("family", SLIDING)
-def test_ring_rollback_when_full_and_when_overflowing(pair, family):
-    model, _, _ = pair(family)
+def test_ring_rollback_when_full_and_when_overflowing(tiny_pair, family):
+    model, _, _ = tiny_pair(family)
     target = TargetAdapter(model)
     ids = mx.array([prompt_ids(60, seed=11)])
     for start, rows, keep in [(20, 16, 3), (20, 3, 1), (5, 6, 2), (3, 16, 16), (20, 16, 0)]:

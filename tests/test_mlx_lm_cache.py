@@ -94,15 +94,9 @@ def assert_same_state(ours, theirs):
             np.testing.assert_allclose(np.array(x), np.array(y), atol=2e-4, rtol=2e-4)
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_pair):
-    """pair(family) -> (model, tokenizer, random drafter)."""
-    return tiny_pair
-
-
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "llama_sliding"])
-def test_an_mlx_lm_cache_list_holds_what_mlx_lm_leaves_in_it(pair, family, tmp_path):
-    model, tokenizer, _ = pair(family)
+def test_an_mlx_lm_cache_list_holds_what_mlx_lm_leaves_in_it(tiny_pair, family, tmp_path):
+    model, tokenizer, _ = tiny_pair(family)
     oracle = PositionOracle()
     ours, theirs = mlx_lm_cache.make_prompt_cache(model), mlx_lm_cache.make_prompt_cache(model)
     turns = [(prompt_ids(30, seed=1), 9), (prompt_ids(5, seed=2), 40), (prompt_ids(3, seed=3), 13)]
@@ -129,9 +123,9 @@ def test_an_mlx_lm_cache_list_holds_what_mlx_lm_leaves_in_it(pair, family, tmp_p
     assert_same_turn(model, tokenizer, oracle, ours, theirs, prompt_ids(3, seed=7), 15)
 
 
-def test_the_drafters_context_follows_the_list_across_calls(pair):
+def test_the_drafters_context_follows_the_list_across_calls(tiny_pair):
     """A real DFlash drafter (it raises if its context and the anchor's position disagree)."""
-    model, tokenizer, draft = pair("qwen3")
+    model, tokenizer, draft = tiny_pair("qwen3")
     ours, theirs = mlx_lm_cache.make_prompt_cache(model), mlx_lm_cache.make_prompt_cache(model)
     for ids, stop_after in [(prompt_ids(20, seed=8), 7), (prompt_ids(4, seed=9), 40), (prompt_ids(4, seed=10), 3)]:
         want = [r.token for r in run(mlx_lm.stream_generate, model, tokenizer, ids, theirs, stop_after)]
@@ -141,8 +135,8 @@ def test_the_drafters_context_follows_the_list_across_calls(pair):
     assert_same_state(ours, theirs)
 
 
-def test_caches_dflash_cannot_run_fall_back_to_mlx_lm_with_a_warning(pair):
-    model, tokenizer, draft = pair("qwen3")
+def test_caches_dflash_cannot_run_fall_back_to_mlx_lm_with_a_warning(tiny_pair):
+    model, tokenizer, draft = tiny_pair("qwen3")
     bounded = mlx_lm_cache.make_prompt_cache(model, max_kv_size=64)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -187,10 +181,10 @@ class Cancelled(Exception):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_a_prefill_cancelled_by_the_progress_callback_leaves_a_usable_list(pair, family):
+def test_a_prefill_cancelled_by_the_progress_callback_leaves_a_usable_list(tiny_pair, family):
     """A callback that raises stops the prefill after some chunks: a plain KV list goes back to what it
     held before the call; a hybrid list cannot, and keeps the fed chunks as mlx-lm's own list does."""
-    model, tokenizer, _ = pair(family)
+    model, tokenizer, _ = tiny_pair(family)
     oracle = PositionOracle()
     ours, theirs = mlx_lm_cache.make_prompt_cache(model), mlx_lm_cache.make_prompt_cache(model)
     assert_same_turn(model, tokenizer, oracle, ours, theirs, prompt_ids(12, seed=21), 9)
@@ -221,11 +215,11 @@ def test_a_prefill_cancelled_by_the_progress_callback_leaves_a_usable_list(pair,
 
 
 @pytest.mark.parametrize("family,next_draft", [("qwen3", "same"), ("qwen3_5", "same"), ("qwen3", "other")])
-def test_a_stream_left_open_on_a_list_is_settled_by_the_next_call(pair, family, next_draft):
+def test_a_stream_left_open_on_a_list_is_settled_by_the_next_call(tiny_pair, family, next_draft):
     """A script keeps a stream in a variable, stops reading it and calls again with the same list: the
     list holds what mlx-lm's would (the prompt and the tokens read: mlx-lm has fed each token it
     yields), the next turn matches mlx-lm's, and the old stream cannot go on."""
-    model, tokenizer, draft = pair(family)
+    model, tokenizer, draft = tiny_pair(family)
     ours, theirs = mlx_lm_cache.make_prompt_cache(model), mlx_lm_cache.make_prompt_cache(model)
     ids = prompt_ids(20, seed=31)
     open_streams = []
@@ -247,11 +241,11 @@ def test_a_stream_left_open_on_a_list_is_settled_by_the_next_call(pair, family, 
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "llama_sliding"])
-def test_a_logits_processor_raising_mid_reply_leaves_the_list_holding_the_tokens_read(pair, family):
+def test_a_logits_processor_raising_mid_reply_leaves_the_list_holding_the_tokens_read(tiny_pair, family):
     """The exception lands after a verify went into the caches: the list must hold the prompt and the tokens
     read (hybrid and sliding lists go back to the prompt's checkpoint, then take the tokens read), and the
     next turn matches mlx-lm's on a list that read the same tokens."""
-    model, tokenizer, draft = pair(family)
+    model, tokenizer, draft = tiny_pair(family)
     ours, theirs = mlx_lm_cache.make_prompt_cache(model), mlx_lm_cache.make_prompt_cache(model)
     calls = []
 

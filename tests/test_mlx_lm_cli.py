@@ -53,6 +53,7 @@ def without_dflash_line(out: str) -> str:
     return re.sub(r"^DFlash: .*\n", "", out, flags=re.M)
 
 
+@pytest.mark.slow
 def test_both_module_spellings_print_what_mlx_lm_prints(dirs, capsys, monkeypatch):
     target, draft = dirs
     flags = ["--model", target, "--prompt", PROMPT, "--ignore-chat-template", "--max-tokens", "60"]
@@ -98,7 +99,7 @@ def test_options_dflash_cannot_honour_decode_with_mlx_lm(dirs, capsys, monkeypat
     target, draft = dirs
     flags = ["--model", target, "--prompt", PROMPT, "--ignore-chat-template", "--max-tokens", "40",
              "--max-kv-size", "16", "--verbose", "False"]  # fmt: skip
-    monkeypatch.setattr(plugin_api, "_warned", set())  # warnings are once per process and reason
+    plugin_api.reset_warnings()  # warnings are once per process and reason
     with pytest.warns(UserWarning, match="max_kv_size is not supported with a DFlash drafter"):
         out, _ = ours(flags + ["--draft-model", draft], capsys)
     assert out == mlx_lm_main(flags, capsys, monkeypatch)
@@ -142,6 +143,7 @@ def test_refused_flags_exit_with_a_message(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_other_arguments_go_to_the_dflash_mlx_command_line():
     run = subprocess.run([sys.executable, "-m", "dflash_mlx", "--version"], capture_output=True, text=True,
                          timeout=120, env=dict(os.environ))  # fmt: skip

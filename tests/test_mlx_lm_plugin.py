@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import warnings
+import weakref
 
 import mlx.core as mx
 import mlx_lm
@@ -70,11 +71,11 @@ def test_load_returns_what_mlx_lm_returns_and_leaves_the_model_alone(dirs):
 def test_remembered_drafter_leaves_with_its_model(dirs):
     target, draft = dirs
     model, _ = plugin.load(target, draft=draft)
-    key = id(model)
-    assert plugin_api._drafters.get(key) is not None
+    drafter = weakref.ref(plugin.remembered_draft(model))
+    assert drafter() is not None
     del model
     gc.collect()
-    assert key not in plugin_api._drafters
+    assert drafter() is None
 
 
 def test_load_without_drafter_warns_and_decodes_with_mlx_lm(dirs):
@@ -210,7 +211,7 @@ def test_unsupported_samplers_name_the_reason(sampler, reason):
 
 def test_custom_sampler_falls_back_to_mlx_lm_with_one_warning(loaded):
     model, tokenizer = loaded
-    plugin_api._warned.clear()
+    plugin_api.reset_warnings()
 
     def second_best(logprobs):
         return mx.argsort(logprobs, axis=-1)[..., -2]
@@ -232,7 +233,7 @@ def test_custom_sampler_falls_back_to_mlx_lm_with_one_warning(loaded):
                                     dict(max_kv_size=16)])  # fmt: skip
 def test_options_dflash_cannot_honour_run_mlx_lm(loaded, kwargs):
     model, tokenizer = loaded
-    plugin_api._warned.clear()
+    plugin_api.reset_warnings()
     with pytest.warns(UserWarning, match="falling back to mlx-lm"):
         mx.random.seed(5)
         got = tokens(plugin.stream_generate(model, tokenizer, PROMPT, max_tokens=24, **kwargs))
@@ -334,6 +335,7 @@ print(json.dumps(dict(text=text, tokens=tokens, drafted=drafted, penalized=penal
 """
 
 
+@pytest.mark.slow
 def test_an_mlx_lm_script_switches_by_its_import_line(dirs, tmp_path):
     """The same script, import line changed, run in a fresh process: same greedy text, drafted tokens.
 

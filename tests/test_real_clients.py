@@ -28,7 +28,9 @@ import pytest
 from dflash_mlx.models.registry import lookup
 from helpers.calibrations import write_cheap_blocks_curve
 from helpers.servers import ServeProcess
-from dflash_mlx.models.loading import on_cpu
+from dflash_mlx.models.dtype import on_cpu
+
+pytestmark = pytest.mark.slow  # real servers and processes
 
 openai = pytest.importorskip("openai")
 

@@ -129,6 +129,7 @@ DRAFT_VARIANTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(DRAFT_VARIANTS))
 def test_draft_logits_match_reference(variant, tiny_target, tiny_draft, tmp_path):
     target_dir = tiny_target("qwen3")
@@ -162,6 +163,7 @@ def test_draft_logits_match_reference(variant, tiny_target, tiny_draft, tmp_path
             assert (logits.argmax(-1) == expected.argmax(-1)).all(), f"cycle {i}: proposals differ"
 
 
+@pytest.mark.slow
 def test_load_draft_from_hub_repo_id(tiny_target, tiny_draft, tmp_path):
     """Our loader resolves a repo id through huggingface_hub (offline cache here)."""
     target_dir = tiny_target("qwen3")

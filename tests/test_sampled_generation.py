@@ -17,15 +17,9 @@ from dflash_mlx.proposers.oracle import OracleProposer
 from helpers import TINY_VOCAB, assert_same_stream, check_first_two_sampled_tokens, prompt_ids, without_eos
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_pair):
-    """The qwen3 (model, tokenizer, random drafter)."""
-    return tiny_pair("qwen3")
-
-
 @pytest.mark.parametrize("block_size", [2, 5, 16])
-def test_greedy_with_repetition_penalty_and_bias_equals_mlx_lm(pair, block_size):
-    model, tokenizer, draft = pair
+def test_greedy_with_repetition_penalty_and_bias_equals_mlx_lm(tiny_pair, block_size):
+    model, tokenizer, draft = tiny_pair("qwen3")
     prompt = prompt_ids(12, seed=3)
     processors = make_logits_processors(logit_bias={7: 3.0}, repetition_penalty=1.3, repetition_context_size=8)
     with without_eos(tokenizer) as tok:
@@ -40,8 +34,8 @@ def test_greedy_with_repetition_penalty_and_bias_equals_mlx_lm(pair, block_size)
     assert plain != [r.token for r in want], "the processors should change this generation"
 
 
-def test_seed_makes_sampling_reproducible(pair):
-    model, tokenizer, draft = pair
+def test_seed_makes_sampling_reproducible(tiny_pair):
+    model, tokenizer, draft = tiny_pair("qwen3")
     prompt = prompt_ids(9, seed=4)
 
     def run(seed):
@@ -52,18 +46,19 @@ def test_seed_makes_sampling_reproducible(pair):
     assert run(1) != run(2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "settings",
     [dict(temperature=1.5), dict(temperature=1.0, top_k=20, top_p=0.95),
      dict(temperature=1.5, draft_sampling="argmax")],
 )
-def test_first_two_sampled_tokens_follow_the_target(pair, settings):
-    model, tokenizer, draft = pair
+def test_first_two_sampled_tokens_follow_the_target(tiny_pair, settings):
+    model, tokenizer, draft = tiny_pair("qwen3")
     check_first_two_sampled_tokens(model, draft, tokenizer, prompt_ids(6, seed=5), settings)
 
 
-def test_xtc_is_refused_with_a_drafter_and_runs_without(pair):
-    model, tokenizer, draft = pair
+def test_xtc_is_refused_with_a_drafter_and_runs_without(tiny_pair):
+    model, tokenizer, draft = tiny_pair("qwen3")
     prompt = prompt_ids(8, seed=6)
     with pytest.raises(ValueError, match="XTC"):
         next(stream_generate(model, draft, tokenizer, prompt, temperature=1.0, xtc_probability=0.5))

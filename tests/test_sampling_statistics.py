@@ -22,6 +22,8 @@ from dflash_mlx.sampling import SamplingSettings, dense_from_candidates, distrib
 from dflash_mlx.targets.adapter import TargetAdapter
 from helpers import chi_square_p, make_draft2
 
+pytestmark = pytest.mark.slow  # thousands of sampled runs per test
+
 RUNS = 20_000
 PROMPT = [17, 301, 45, 222, 9, 140]
 SETTINGS = {

@@ -30,6 +30,8 @@ from dflash_mlx.server.stops import StopText
 from helpers import load_pair
 from helpers.calibrations import forget_curve, write_cheap_blocks_curve
 
+pytestmark = pytest.mark.slow  # servers
+
 PROMPT = "hello world"
 CHATS = [
     [{"role": "user", "content": "hello"}],

@@ -27,6 +27,8 @@ from dflash_mlx.server.limits import Footprint, weight_bytes
 from helpers import prompt_ids, without_eos
 from helpers.servers import ServeProcess
 
+pytestmark = pytest.mark.slow  # servers
+
 openai = pytest.importorskip("openai")
 
 MAX_TOKENS = 24

@@ -32,6 +32,8 @@ from dflash_mlx.server.limits import Footprint, weight_bytes
 from helpers import prompt_ids, without_eos
 from helpers.servers import ServeProcess
 
+pytestmark = pytest.mark.slow  # servers
+
 QUESTION = "Tom has 3 boxes with 12 apples each. How many apples?"
 MESSAGES = [{"role": "user", "content": QUESTION}]
 NORMAL = {"model": "demo", "messages": MESSAGES, "max_tokens": 24}
@@ -180,7 +182,6 @@ def served(request):
     assert server.stop() == 0, server.stderr
 
 
-@pytest.mark.slow
 def test_a_sweep_of_hostile_requests_leaves_the_server_serving_unchanged(served):
     before = _text(served.url)
     for name, path, body, headers, allowed in HOSTILE:
@@ -195,7 +196,6 @@ def test_a_sweep_of_hostile_requests_leaves_the_server_serving_unchanged(served)
     assert "Traceback" not in served.stderr, served.stderr
 
 
-@pytest.mark.slow
 def test_good_and_bad_requests_interleaved_from_threads(served):
     want = _text(served.url)
     bad = [h for h in HOSTILE if h[4] == BAD][:12]
@@ -302,7 +302,6 @@ def _message_text(url: str) -> str:
     return "".join(b["text"] for b in body["content"] if b["type"] == "text")
 
 
-@pytest.mark.slow
 def test_hostile_requests_in_the_agent_dialects_leave_the_server_serving_unchanged(served):
     before, text = _text(served.url), _message_text(served.url)
     assert text == before  # the same conversation, the same greedy text
@@ -336,16 +335,16 @@ def _is_faulty(prompt) -> bool:
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_pair):
+def no_eos_pair(tiny_pair):
     model, tokenizer, draft = tiny_pair("qwen3")
     with without_eos(tokenizer) as tok:
         yield model, tok, draft
 
 
 @pytest.fixture(scope="module")
-def alone(pair):
+def alone(no_eos_pair):
     """Each request's text served alone."""
-    app = make_server(*pair, port=0, decode_concurrency=1).start()
+    app = make_server(*no_eos_pair, port=0, decode_concurrency=1).start()
     try:
         return {tuple(p): _post(app.url, TEXT, {"prompt": p, "max_tokens": TOKENS})[1]["choices"][0]["text"]
                 for p in [FAULTY, *OTHERS]}  # fmt: skip
@@ -403,9 +402,9 @@ def _inject(app, stage: str, monkeypatch) -> list:
 
 @pytest.mark.parametrize("concurrency, stage", [(4, "admit"), (4, "prefill"), (4, "step"), (4, "deliver"), (4, "save"),
                                                 (1, "admit"), (1, "deliver"), (1, "save")])  # fmt: skip
-def test_a_fault_in_one_stage_fails_only_its_requests(pair, alone, concurrency, stage, monkeypatch):
+def test_a_fault_in_one_stage_fails_only_its_requests(no_eos_pair, alone, concurrency, stage, monkeypatch):
     """In the batched loop (4) and the one-at-a-time worker (1)."""
-    app = make_server(*pair, port=0, decode_concurrency=concurrency).start()
+    app = make_server(*no_eos_pair, port=0, decode_concurrency=concurrency).start()
     try:
         hit = _inject(app, stage, monkeypatch)
         bodies = [{"prompt": p, "max_tokens": TOKENS} for p in [FAULTY, *OTHERS]]
@@ -440,10 +439,10 @@ def test_a_fault_in_one_stage_fails_only_its_requests(pair, alone, concurrency, 
         app.stop()
 
 
-def test_a_failing_loop_is_restarted_not_left_dead(pair, monkeypatch):
+def test_a_failing_loop_is_restarted_not_left_dead(no_eos_pair, monkeypatch):
     """A fault outside every request's stages (here: taking the next job) fails the requests in flight
     with a 500, the loop starts again, and the server answers (no 503 for good)."""
-    app = make_server(*pair, port=0, decode_concurrency=4)  # (its worker is waiting for a first job)
+    app = make_server(*no_eos_pair, port=0, decode_concurrency=4)  # (its worker is waiting for a first job)
     worker, fired = app.worker, []
     next_job = worker.next_job
 
@@ -468,8 +467,8 @@ def test_a_failing_loop_is_restarted_not_left_dead(pair, monkeypatch):
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])
-def test_a_request_whose_caches_cannot_fit_alone_is_refused(pair, concurrency):
-    model, tok, draft = pair
+def test_a_request_whose_caches_cannot_fit_alone_is_refused(no_eos_pair, concurrency):
+    model, tok, draft = no_eos_pair
     footprint = Footprint.measure(lambda: make_session(model, draft))
     budget = weight_bytes(model, draft) + footprint.bytes(300)  # room for one allocation step of tokens
     app = make_server(model, tok, draft, port=0, decode_concurrency=concurrency, max_batch_bytes=budget).start()
@@ -485,8 +484,8 @@ def test_a_request_whose_caches_cannot_fit_alone_is_refused(pair, concurrency):
         app.stop()
 
 
-def test_the_footprint_grows_with_the_tokens_held(pair):
-    model, _, draft = pair
+def test_the_footprint_grows_with_the_tokens_held(no_eos_pair):
+    model, _, draft = no_eos_pair
     footprint = Footprint.measure(lambda: make_session(model, draft))
     assert footprint.per_token > 0
     for n in (10, 600, 1800):
@@ -510,7 +509,6 @@ def test_the_library_refuses_a_block_wider_than_the_drafters():
         batch_generate(model, draft, tokenizer, [QUESTION], max_tokens=4, block_size=10**6)
 
 
-@pytest.mark.slow
 def test_the_cli_refuses_a_block_wider_than_the_drafters():
     run = subprocess.run(["dflash-mlx", "generate", QUESTION, "-n", "4", "--block-size", "1000000"],
                          capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -14,6 +14,8 @@ import pytest
 
 from helpers.servers import ServeProcess
 
+pytestmark = pytest.mark.slow  # servers
+
 openai = pytest.importorskip("openai")
 
 A1 = [{"role": "user", "content": "Tom has 3 boxes with 12 apples each. How many apples?"}]

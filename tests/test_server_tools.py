@@ -18,6 +18,8 @@ from helpers import make_draft
 from helpers.scripted import ANSWER, CALL, REASONING, WEATHER_TOOL, make_scripted_target
 from helpers.servers import MlxLmServer, ServeProcess
 
+pytestmark = pytest.mark.slow  # servers
+
 openai = pytest.importorskip("openai")
 
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]

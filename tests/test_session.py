@@ -21,12 +21,6 @@ FAMILIES = ["qwen3", "llama_sliding", "qwen3_5", "gemma4"]
 TRIMMABLE = {"qwen3"}  # only plain KV caches: the others go back to the checkpoint
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_pair):
-    """pair(family) -> (model, tokenizer, random drafter)."""
-    return tiny_pair
-
-
 def tokens_of(responses):
     return [r.token for r in responses]
 
@@ -47,8 +41,8 @@ def run(model, draft, tokenizer, session, prompt, max_tokens, block_size=4):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_conversation_reuses_the_prefix_and_stays_lossless(pair, family):
-    model, tokenizer, draft = pair(family)
+def test_conversation_reuses_the_prefix_and_stays_lossless(tiny_pair, family):
+    model, tokenizer, draft = tiny_pair(family)
     session = make_session(model, draft)
     with without_eos(tokenizer) as tok:
         p1 = prompt_ids(30, seed=1)
@@ -72,8 +66,8 @@ def test_conversation_reuses_the_prefix_and_stays_lossless(pair, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_an_interrupted_reply_leaves_the_session_usable(pair, family):
-    model, tokenizer, draft = pair(family)
+def test_an_interrupted_reply_leaves_the_session_usable(tiny_pair, family):
+    model, tokenizer, draft = tiny_pair(family)
     session = make_session(model, draft)
     with without_eos(tokenizer) as tok:
         p1 = prompt_ids(20, seed=6)
@@ -93,10 +87,10 @@ class Cancelled(Exception):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_prefill_cancelled_midway_leaves_the_session_usable(pair, family):
+def test_a_prefill_cancelled_midway_leaves_the_session_usable(tiny_pair, family):
     """A progress callback that raises (a caller cancelling a long prompt) stops the prefill after
     some chunks reached the caches: the next turn must not build on them as if they were not there."""
-    model, tokenizer, draft = pair(family)
+    model, tokenizer, draft = tiny_pair(family)
     session = make_session(model, draft)
     with without_eos(tokenizer) as tok:
         p1 = prompt_ids(20, seed=11)
@@ -150,10 +144,10 @@ def raising_processor(at: int):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("raiser", ["processor", "policy"])
-def test_an_exception_inside_a_reply_leaves_the_session_usable(pair, family, raiser):
+def test_an_exception_inside_a_reply_leaves_the_session_usable(tiny_pair, family, raiser):
     """A logits processor or a block policy raising after a verify went into the caches: the session
     must not keep those rows as if they were not there."""
-    model, tokenizer, draft = pair(family)
+    model, tokenizer, draft = tiny_pair(family)
     session = make_session(model, draft)
     with without_eos(tokenizer) as tok:
         p1 = prompt_ids(20, seed=13)
@@ -173,10 +167,10 @@ def test_an_exception_inside_a_reply_leaves_the_session_usable(pair, family, rai
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_stream_left_open_is_settled_when_the_session_is_used_again(pair, family):
+def test_a_stream_left_open_is_settled_when_the_session_is_used_again(tiny_pair, family):
     """A stream kept in a variable after a `break` still has a verify queued in the caches: the next turn
     settles it first, the old stream then refuses to go on, and collecting it later changes nothing."""
-    model, tokenizer, draft = pair(family)
+    model, tokenizer, draft = tiny_pair(family)
     session = make_session(model, draft)
     with without_eos(tokenizer) as tok:
         p1 = prompt_ids(20, seed=15)
@@ -202,8 +196,8 @@ def test_a_stream_left_open_is_settled_when_the_session_is_used_again(pair, fami
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_a_stop_token_inside_a_block_keeps_nothing_after_it(pair, family):
-    model, tokenizer, _ = pair(family)
+def test_a_stop_token_inside_a_block_keeps_nothing_after_it(tiny_pair, family):
+    model, tokenizer, _ = tiny_pair(family)
     p1 = prompt_ids(15, seed=8)
     with without_eos(tokenizer) as tok:
         stream = tokens_of(reference(model, tok, p1, 30))
@@ -226,10 +220,10 @@ def test_a_stop_token_inside_a_block_keeps_nothing_after_it(pair, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_a_stop_token_first_undoes_the_cycle_queued_on_it(pair, family, block_size):
+def test_a_stop_token_first_undoes_the_cycle_queued_on_it(tiny_pair, family, block_size):
     """The first cycle is built on the prompt's lazy token; when that token is a stop token the
     cycle is undone whole: the caches hold the prompt alone and the next turn goes on exactly."""
-    model, tokenizer, _ = pair(family)
+    model, tokenizer, _ = tiny_pair(family)
     p1 = prompt_ids(15, seed=12)
     with without_eos(tokenizer) as tok:
         stream = tokens_of(reference(model, tok, p1, 20))
@@ -247,8 +241,8 @@ def test_a_stop_token_first_undoes_the_cycle_queued_on_it(pair, family, block_si
     assert session.reused == len(p1)
 
 
-def test_session_must_match_the_model_and_drafter(pair):
-    model, tokenizer, draft = pair("qwen3")
+def test_session_must_match_the_model_and_drafter(tiny_pair):
+    model, tokenizer, draft = tiny_pair("qwen3")
     session = make_session(model, draft)
     with pytest.raises(ValueError, match="another model or drafter"):
         list(stream_generate(model, None, tokenizer, [5, 6], max_tokens=2, session=session))
@@ -257,8 +251,8 @@ def test_session_must_match_the_model_and_drafter(pair):
                              max_draft_context=4))  # fmt: skip
 
 
-def test_plain_decoding_session(pair):
-    model, tokenizer, _ = pair("qwen3_5")
+def test_plain_decoding_session(tiny_pair):
+    model, tokenizer, _ = tiny_pair("qwen3_5")
     session = make_session(model)
     with without_eos(tokenizer) as tok:
         p1 = prompt_ids(10, seed=10)
@@ -268,9 +262,9 @@ def test_plain_decoding_session(pair):
     assert session.reused == len(p1) + len(r1) - 1
 
 
-def test_the_draft_sampling_choice_belongs_to_its_call(pair):
+def test_the_draft_sampling_choice_belongs_to_its_call(tiny_pair):
     """`draft_sampling="argmax"` on one call does not leak into the next call on the same session."""
-    model, tokenizer, draft = pair("qwen3")
+    model, tokenizer, draft = tiny_pair("qwen3")
     seen = []
 
     class Spy(DFlashProposer):

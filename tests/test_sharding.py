@@ -32,6 +32,8 @@ from helpers.builders import make_draft, make_target
 from helpers.checks import prompt_ids
 from helpers.servers import ServeProcess, ShardedServeProcess
 
+pytestmark = pytest.mark.slow  # ranks started with mlx.launch
+
 RANK_SCRIPT = Path(__file__).parent / "helpers" / "sharded_rank.py"
 TIMEOUT = 300  # a launch that takes longer hangs
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}  # two ranks share this machine's cores
@@ -110,7 +112,7 @@ def pairs(tmp_path_factory):
 def single_process_greedy(target: Path, prompt: list[int], max_tokens: int) -> list[int]:
     from mlx_lm import load, stream_generate
 
-    from dflash_mlx.models.loading import as_float32, on_cpu
+    from dflash_mlx.models.dtype import as_float32, on_cpu
 
     model, tokenizer = load(str(target))
     if on_cpu():  # the ranks compute in float32 on a CPU, as dflash-mlx does

@@ -27,6 +27,8 @@ from dflash_mlx import load_draft
 from dflash_mlx.train.validate import acceptance_length
 from helpers.train_cli import train_ok
 
+pytestmark = pytest.mark.slow  # training runs
+
 
 CYCLE, PROMPTS_PER_KIND, GAIN, HIDDEN = 32, 40, 16.0, 160
 MARKERS = {"A": "<|im_start|>", "B": "<|im_end|>"}

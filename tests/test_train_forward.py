@@ -7,7 +7,6 @@ import itertools
 import math
 
 import mlx.core as mx
-import mlx_lm
 import numpy as np
 import pytest
 from helpers import MASK_ID, TINY_VOCAB
@@ -27,11 +26,6 @@ from dflash_mlx.train.model_forward import training_logits
 
 IDS = [40, 41, 57, 99, 120, 7, 300, 301, 12, 250, 17, 33, 44, 90, 91, 92, 18, 19]
 B = 4  # block size of these tests
-
-
-@pytest.fixture(scope="module")
-def model(qwen3_target):
-    return mlx_lm.load(str(qwen3_target))[0]
 
 
 def _features(model, layer_ids, ids=IDS):
@@ -71,10 +65,10 @@ DRAFT_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", sorted(DRAFT_VARIANTS))
-def test_training_forward_equals_inference_drafter(tiny_draft, qwen3_target, model, variant):
+def test_training_forward_equals_inference_drafter(tiny_draft, qwen3_target, qwen3_model, variant):
     draft_dir = tiny_draft(qwen3_target, target_layer_ids=[1, 2], block_size=B, **DRAFT_VARIANTS[variant])
-    draft = load_draft(draft_dir, model)
-    adapter, feats = _features(model, [1, 2])
+    draft = load_draft(draft_dir, qwen3_model)
+    adapter, feats = _features(qwen3_model, [1, 2])
     anchors = [3, 9, 14]
     packed = _training_logits(draft, adapter, feats, anchors)
     assert packed.shape == (3, B - 1, TINY_VOCAB)
@@ -105,11 +99,11 @@ def test_block_visibility_matrix():
     np.testing.assert_array_equal(causal, expected)
 
 
-def test_blocks_see_only_their_own_context_and_block(qwen3_draft, model):
+def test_blocks_see_only_their_own_context_and_block(qwen3_draft, qwen3_model):
     """Perturb what a block must not see: its logits must not move; perturb what it
     must see: they must move (so the test fails if the mask leaked or blocked)."""
-    draft = load_draft(qwen3_draft, model)
-    adapter, feats = _features(model, [1, 2])
+    draft = load_draft(qwen3_draft, qwen3_model)
+    adapter, feats = _features(qwen3_model, [1, 2])
     anchors = [4, 9, 14]
     base = _training_logits(draft, adapter, feats, anchors)
 
@@ -217,14 +211,14 @@ def test_step_batches_are_deterministic_and_cover_the_data():
             assert len(set(anchors)) == len(anchors) <= 3
 
 
-def test_feature_store_caches_on_disk(model, tmp_path):
-    adapter = TargetAdapter(model, (1, 2))
+def test_feature_store_caches_on_disk(qwen3_model, tmp_path):
+    adapter = TargetAdapter(qwen3_model, (1, 2))
     seqs = [Sequence(ids=tuple(IDS), prompt_len=4), Sequence(ids=tuple(IDS[:9]), prompt_len=4)]
     batch = make_batch(seqs, [[5, 9], [5]], B, mask_id=MASK_ID)
     online = np.array(FeatureStore(adapter).batch_features([0, 1], batch, seqs))
-    _, whole = _features(model, [1, 2])
+    _, whole = _features(qwen3_model, [1, 2])
     np.testing.assert_allclose(online[0], np.array(whole[0]), atol=1e-5)  # right padding changes nothing
-    _, short = _features(model, [1, 2], IDS[:9])
+    _, short = _features(qwen3_model, [1, 2], IDS[:9])
     np.testing.assert_allclose(online[1, :9], np.array(short[0]), atol=1e-5)
 
     store = FeatureStore(adapter, tmp_path / "features")
@@ -240,7 +234,7 @@ def test_feature_store_caches_on_disk(model, tmp_path):
     assert (store.misses, store.hits) == (3, 3)  # stale features are never read
 
 
-def test_a_step_trains_the_drafter_only(model, tmp_path):
+def test_a_step_trains_the_drafter_only(qwen3_model, tmp_path):
     from mlx.utils import tree_flatten
 
     from dflash_mlx.train.new_drafter import drafter_config, new_drafter
@@ -249,16 +243,16 @@ def test_a_step_trains_the_drafter_only(model, tmp_path):
 
     options = TrainOptions(model="t", data="d", out="o", steps=10, block_size=B, draft_layers=1, batch_size=2,
                            anchors_per_seq=4, lr=1e-2, target_layers=[1, 2])  # fmt: skip
-    config = drafter_config(model, num_layers=1, block_size=B, mask_token_id=MASK_ID, target_layer_ids=[1, 2])
+    config = drafter_config(qwen3_model, num_layers=1, block_size=B, mask_token_id=MASK_ID, target_layer_ids=[1, 2])
     draft = new_drafter(config)
-    target = TargetAdapter(model, (1, 2))
-    before_target = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    target = TargetAdapter(qwen3_model, (1, 2))
+    before_target = {k: np.array(v) for k, v in tree_flatten(qwen3_model.parameters())}
     before_draft = {k: np.array(v) for k, v in tree_flatten(draft.parameters())}
     seqs = [Sequence(ids=tuple(IDS), prompt_len=6), Sequence(ids=tuple(IDS[3:]), prompt_len=2)]
     runner = StepRunner(draft, target, FeatureStore(target), make_optimizer(options), options)
     rows = [runner(step, seqs, MASK_ID, 0) for step in range(3)]
     assert all(np.isfinite(r["loss"]) and r["tokens"] == len(IDS) * 2 - 3 for r in rows)
-    for key, value in tree_flatten(model.parameters()):
+    for key, value in tree_flatten(qwen3_model.parameters()):
         np.testing.assert_array_equal(np.array(value), before_target[key], err_msg=key)
     changed = [k for k, v in tree_flatten(draft.parameters()) if not np.array_equal(np.array(v), before_draft[k])]
     assert sorted(changed) == sorted(before_draft)  # every drafter tensor moved

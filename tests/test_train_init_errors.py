@@ -14,6 +14,8 @@ from dflash_mlx import load_draft
 from dflash_mlx.train.options import FINETUNE_LR, FINETUNE_WARMUP
 from helpers.train_cli import run_train
 
+pytestmark = pytest.mark.slow  # training runs
+
 
 WORDS = "the river ran past old mill under stone bridge near market every morning baker".split()
 QUICK = ["--steps", "2", "--max-tokens", "6", "--batch-size", "2", "--anchors-per-seq", "2", "--holdout", "0"]

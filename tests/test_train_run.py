@@ -20,6 +20,8 @@ from dflash_mlx.train.data import DataError
 from dflash_mlx.train.regenerate import read_cache
 from helpers.train_cli import run_train, train_ok
 
+pytestmark = pytest.mark.slow  # training runs
+
 
 WORDS = ["the", "river", "ran", "past", "old", "mill", "under", "stone", "bridge", "near",
          "market", "every", "morning", "baker", "opened", "shop"]  # fmt: skip

@@ -1,41 +1,29 @@
 """The block a batch verifies next: one b for all rows, weighed against plain batched decoding.
 
-Every row of a batched verify has the same width b, so the choice is the
-b that maximises the tokens the batch is expected to commit per second,
-sum over rows of E_i(min(b, cap_i)) / T(B, b), with b = 1 (plain batched
-decoding) among the choices. A row's E_i comes from its own acceptance
-estimate (`policy.estimate`), so a row the drafter fits poorly counts for
-about one token whatever b is: it neither pulls the others down nor is
-credited with their runs. A row's cap is its own largest block (a request's
-``num_draft_tokens``); past it the row's drafts are ignored.
-
-T(B, b), the seconds of one step with B rows at block b, is this machine's
-batch calibration (`calibration`), not the steps' own times: the choices
-then depend on the rows' acceptance histories only, so a seeded sampled
-request served alone reproduces.
-
-At b = 1 nothing is learnt about acceptance, so the batch probes a block of
-PROBE_BLOCK now and then (the single-request policy's `ProbeSchedule`,
-with the gap stretched so that probes add at most PROBE_TAX to the steps
-between them: a probe verifies every row at PROBE_BLOCK, which for many rows
-on a CPU costs several plain steps); the schedule starts afresh whenever
-rows join an empty batch.
+Every row of a batched verify has the same width, so the choice is the b
+that maximises the batch's expected tokens per second, sum over rows of
+E_i(min(b, cap_i)) / T(B, b), b = 1 included: each row's E_i from its own
+estimate, T(B, b) from the batch calibration (`calibration`), so a seeded
+request served alone reproduces. At b = 1 it probes PROBE_BLOCK on the
+single-request schedule, the gap stretched so probes add at most PROBE_TAX.
+Why: docs/adaptive.md.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from ..policy.adaptive import PROBE_BLOCK, PROBE_SOFTEN, ProbeSchedule
-from .calibration import BatchCost
 
 PROBE_TAX = 0.05  # what probing may add to the time of the b = 1 steps between probes
 
 
 class BatchBlockChoice:
-    """Chooses each step's block for rows with `estimate` (AcceptanceEstimate) and `max_block`."""
+    """Chooses each step's block for rows with `estimate` (AcceptanceEstimate) and `max_block`;
+    `cost(rows, b)` is T(B, b) (`calibration.BatchCost`)."""
 
-    def __init__(self, cost: BatchCost, max_block: int):
+    def __init__(self, cost: Callable[[int, int], float], max_block: int):
         if max_block < 1:
             raise ValueError(f"max_block must be >= 1, got {max_block}.")
         self.cost, self.max_block = cost, max_block

@@ -2,17 +2,11 @@
 
 `batch_cost(session, max_block)` returns the table for the session's target
 and drafter on this machine: from memory, else from the calibration cache
-(`<cache>/calibration/batch-<key>.json`, next to the single-request curves
-of `policy.calibration` and cleared with them), else measured. Measuring
-runs the batch decoder itself on private sessions (synthetic 16-token
-prompts, no stop tokens): for each B of ROWS it fills a decoder with B rows,
-then steps it at every block of the grid, forcing the block, round after
-round; the first round warms up, each point is the fastest of the others
-(a step on a busy machine is only ever slower), each row count's line made
-non-decreasing in b (`policy.fit.non_decreasing`). Points between
-grid blocks and rows are interpolated linearly; past the last rows,
-extrapolated from the last two. A file that cannot be read or describes
-another setup is ignored and rewritten (atomically).
+(`<cache>/calibration/batch-<key>.json`, next to `policy.calibration`'s
+curves and cleared with them), else measured by stepping the batch decoder
+itself on private sessions at every (rows, block) point, the fastest of a few
+rounds each, each row count's line non-decreasing. Between points the table
+is interpolated linearly; past the last rows, extrapolated. docs/adaptive.md.
 """
 
 from __future__ import annotations
@@ -30,6 +24,7 @@ from ..policy.fit import non_decreasing
 from ..sampling import SamplingSettings
 from ..session import Session
 from ..utils.io import write_json_atomic
+from .engine import BatchDecoder
 
 FORMAT = 1
 ROWS = (1, 2, 4, 8)
@@ -66,14 +61,18 @@ class BatchCost:
         return _between(self.rows, at_rows, rows)
 
 
+def forget_costs() -> None:
+    """Drop this process's copies of the tables: the next lookup reads the cache files."""
+    with _lock:
+        _memo.clear()
+
+
 def grid(max_block: int) -> list[int]:
     return sorted({b for b in BLOCKS if b < max_block} | {max_block})
 
 
 def measure(session: Session, max_block: int, rows=ROWS, rounds: int = ROUNDS) -> list[list[float]]:
     """Seconds per step at every (rows, block) point, on private sessions like `session`."""
-    from .engine import BatchDecoder  # (the engine imports the block choice, which imports nothing of this)
-
     blocks = grid(max_block)
     fork = getattr(session.proposer, "fork", None)
     if session.proposer is not None and not callable(fork):

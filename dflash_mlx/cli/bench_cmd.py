@@ -22,7 +22,7 @@ from .benchmark import BenchSettings, report, run_benchmark
 from ..models.chat_template import reasoning_kwargs
 from ..datasets import DATASETS, sample
 from ..utils.machine import describe
-from ..models.loading import dtype_name, target_float_dtype
+from ..models.dtype import dtype_name, target_float_dtype
 from ..models.resolve import BlockChoice, choose_block_size
 from ..utils.io import write_json_atomic
 from .common import (

@@ -22,7 +22,7 @@ from rich.markup import escape
 from ..models.chat_template import reasoning_kwargs, render, template_source
 from ..generation import encode_prompt, stream_generate
 from ..models.block_size import widest_block
-from ..models.loading import dtype_name, target_float_dtype
+from ..models.dtype import dtype_name, target_float_dtype
 from ..models.resolve import BlockChoice, choose_block_size
 from ..session import make_session
 from ..stats import RunStats

@@ -9,8 +9,7 @@ Accelerate and Metal there). Set ``DFLASH_MLX_NO_REEXEC=1`` to opt out.
 Ranks that ``mlx.launch`` starts on one machine (a ring hostfile listing the
 same address more than once) share its cores: each gets OPENBLAS_NUM_THREADS
 = cores / ranks there (unless set), as oversubscribed OpenBLAS threads and
-the ring's busy-waiting ranks slow each other down (DFlash on 2 loopback
-ranks of a 2-core machine: 21.7 tok/s with 2 threads each, 34.8 with 1).
+the ring's busy-waiting ranks slow each other down.
 """
 
 from __future__ import annotations

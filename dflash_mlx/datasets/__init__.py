@@ -1,4 +1,4 @@
-"""Benchmark prompts packaged with dflash-mlx (GSM8K test, HumanEval, MT-Bench).
+"""Benchmark prompts packaged with dflash-mlx (GSM8K test, HumanEval, MT-Bench), and long GSM8K conversations.
 
 The files are copies of the public datasets with their licences alongside
 (LICENSE.*). Prompt formats follow upstream DFlash's benchmarks: GSM8K asks for
@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import re
 from importlib import resources
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
@@ -49,3 +50,25 @@ def sample(dataset: str, num_prompts: int, seed: int = SEED) -> list[list[str]]:
     items = conversations(dataset)
     random.Random(seed).shuffle(items)
     return items[:num_prompts]
+
+
+def long_gsm8k_conversations(tokenizer, min_tokens: int, count: int, start: int = 0, stop: int | None = None):
+    """`count` chats of at least `min_tokens` tokens (chat-templated by `tokenizer`): GSM8K test questions
+    (rows `start` to `stop`, in file order) with their reference answers as earlier turns, ending with a
+    question. For long-context benchmarks and fine-tuning examples (scripts/)."""
+    rows = _lines("gsm8k_test.jsonl")[start:stop]
+    out, i = [], 0
+    while len(out) < count:
+        messages: list[dict] = []
+        while True:
+            row = rows[i % len(rows)]
+            i += 1
+            question = {"role": "user", "content": GSM8K_FORMAT.format(question=row["question"])}
+            text = tokenizer.apply_chat_template(messages + [question], add_generation_prompt=True, tokenize=False)
+            if len(tokenizer.encode(text)) >= min_tokens:
+                out.append(messages + [question])
+                break
+            body, _, final = row["answer"].rpartition("####")  # the answer in the demo target's own style
+            answer = f"{re.sub(r'<<[^>]*>>', '', body).strip()}\nThe final answer is \\boxed{{{final.strip()}}}."
+            messages += [question, {"role": "assistant", "content": answer}]
+    return out

@@ -1,18 +1,17 @@
 """The drafter's normalisation and rotary steps with fewer ops on a CPU.
 
 On MLX's CPU backend `mx.fast.rms_norm` and `mx.fast.rope` run as their
-reference graphs: ~11 and ~29 small ops per call, which cost more than the
+reference graphs of many small ops per call, which cost more than the
 drafter's matmuls on small models (a demo-pair block forward is bound by op
 count, not arithmetic). On a CPU, RMS norms run as one compiled graph (one
 kernel JIT-compiled per machine, cached by MLX in its temporary directory) and
 the plain rotary embedding (`nn.RoPE`, non-traditional) multiplies by cos/sin
-tables computed once with the reference graph's own arithmetic (8 ops instead
-of 29; bit-identical on the shapes the tests cover). Compiling the rotary step
-instead would cost ~0.5 s of C++ compilation per kernel (five of them) at a
-machine's first use. On a GPU the fast kernels are single ops and run as they
-are. Weights are arguments, never captured, so a drafter whose weights are
-replaced (training, `set_dtype`, quantization) is never computed with stale
-ones.
+tables computed once with the reference graph's own arithmetic (far fewer
+ops; bit-identical on the shapes the tests cover). Compiling the rotary step
+instead would cost seconds of C++ compilation at a machine's first use. On a
+GPU the fast kernels are single ops and run as they are. Weights are
+arguments, never captured, so a drafter whose weights are replaced (training,
+`set_dtype`, quantization) is never computed with stale ones.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ TABLE_STEP = 1024  # positions the rotary tables grow by
 
 
 def default_device_is_cpu() -> bool:
-    """Whether ops now run on the CPU (per call: unlike `models.loading.on_cpu`, which asks whether
+    """Whether ops now run on the CPU (per call: unlike `models.dtype.on_cpu`, which asks whether
     the machine has Metal, a Mac that chose the CPU counts)."""
     return mx.default_device().type == mx.DeviceType.cpu
 

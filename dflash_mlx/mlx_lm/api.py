@@ -1,39 +1,15 @@
 """mlx-lm's API with DFlash underneath: switch a script by changing one import.
 
-``from dflash_mlx.mlx_lm import load, stream_generate, generate`` instead of
-``from mlx_lm import ...``: the same signatures, keyword arguments and
-`GenerationResponse`s (ours add ``cycle_tokens``), greedy output token for token
-equal to mlx-lm's.
-
-- `load(path_or_hf_repo, ..., draft=None)` takes ``mlx_lm.load``'s parameters
-  (same names, order and defaults) and returns exactly what it returns
-  (registry names from models.toml are also accepted); it remembers the
-  model's DFlash drafter (``draft=``, else the registered one) outside the
-  model: not a child module, no attribute set on any mlx-lm object.
-  `remember_draft` does the same for a model loaded otherwise.
-- `stream_generate` / `generate` run DFlash with the explicit ``draft_model``
-  when it is a DFlash drafter, else with the remembered drafter;
-  ``num_draft_tokens=n`` means blocks of n + 1 (default: the drafter's own
-  block size, see `dflash_mlx.models.block_size`). An ordinary mlx-lm draft model, or
-  no drafter, runs ``mlx_lm.stream_generate`` itself. So do options DFlash
-  cannot honour (a sampler not made by ``make_sampler``, XTC,
-  ``min_tokens_to_keep > 1``, ``max_kv_size``, ``input_embeddings``, another
-  ``stream``): plain mlx-lm decoding, with one warning per reason and process.
-  ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start`` run DFlash on
-  mlx-lm's quantized KV cache (`dflash_mlx.targets.quantized_kv`). Unknown
-  keyword arguments raise TypeError.
-- Samplers: see `dflash_mlx.mlx_lm.samplers`. Sampled DFlash draws its seed
-  from MLX's global generator, so ``mx.random.seed(n)`` before a call makes it
-  reproducible, as in mlx-lm (the samples differ from mlx-lm's; the
-  distribution is the same).
-- Prompt caches: mlx-lm's own (``mlx_lm.models.cache.make_prompt_cache(model)``,
-  ``load_prompt_cache``) run DFlash and are left holding exactly what mlx-lm
-  would leave in them (`dflash_mlx.mlx_lm.cache`), so mlx-lm's
-  save / load / trim functions keep working. `make_prompt_cache(model)` here
-  gives, with a drafter, a `DFlashPromptCache` (a `dflash_mlx.session.Session`
-  with the same semantics, which also reuses the common prefix of a prompt that
-  does not extend it); without one, mlx-lm's own list. A `DFlashPromptCache`
-  is refused by mlx-lm's decoding with an error.
+`load` takes ``mlx_lm.load``'s parameters and returns exactly what it returns,
+remembering the model's DFlash drafter outside the model (`remember_draft` for
+a model loaded otherwise). `stream_generate` / `generate` take mlx-lm's
+arguments and run DFlash with a DFlash ``draft_model`` or the remembered
+drafter; an ordinary draft model, no drafter, or an option DFlash cannot honour
+runs ``mlx_lm.stream_generate`` itself (one warning per reason and process);
+``kv_bits`` and its options run DFlash on mlx-lm's quantized KV cache.
+Samplers: `samplers`; mlx-lm's own prompt-cache lists: `cache`;
+`make_prompt_cache` with a drafter gives a `DFlashPromptCache` (a `Session`).
+What users see: docs/usage.md (the drop-in).
 """
 
 from __future__ import annotations
@@ -56,7 +32,7 @@ from ..draft.model import DFlashDraftModel
 from ..engine import SUPERSEDED
 from ..generation import encode_prompt
 from ..generation import stream_generate as dflash_stream_generate
-from ..models.loading import target_float_dtype
+from ..models.dtype import target_float_dtype
 from .samplers import UnsupportedSampler, sampler_settings
 from ..proposers.base import Proposer
 from .cache import list_cache_problem, list_session, opened_on, remember
@@ -181,6 +157,11 @@ def make_prompt_cache(model: nn.Module, max_kv_size: int | None = None, *, draft
 
 def _is_dflash(draft) -> bool:
     return isinstance(draft, (DFlashDraftModel, Proposer))
+
+
+def reset_warnings() -> None:
+    """Warn again of fallbacks already warned of (each reason is warned of once per process)."""
+    _warned.clear()
 
 
 def _warn_once(reason: str) -> None:

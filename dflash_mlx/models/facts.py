@@ -1,22 +1,13 @@
 """What a loaded model is made of: its arrays and its quantized layers, read once per model.
 
 Every adaptive generation reads these (the block cap, the calibration key).
-The first read walks the module tree directly (mlx's `parameters()` and
-`named_modules()` build dictionaries of the whole tree and cost several
-times as much; whether a dtype is floating is asked once per dtype, not per
-array) and records every link it followed: container, key, child. Later
-reads return the same facts while every link still holds: each container
-has as many entries and each entry is the same object as before, checked
-with C-level `map`s over weak references (the tree itself is not kept
-alive; lists and plain dicts, which cannot be weakly referenced, are held).
-So a model changed in place (`nn.quantize`, `set_dtype`, LoRA layers,
-`load_weights` with other dtypes) is walked again, while an unchanged one
-costs a check: on this project's CPU, warm, 12 against 55 microseconds for
-the synthetic pair's 4-layer target (112 links), 17 against 75 for the
-bundled 6-layer target, 6.5 against 29 for their drafters. Right after a
-generation (caches cold) both mostly wait for the tree's memory, so the
-check saves less there (~70 microseconds of an adaptive setup on the
-synthetic pair, 0.4% of a short reply).
+The first read walks the module tree directly (cheaper than mlx's
+`parameters()`) and records every link it followed: container, key, child.
+Later reads return the same facts while every link still holds (checked
+over weak references; the tree itself is not kept alive), so a model changed
+in place (`nn.quantize`, `set_dtype`, LoRA layers) is walked again while an
+unchanged one costs a check. `model_facts` is the JSON-able description that
+calibration keys and prompt-cache files record.
 """
 
 from __future__ import annotations
@@ -65,6 +56,24 @@ def read_facts(model: nn.Module) -> ModelFacts:
             weakref.finalize(model, _known.pop, key, None)
         _known[key] = (facts, links)
     return facts
+
+
+def model_config(model):
+    """A model's config object (mlx-lm models keep theirs as `args`), or None."""
+    return getattr(model, "config", None) or getattr(model, "args", None)
+
+
+def model_facts(model) -> dict:
+    """What identifies a model's computation (type, size, dtypes, quantization, shape), as JSON-able data:
+    the calibration key's and the prompt-cache files' description of a model."""
+    if not isinstance(model, nn.Module):
+        return {"type": type(model).__name__}
+    facts = read_facts(model)
+    config = model_config(model)
+    shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
+                                                    "block_size", "intermediate_size")}  # fmt: skip
+    return {"type": type(model).__name__, "parameters": facts.parameters, "float_dtypes": list(facts.float_dtypes),
+            "bits": facts.bits, **shape}  # fmt: skip
 
 
 def _getter(node):

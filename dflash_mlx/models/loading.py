@@ -1,13 +1,9 @@
 """Loading what `resolve` chose: the one loader of the library, every command and the server.
 
-The CPU dtype rule, in one place: on MLX's CPU backend (no Metal) every
-target is computed in float32 (bfloat16 matmuls have no fast CPU path, and
-the bundled demo pair is stored in bfloat16), quantized weights stay as they
-are, and the drafter follows the target's activation dtype. The cast is
-evaluated at once, so a pair loaded in one thread generates in another (MLX
-streams are per thread). On Metal, models keep their stored dtype.
-`dflash_mlx.mlx_lm.load` is the one exception: it returns exactly what
-``mlx_lm.load`` returns, as mlx-lm scripts expect.
+Models compute in the dtype `dtype` decides (float32 on MLX's CPU backend);
+a tensor-sharded target goes through `sharding.loading`. `dflash_mlx.mlx_lm.load`
+is the one exception: it returns exactly what ``mlx_lm.load`` returns, as
+mlx-lm scripts expect.
 """
 
 from __future__ import annotations
@@ -19,47 +15,20 @@ import mlx.nn as nn
 
 from ..draft.load import load_draft
 from ..draft.model import DFlashDraftModel
-from ..targets.adapter import UnsupportedTargetError, target_problem, token_embedding
-from ..targets.families import text_model
+from ..sharding.loading import check_shard_mode, load_sharded
+from ..targets.adapter import UnsupportedTargetError, target_problem
+from .dtype import as_float32, on_cpu, target_float_dtype
 from .resolve import ModelChoice, choose_model
-
-
-def on_cpu() -> bool:
-    return not mx.metal.is_available()
-
-
-def as_float32(module: nn.Module | None) -> None:
-    """Cast floating-point parameters to float32 (quantized weights stay as they are), evaluated now."""
-    if module is not None:
-        module.set_dtype(mx.float32)
-        mx.eval(module.parameters())
-
-
-def target_float_dtype(model: nn.Module) -> mx.Dtype | None:
-    """The target's activation dtype (its final norm's, else its token embedding's), so the drafter
-    computes alike."""
-    norm = getattr(getattr(text_model(model), "model", None), "norm", None)
-    dtype = getattr(getattr(norm, "weight", None), "dtype", None)
-    if dtype is None and (embedding := token_embedding(model)) is not None:
-        dtype = getattr(embedding, "scales", embedding.weight).dtype  # (a quantized table's scales)
-    return dtype
-
-
-def dtype_name(dtype: mx.Dtype | None) -> str:
-    """'float32', 'bfloat16', ... (how commands and the server report what a model computes in)."""
-    return str(dtype).rsplit(".", 1)[-1] if dtype is not None else "unknown"
 
 
 def load_choice(choice: ModelChoice, *, draft_bits: int | None = None, draft_group_size: int = 64,
                 shard: str | None = None, group=None, **mlx_lm_load_kwargs):  # fmt: skip
-    """(model, tokenizer, drafter or None) for a choice, by the CPU dtype rule above.
+    """(model, tokenizer, drafter or None) for a choice, by the CPU dtype rule (`models.dtype`).
 
     huggingface_hub shows download progress; extra keyword arguments go to ``mlx_lm.load``.
     `shard="tensor"`: the target tensor-sharded over `group` (`dflash_mlx.sharding.loading`).
     """
     from mlx_lm import load as mlx_lm_load
-
-    from ..sharding.loading import check_shard_mode, load_sharded
 
     check_shard_mode(shard)
     if shard is not None:
@@ -96,7 +65,7 @@ def load(
     `target` is a local mlx-lm model directory, a Hugging Face repo id or a name
     from models.toml; `draft=None` takes the drafter the registry pairs with the
     target. Extra keyword arguments go to `mlx_lm.load`. On MLX's CPU backend
-    the pair computes in float32 (see the module docstring).
+    the pair computes in float32 (`models.dtype`).
 
     `shard="tensor"` splits the target over `group` (default `mx.distributed.init()`,
     the ranks `mlx.launch` started) with mlx-lm's `sharded_load`; the drafter is

@@ -3,12 +3,12 @@
 `base` is the interface the engine asks (`BlockPolicy`: `choose`, `observe`)
 and the fixed policy; `estimate` keeps live per-position acceptance (and a
 drafter's long-run history); `cost` holds the cost curve T(b); `calibration`
-measures T(b) on this machine and caches it on disk, `fit` turns the measured
-rounds into the curve; `adaptive` picks argmax E(b) / T(b), probing from b = 1.
+measures T(b) on this machine by running the engine and caches it on disk,
+`fit` turns the measured rounds into the curve; `adaptive` picks argmax
+E(b) / T(b), probing from b = 1. The package exports only the interface:
+the engine imports it, and `calibration` runs the engine. Design: docs/adaptive.md.
 """
 
-from .adaptive import AdaptiveBlock, adaptive_policy
 from .base import BlockPolicy, FixedBlock
-from .calibration import calibration_dir, clear_calibrations
 
-__all__ = ["AdaptiveBlock", "BlockPolicy", "FixedBlock", "adaptive_policy", "calibration_dir", "clear_calibrations"]
+__all__ = ["BlockPolicy", "FixedBlock"]

@@ -1,44 +1,12 @@
 """The adaptive block: each cycle, the block b that maximises E(b) / T(b), plain decoding included.
 
-E(b) comes from the live acceptance estimate (`estimate`), T(b) from the
-calibrated, online-refined cost curve (`cost`). At b = 1 nothing is learnt
-about acceptance, so the policy probes a larger block now and then: first
-after PROBE_GAP cycles at b = 1, and after each excursion that did not pay
-twice as long (up to MAX_PROBE_GAP, and never longer than the gap at which
-a failing probe adds PROBE_BUDGET to the plain steps' time: where a block
-costs little more than a plain step, a Mac's memory-bound curve, a drafter
-that turns good is found within PROBE_GAP cycles). An excursion is a probe and the larger
-blocks it led to, until the policy is back at b = 1; it paid when it
-committed at least the tokens plain decoding would have in its (calibrated)
-time, so a lucky probe of a drafter whose blocks do not pay on average is
-not taken for a recovery. A cycle chosen on its merits that accepts a draft
-resets the gap.
-Before a probe the acceptance history is halved, so acceptance that
-recovered (code, a repeated list) is noticed at once. The probe is the
-smallest block from PROBE_BLOCK up that would beat plain decoding if the
-drafter accepted as a good one does (every position at least PRIOR_RATE);
-where none would (a 4-bit target on a CPU: T(5) = 4.4-5.0 T(1)), a recovery
-could not make drafting pay, so the policy does not probe.
-
-Among the drafting blocks the policy takes the largest whose rate is within
-BLOCK_RESOLUTION of the best (`block_for`): a smaller block gives up tokens
-the estimate counts for a saving the calibrated curve cannot resolve. On the
-project's CPU the demo pair's calibration made T(6) 0.92 of T(8) where the
-loop's own cycles at b = 6 cost 0.985 of those at b = 8; the plain argmax ran
-77% of the GSM8K cycles below b = 8, for 6% fewer tokens per cycle and 1.5%
-cheaper cycles, and this rule is 1.03x faster than it (95% interval
-1.00-1.07; `scripts/bench_adaptive.py`: calibration, `cycle_ms`, `blocks`,
-`engine_adaptive_vs_argmax`). Until a probe's excursion has a draft accepted
-the plain argmax is kept: the estimate then holds only the probe's hope, and
-a larger block would make a failing probe dearer.
-
-The loop's own cycle times refine the curve only when `refine` is set. The
-library leaves it off: a cycle's wall time includes the caller's per-token
-work and, for pipelined plain steps, the next step's launch, and online
-refinement measured on the demo pair chose block 2 for an untrained drafter
-(0.6x plain decoding). So the blocks depend on the calibration and the
-acceptance history only, and under sampling a seed reproduces the output on
-a machine with the same calibration.
+E(b) comes from the live acceptance estimate (`estimate`, with the drafter's
+long-run history as the prior), T(b) from the calibrated cost curve (`cost`,
+`calibration`). Among drafting blocks it takes the largest within
+BLOCK_RESOLUTION of the best; from b = 1 it probes a small block now and then
+(`ProbeSchedule`, shared with `batch.block_choice`). The loop's own cycle
+times refine the curve only with `refine` (the library leaves it off). Why
+each rule: docs/adaptive.md.
 """
 
 from __future__ import annotations

@@ -1,47 +1,12 @@
 """Measuring the cost curve T(b) on this machine, once, and caching it on disk.
 
-`cost_curve(target, proposer, max_block)` returns the curve for this target,
-drafter, dtype, quantization, device and MLX version: from memory (a pair seen
-before builds no key while its models are unchanged: `models.facts`), else from
-`<cache>/calibration/<key>.json`, else measured by running the real loop
-(`engine.speculative_cycles`) on a short synthetic prompt with a scheduled
-block per cycle, on private caches and a private copy of the proposer
-(`Proposer.fork()`; a proposer without one is timed with free dummy drafts),
-so the caller's session is untouched. Each block runs as a stretch of
-consecutive cycles timed as a steady run of that block costs: the engine
-queues the cycle after a b = 1 step before reading that step, so a stretch's
-first cycle overlaps the previous block and is not timed, and a b = 1 step's
-time includes queueing the next cycle, so the last b = 1 step of a stretch
-(which queues the next block) is not timed either. Plain steps are short and
-their time decides whether drafting pays at all, so b = 1 stretches are
-longer (STRETCH) and a round's b = 1 time is the median of its timed steps;
-a drafting block's is the median of its stretch's timed cycles
-(DRAFT_STRETCH). Longer stretches than the 6 and 2 cycles of FORMAT 6 make
-fewer outlying curves (a curve that puts plain decoding too close to the
-largest block is cached for good): `scripts/bench_calibration_noise.py
---stretches "6,2 12,3"`. Where MIN_ROUNDS rounds of them would end after
-BUDGET_SECONDS, judged by the warm-up cycles (a large model, a slow machine:
-long cycles, which a moment's jitter disturbs less), the rounds take those
-shorter ones (SHORT_STRETCH, `stretches`). Rounds alternate the blocks,
-after a warm-up cycle of each: ROUNDS of them, fewer where they take long
-(past MIN_ROUNDS, none starts that would end after BUDGET_SECONDS, judged by
-the round before it, so a large model on a slow machine calibrates in about
-that time). The curve is fitted to their table of times (`fit.fitted_curve`:
-median polish across rounds, non-decreasing in b, a line past b = 1), as
-noise in a single block's time would otherwise make the argmax pick the
-block. The drafter's forward is also timed alone (`draft_seconds`): a curve
-whose blocks cost less over a plain step than half of it was measured on a
-busy machine (`fit.plausible`), so the rounds are measured again and pooled
-with the first, and the curve is kept on the floor T(b) >= T(1) + D(b)
-either way (`fit.with_floor`). A cache file that cannot be read, is of
-another format or describes another setup is ignored and rewritten
-(atomically). `<cache>` is $DFLASH_MLX_CACHE_DIR, else $XDG_CACHE_HOME/dflash-mlx,
-else ~/.cache/dflash-mlx (`dflash-mlx calibrate --clear` empties it). A tensor-sharded target is
-calibrated sharded (its key names the group size), by all ranks together
-when rank 0 has no cached curve; every rank then takes rank 0's curve, so
-they all choose the same blocks. The ranks' exchanges make single cycles
-noisy, so a sharded calibration runs SHARDED_ROUNDS rounds (and skips the
-floor check, whose retry is one rank's decision).
+`cost_curve(target, proposer, max_block)` returns the curve for this setup
+(the models, their dtypes and quantization, the device, the software): from
+memory, else from `<cache>/calibration/<key>.json`, else measured by running
+the real loop (`engine.speculative_cycles`) on private caches and a private
+copy of the proposer, in timed stretches of each grid block, fitted by `fit`
+and checked against the drafter's own forward. Sharded ranks all take rank 0's
+curve. The design, the cache's location and why each rule: docs/adaptive.md.
 """
 
 from __future__ import annotations
@@ -61,7 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..models.facts import read_facts
+from ..models.facts import model_config, model_facts, read_facts
 from ..proposers.base import Proposal
 from ..sharding.group import broadcast_floats
 from ..utils.io import write_json_atomic
@@ -70,8 +35,7 @@ from .base import ScheduledBlocks
 from .cost import CostCurve
 from .fit import draft_floor, fitted_curve, plausible, with_floor
 
-FORMAT = 7  # bump when what is measured changes (5: the block forward ingests the context; 6: the drafter floor;
-# 7: longer stretches)
+FORMAT = 7  # bump when what is measured changes (older files are then measured again)
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 ROUNDS = 4  # timed rounds, after a warm-up cycle of each block
 MIN_ROUNDS = 2  # the rounds run whatever the budget
@@ -110,26 +74,16 @@ def clear_calibrations() -> int:
     return removed
 
 
-def forget_curve(digest: str) -> None:
-    """Drop this process's copy of the curve cached as `<digest>.json`: the next lookup reads the file."""
+def forget_curve(digest: str | None = None) -> None:
+    """Drop this process's copy of the curve cached as `<digest>.json` (None: of every curve): the next
+    lookup reads the file."""
     with _lock:
-        for memo_key in [k for k, (d, _) in _memo.items() if d == digest]:
+        for memo_key in [k for k, (d, _) in _memo.items() if digest is None or d == digest]:
             del _memo[memo_key]
 
 
 def grid_for(max_block: int) -> list[int]:
     return sorted({b for b in GRID if b < max_block} | {max_block})
-
-
-def model_facts(model) -> dict:
-    if not isinstance(model, nn.Module):
-        return {"type": type(model).__name__}
-    facts = read_facts(model)
-    config = _config(model)
-    shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
-                                                    "block_size", "intermediate_size")}  # fmt: skip
-    return {"type": type(model).__name__, "parameters": facts.parameters, "float_dtypes": list(facts.float_dtypes),
-            "bits": facts.bits, **shape}  # fmt: skip
 
 
 def calibration_key(target, proposer, max_block: int) -> dict:
@@ -155,12 +109,9 @@ def _setup(target, proposer, max_block: int) -> tuple | None:
     model = target.model
     if not isinstance(model, nn.Module) or not isinstance(drafter, nn.Module) or _group(target) is not None:
         return None
-    made_of = (read_facts(model), read_facts(drafter), _config(model), _config(drafter), type(model), type(drafter))
+    made_of = (read_facts(model), read_facts(drafter), model_config(model), model_config(drafter), type(model),
+               type(drafter))
     return (id(model), id(drafter), type(proposer).__name__, max_block, str(mx.default_device())), made_of
-
-
-def _config(model):  # (mlx-lm models keep theirs as `args`)
-    return getattr(model, "config", None) or getattr(model, "args", None)
 
 
 def _group(target):

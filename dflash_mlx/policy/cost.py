@@ -1,12 +1,10 @@
-"""The cost curve T(b): seconds per draft/verify cycle at block b, calibrated and refined online.
+"""The cost curve T(b): seconds per draft/verify cycle at block b, calibrated (and optionally refined).
 
 A calibration measures T at a few blocks (`grid`); blocks in between are
 interpolated linearly, blocks past the last point extrapolated from the last
-two. While generating, the loop's own per-cycle times refine it: each block
-that was run keeps an exponential average of measured / calibrated, used for
-that block once it has a few samples; blocks not run yet use the average
-ratio over all cycles (so a busier machine or a longer context scales the
-whole curve; the argmax only moves when the shape does).
+two. `observe` refines it from the loop's own cycle times (a per-block
+exponential average of measured / calibrated, and an overall one for blocks
+not run yet), which only a policy with `refine` set uses.
 """
 
 from __future__ import annotations

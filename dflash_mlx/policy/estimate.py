@@ -1,36 +1,10 @@
 """Live acceptance: per-position conditional acceptance rates and the expected tokens per cycle.
 
-Draft position k (0-based) is accepted with probability a_k given that drafts
-0..k-1 were. A cycle that accepted `n` of its b - 1 drafts observes positions
-0..n-1 as accepted and position n as rejected (if n < b - 1); deeper ones are
-not observed. Each position keeps exponentially discounted counts (recent
-cycles weigh most) plus a prior. Without a history the prior is weak and
-optimistic (PRIOR_RATE), so a few cycles override it; a deeper position's
-prior is then never above the estimate of position 0, so a drafter rejected
-at its first position is not credited with a deep run; a single rejection
-deeper in the block lowers that position only (capping every deeper prior by
-it sent a good drafter to b = 1 after one early cycle that accepted 1 of 7
-drafts).
-
-A drafter's own history is the better prior: `learnt` is a long-run estimate
-(discounted by LEARNT_DISCOUNT per cycle, ~100 cycles of memory across
-generations) that observes every cycle this one observes; a new generation
-takes its rates as they stood when it began as per-position priors weighing
-LEARNT_WEIGHT cycles, a weight discounted like the generation's own
-observations (so a long generation ends up judged on its own recent
-cycles). Its own cycles count once: with the history's live rates as priors
-they counted twice, and a trained drafter whose first cycle in a process was
-rejected went to b = 1 for the rest of that reply and the start of the next.
-So one rejection at the start of a short reply does not send a drafter that
-is usually right to b = 1, and a drafter that is usually wrong starts at
-b = 1. Softening the history before a probe weighs those priors down with
-the observations they are mixed with: softening the observations alone
-pulled a young estimate back to its prior, so in a fresh process a drafter
-always rejected at its first position followed each failed probe with a
-block of 7 or 8 (`dflash-mlx generate` on the demo pair, off distribution:
-blocks {1: 45, 2: 2, 7: 1, 8: 6}, now {1: 50, 2: 2, 8: 3}).
-E(b) = 1 + sum_{k=1}^{b-1} prod_{j<k} a_j is what a cycle at block b is
-expected to commit.
+Draft position k is accepted with probability a_k given that drafts 0..k-1
+were; each position keeps exponentially discounted counts plus a prior, weak
+and optimistic without a history (PRIOR_RATE), else the drafter's long-run
+rates (`learnt`). E(b) = 1 + sum_{k=1}^{b-1} prod_{j<k} a_j is what a cycle at
+block b is expected to commit. Why the priors are what they are: docs/adaptive.md.
 """
 
 from __future__ import annotations

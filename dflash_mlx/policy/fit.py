@@ -1,33 +1,11 @@
 """Turning noisy cycle times into a cost curve T(b): robust levels, monotone, affine past b = 1.
 
-The calibration times every grid block once per round. Three steps make the
-curve steadier than per-block medians (which, on the project's 2-core CPU,
-misjudged T(8) / T(6) by 6-8% and T(2) / T(1) by 17-34% (rms) across
-repeated calibrations, enough to pick b = 6 for a drafter that b = 8 served
-best):
-- `polished`: a round's drift (the machine busier for a moment) scales
-  every block alike, so the levels come from a median polish of the
-  logarithms of the rounds x blocks table: round and block effects, each
-  the median of what the other leaves, which cancels the drift instead of
-  averaging it in.
-- `non_decreasing`: a larger block never costs less (pool adjacent
-  violators, the closest non-decreasing curve in least squares).
-- `affine_past_one`: from b = 2 on a cycle is a drafter forward and a verify
-  of b rows, whose cost grows about linearly in b (flat on a GPU's
-  memory-bound regime, steeper where compute binds), so blocks >= 2 are
-  fitted with a least-squares line of non-negative slope, which pools every
-  block's measurement into each point. Where the line misses a point by
-  more than AFFINE_TOLERANCE the measured shape is kept (a knee the line
-  cannot follow). b = 1 (plain decoding, no drafter) stays as measured.
-
-A physical floor guards the result: a cycle of block b >= 2 is a drafter
-forward and a verify of b rows, and verifying b rows costs at least what a
-plain step (one row) does, so T(b) >= T(1) + D(b), D(b) the drafter forward
-timed alone. A busy machine breaks this, mostly by slowing the plain steps
-(`scripts/bench_calibration_noise.py`: on the project's 2-core CPU, beside a
-process busy 30 ms of every 60, half the demo pair's calibrations broke it),
-and a block that looks free makes even a useless drafter draft. `plausible` tells such a curve (T(b) - T(1) below
-FLOOR_MARGIN D(b)); `with_floor` lifts it onto the floor.
+`fitted_curve` takes the calibration's rounds x blocks table: a median polish
+of its logarithms (`polished`: a round's drift cancels), made non-decreasing
+(`non_decreasing`), a least-squares line from b = 2 on unless it misses a
+point by more than AFFINE_TOLERANCE (`affine_past_one`). `plausible` and
+`with_floor` hold the curve to the physical floor T(b) >= T(1) + D(b), D(b)
+the drafter forward timed alone (a busy machine breaks it). Why: docs/adaptive.md.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..models.block_size import check_block_size
 from ..models.chat_template import reasoning_switches
-from ..models.loading import dtype_name, target_float_dtype
+from ..models.dtype import dtype_name, target_float_dtype
 from ..targets.adapter import embedding_shape, token_embedding
 from ..targets.families import context_length
 from .handler import Handler

@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, load_prompt_cache, save_prompt_cache
 
-from ..policy.calibration import model_facts
+from ..models.facts import model_facts
 from ..utils.io import replace_atomically
 
 FORMAT = 1

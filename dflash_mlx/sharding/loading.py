@@ -21,6 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..draft.load import load_draft, resolve_model_dir
+from ..models.dtype import as_float32, on_cpu, target_float_dtype
 from ..targets.adapter import UnsupportedTargetError, target_problem
 from ..targets.families import shard_problem
 from .group import ShardError, agree, broadcast, same_everywhere, world
@@ -77,8 +78,6 @@ def _preflight(choice, ranks: int) -> bytes:
 def _load_target(choice, group):
     from mlx_lm.utils import sharded_load
 
-    from ..models.loading import as_float32, on_cpu
-
     model, tokenizer = sharded_load(str(choice.target), tensor_group=group)
     if on_cpu():
         as_float32(model)
@@ -88,8 +87,6 @@ def _load_target(choice, group):
 def load_sharded(choice, group: mx.distributed.Group | None = None, *, draft_bits: int | None = None,
                  draft_group_size: int = 64):  # fmt: skip
     """(model, tokenizer, drafter or None) on every rank of `group` (default: `mx.distributed.init()`)."""
-    from ..models.loading import target_float_dtype
-
     group = group or world()
     digest = agree(group, _preflight, choice, group.size())
     differ = same_everywhere(group, digest)

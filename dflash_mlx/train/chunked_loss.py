@@ -2,9 +2,8 @@
 
 The whole-batch loss (`loss.block_loss` on `model_forward.training_logits`)
 holds the logits of every block row at once, plus their softmax and gradient in
-the backward pass: B x K x (b - 1) x V floats several times over (7.1 GB peak
-RSS for the defaults at block 16 with Qwen's 151,936-token vocabulary). Here a
-step runs in three stages instead:
+the backward pass: B x K x (b - 1) x V floats several times over, gigabytes
+at a real vocabulary. Here a step runs in three stages instead:
 
 1. the drafter's forward up to the final normed hidden states of the block rows
    (small: rows x hidden), evaluated;

@@ -36,7 +36,8 @@ from rich.progress import (
 
 from ..draft.load import load_draft
 from ..targets.families import context_length, text_model
-from ..models.loading import load_choice, target_float_dtype
+from ..models.dtype import target_float_dtype
+from ..models.loading import load_choice
 from ..models.resolve import ModelChoiceError, choose_model
 from ..targets.adapter import TargetAdapter, UnsupportedTargetError
 from .batches import Sequence, build_sequences, step_position

@@ -1,0 +1,784 @@
+"""The maintainers' benchmarks, one entry point: ``python3 scripts/bench.py LEG [options]``.
+
+  engine   the loop's own overhead: a random float32 qwen3 target (246M parameters), an oracle
+           proposer the target accepts at a fixed rate, against the ideal tau x T(1) / T(b) from
+           separately timed target forwards, and the plain path against mlx-lm's generate_step;
+           every leg once per round, medians over the rounds
+  legs     mlx-lm's `stream_generate` against dflash-mlx legs (`plain`: no drafter, `adaptive`:
+           the default, `b2` ... `b16`: a fixed block), alternated in a new random order for every
+           prompt of every round, ratios with 95% bootstrap intervals over the units, after a fresh
+           calibration of each setting; with several fixed blocks, the best one cross-fitted (each
+           half of the units measured at the block fastest on the other half); settings below
+  serving  `dflash-mlx serve` (batched; one at a time too with --serial) against `mlx_lm.server`
+           on a float32 copy of the bundled target, driven by `dflash-mlx bench --backend openai`
+  agent    an agent-style conversation (a long system prompt, four turns) through both servers,
+           each with its prompt cache and without: time to first token and latency per turn
+  batch    `dflash_mlx.batch_generate` against mlx-lm's `batch_generate` at several batch widths
+  sharded  the same job in one process and as 2 ring ranks on this machine (`mlx.launch`)
+
+`legs` settings (`--settings`, comma-separated): demo-gsm8k and demo-mtbench (the bundled pair on
+chat-templated GSM8K / MT-Bench first turns: in and off distribution), untrained (the bundled target
+with a random drafter of the same shape), 4bit (the bundled target quantized to 4 bits, group 64),
+long (the bundled pair on multi-turn GSM8K conversations of at least 1,600 tokens), synthetic (a pair
+`scripts/train_synthetic.py` trained, in --synthetic DIR, on its own prompts). --temperature T > 0
+samples (seeded per unit); greedy runs check every leg's tokens against mlx-lm's.
+
+On Linux preload the system OpenBLAS, as the `dflash-mlx` command does for itself:
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python3 scripts/bench.py legs
+docs/benchmarks.md has each table this prints, with the command that produced it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+
+TITLES = {"demo-gsm8k": "demo pair, GSM8K", "demo-mtbench": "demo pair, MT-Bench", "untrained": "untrained drafter",
+          "4bit": "4-bit target (blocks <= 5)", "long": "demo pair, 1.6k-token prompts",
+          "synthetic": "synthetic pair"}  # fmt: skip
+LONG_PROMPT_TOKENS = 1600
+
+
+# ------------------------------------------------------------------------------------------- engine
+
+
+def engine(args) -> None:
+    from mlx.utils import tree_flatten
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models import qwen3
+
+    from dflash_mlx.draft.config import parse_draft_config
+    from dflash_mlx.draft.model import DFlashDraftModel
+    from dflash_mlx.engine import speculative_cycles
+    from dflash_mlx.proposers.oracle import OracleProposer
+    from dflash_mlx.targets.adapter import TargetAdapter
+    from dflash_mlx.targets.rollback import rollback
+
+    mx.random.seed(0)
+    h = args.hidden
+    config = qwen3.ModelArgs(model_type="qwen3", hidden_size=h, num_hidden_layers=args.layers,
+                             intermediate_size=h * 11 // 4, num_attention_heads=h // 64, rms_norm_eps=1e-6,
+                             vocab_size=args.vocab, num_key_value_heads=max(1, h // 256), max_position_embeddings=8192,
+                             head_dim=64, tie_word_embeddings=False, rope_theta=1e6)  # fmt: skip
+    model = qwen3.Model(config)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    prompt = mx.random.randint(0, args.vocab, (args.prompt_len,), key=mx.random.key(1)).astype(mx.int32)
+
+    def decode_tps(steps):
+        """(tokens, tok/s after the first token, cycle sizes) of a generator of tokens or cycles."""
+        tokens, sizes, tic = [], [], None
+        for step in steps:
+            if tic is None:
+                tic = time.perf_counter()  # the prefill excluded
+            elif hasattr(step, "tokens"):
+                sizes.append(len(step.tokens))
+            tokens += step.tokens if hasattr(step, "tokens") else [step[0]]
+        return tokens, (len(tokens) - 1) / (time.perf_counter() - tic), sizes
+
+    def cycles(proposer, block):
+        return speculative_cycles(TargetAdapter(model, ()), prompt, proposer, max_tokens=args.max_tokens,
+                                  block_size=block)  # fmt: skip
+
+    def forward_seconds(rows, context):
+        """The median seconds of a target forward of `rows` rows after `context` cached positions."""
+        target = TargetAdapter(model, ())
+        cache = target.make_cache()
+        mx.eval(target.forward(mx.tile(prompt, context // prompt.size + 1)[None, :context], cache)[0])
+        times = []
+        for _ in range(args.repeats):
+            tic = time.perf_counter()
+            logits, _, record = target.verify(mx.zeros((1, rows), mx.int32), cache)
+            mx.eval(logits)
+            times.append(time.perf_counter() - tic)
+            rollback(cache, record, keep=0)
+        return statistics.median(times)
+
+    decode_tps(generate_step(prompt, model, max_tokens=8))  # warm-up
+    context = args.prompt_len + args.max_tokens // 2
+    rounds = []  # each round times every leg back to back, so a busy moment of the machine hits one round
+    for _ in range(args.rounds):
+        reference, plain_tps, _ = decode_tps(generate_step(prompt, model, max_tokens=args.max_tokens))
+        ours, ours_plain_tps, _ = decode_tps(cycles(None, 1))
+        oracle = OracleProposer(reference, [args.accept], args.vocab, args.block_size)
+        drafted, dflash_tps, sizes = decode_tps(cycles(oracle, args.block_size))
+        assert ours == reference and drafted == reference, "the engine's output differs from mlx-lm's greedy"
+        t1, tb = forward_seconds(1, context), forward_seconds(args.block_size, context)
+        tau = sum(sizes) / len(sizes)
+        rounds.append({"mlx_lm_tps": plain_tps, "plain_path_tps": ours_plain_tps, "dflash_oracle_tps": dflash_tps,
+                       "t_forward_1_ms": t1 * 1e3, "t_forward_b_ms": tb * 1e3, "speedup": dflash_tps / plain_tps,
+                       "ideal": tau * t1 / tb, "ratio": dflash_tps / plain_tps / (tau * t1 / tb)})  # fmt: skip
+    result = {"params_millions": round(sum(v.size for _, v in tree_flatten(model.parameters())) / 1e6, 1),
+              "block_size": args.block_size, "tau": round(tau, 3), "rounds": args.rounds,
+              **{k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]},
+              "ratio_per_round": [round(r["ratio"], 3) for r in rounds]}  # medians over the rounds  # fmt: skip
+    t1, tb = result["t_forward_1_ms"] / 1e3, result["t_forward_b_ms"] / 1e3
+    if args.draft_layers:  # a random drafter of the target's width: the ideal with a real drafter's forward
+        layer_ids = [1 + i * (args.layers - 4) // max(args.draft_layers - 1, 1) for i in range(args.draft_layers)]
+        draft = DFlashDraftModel(parse_draft_config(dict(
+            hidden_size=h, num_hidden_layers=args.draft_layers, num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads, head_dim=64, intermediate_size=config.intermediate_size,
+            vocab_size=args.vocab, rms_norm_eps=1e-6, max_position_embeddings=8192, rope_theta=1e6,
+            dflash_config=dict(mask_token_id=0, target_layer_ids=layer_ids, block_size=args.block_size))))
+        mx.eval(draft.parameters())
+        draft_cache, width = draft.make_cache(), args.draft_layers * h
+        draft.extend_context(mx.zeros((1, context, width)), draft_cache)
+        target = TargetAdapter(model, tuple(layer_ids))
+
+        times = []
+        for _ in range(args.repeats):  # a cycle's context rows ingested, then the block drafted
+            features = mx.random.normal((1, round(tau), width))
+            mx.eval(features)
+            tic = time.perf_counter()
+            draft.extend_context(features, draft_cache)
+            mx.eval(mx.argmax(draft(mx.zeros((1, args.block_size), mx.int32), draft_cache, target), axis=-1))
+            times.append(time.perf_counter() - tic)
+        td = statistics.median(times)
+        result |= {"t_draft_ms": round(td * 1e3, 2), "ideal_with_drafter": round(tau * t1 / (td + tb), 3)}
+    print(json.dumps(result) if args.json else "\n".join(f"{k:>20}: {v}" for k, v in result.items()))
+
+
+# --------------------------------------------------------------------------------------------- legs
+
+
+def chat_prompts(tokenizer, conversations, raw: bool = False) -> list[mx.array]:
+    """Prompts as token arrays: each a user message (a string) or a list of messages, chat-templated where
+    the tokenizer has a template; `raw`: strings encoded as they are."""
+    from dflash_mlx.models.chat_template import render, template_source
+    from dflash_mlx.generation import encode_prompt
+
+    if raw or template_source(tokenizer) is None:
+        return [encode_prompt(tokenizer, c if isinstance(c, str) else "\n\n".join(m["content"] for m in c))
+                for c in conversations]  # fmt: skip
+    return [encode_prompt(tokenizer, render(tokenizer, [{"role": "user", "content": c}] if isinstance(c, str)
+                                            else c, {})) for c in conversations]  # fmt: skip
+
+
+def synthetic_prompts(directory: Path, n: int) -> list[str]:
+    """The first `n` prompts of a scripts/train_synthetic.py work directory (raw text)."""
+    return [json.loads(line)["prompt"] for line in (directory / "prompts.jsonl").read_text().splitlines()[:n]]
+
+
+def load_setting(name: str, demo, args):
+    """(model, tokenizer, draft, prompts) of a setting (`demo`: the loaded demo pair), or None with a note."""
+    import mlx.nn as nn
+    from mlx.utils import tree_map
+
+    import dflash_mlx
+    from dflash_mlx.datasets import long_gsm8k_conversations, sample
+
+    model, tokenizer, draft = demo
+    n = args.num_prompts
+    if name == "synthetic":
+        if not (args.synthetic / "drafter" / "config.json").exists():
+            print(f"synthetic: skipped ({args.synthetic} has no trained pair: run scripts/train_synthetic.py)")
+            return None
+        model, tokenizer, draft = dflash_mlx.load(args.synthetic / "target", args.synthetic / "drafter")
+        return model, tokenizer, draft, chat_prompts(tokenizer, synthetic_prompts(args.synthetic, n), raw=True)
+    if name == "untrained":
+        mx.random.seed(7)
+        draft = copy.deepcopy(draft)
+        draft.update(tree_map(lambda p: mx.random.normal(p.shape, p.dtype) * 0.02 if p.ndim > 1 else p,
+                              draft.parameters()))  # fmt: skip
+        mx.eval(draft.parameters())
+    if name == "4bit":
+        model = dflash_mlx.load("demo")[0]
+        nn.quantize(model, group_size=64, bits=4)
+        mx.eval(model.parameters())
+    if name == "long":
+        conversations = long_gsm8k_conversations(tokenizer, LONG_PROMPT_TOKENS, n)
+        return model, tokenizer, draft, chat_prompts(tokenizer, conversations)
+    dataset = "mt-bench" if name == "demo-mtbench" else "gsm8k"
+    return model, tokenizer, draft, chat_prompts(tokenizer, [c[0] for c in sample(dataset, n)])
+
+
+def timed(responses) -> tuple:
+    """(tokens, decode seconds, cycles, seconds from the call, cycles per block) of one reply (a lazy
+    generator: the clock starts when the call starts)."""
+    tokens, first, cycles, blocks, start = [], None, 0, Counter(), time.perf_counter()
+    for r in responses:
+        if first is None:
+            first = time.perf_counter()
+        tokens.append(r.token)
+        if getattr(r, "cycle_tokens", None) is not None:
+            cycles += 1
+            blocks[r.cycle_block_size or 1] += 1
+    end = time.perf_counter()
+    return tokens, end - first, cycles, end - start, blocks
+
+
+def make_legs(model, tokenizer, draft, names: list[str], max_tokens: int, temperature: float) -> dict:
+    from mlx_lm import stream_generate as mlx_lm_stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from dflash_mlx.generation import stream_generate
+
+    def mlx_lm_leg(prompt, seed):
+        mx.random.seed(seed)
+        return timed(mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                                            sampler=make_sampler(temperature)))  # fmt: skip
+
+    def ours(drafter, block):
+        return lambda prompt, seed: timed(stream_generate(model, drafter, tokenizer, prompt, max_tokens=max_tokens,
+                                                          block_size=block, temperature=temperature, seed=seed))
+
+    legs = {"mlx-lm": mlx_lm_leg}
+    for name in names:
+        if name == "plain":
+            legs[name] = ours(None, None)
+        elif name == "adaptive":
+            legs[name] = ours(draft, None)
+        elif name[:1] == "b" and name[1:].isdigit() and int(name[1:]) >= 2:
+            legs[name] = ours(draft, int(name[1:]))
+        else:
+            raise SystemExit(f"--legs: unknown leg {name!r} (plain, adaptive, b2, b3, ...)")
+    return legs
+
+
+class Units:
+    """Per-unit measurements (one prompt in one round, every leg on it) and ratios of summed speeds, with
+    95% bootstrap intervals over the units."""
+
+    def __init__(self, fixed: list[str]):
+        self.rows: list[dict] = []  # {leg: (tokens, decode seconds, cycles, seconds from the call)}
+        self.fixed = fixed  # the fixed-block legs "best fixed" picks from
+
+    def speed(self, leg: str, units=None, end_to_end: bool = True) -> float:
+        units = self.rows if units is None else units
+        if leg == "best fixed":
+            return self.best_fixed(units, end_to_end)[0]
+        if end_to_end:  # every token over the time from the call
+            return sum(u[leg][0] for u in units) / sum(u[leg][3] for u in units)
+        return sum(u[leg][0] - 1 for u in units) / sum(u[leg][1] for u in units)  # after the first token
+
+    def best_fixed(self, units, end_to_end: bool = True) -> tuple[float, list[str]]:
+        """The best fixed block's speed, cross-fitted: each half of the units (alternate units) is measured
+        at the block that was fastest on the other half, so the noise that makes one of several blocks look
+        fastest does not also inflate the speed it is compared at; and the blocks picked."""
+        halves = [units[0::2], units[1::2]]
+        if not halves[1]:
+            leg = max(self.fixed, key=lambda b: self.speed(b, units, end_to_end))
+            return self.speed(leg, units, end_to_end), [leg]
+        picks = [max(self.fixed, key=lambda b: self.speed(b, other, end_to_end)) for other in halves[::-1]]
+        i = 3 if end_to_end else 1
+        tokens = sum(u[b][0] - (not end_to_end) for half, b in zip(halves, picks) for u in half)
+        return tokens / sum(u[b][i] for half, b in zip(halves, picks) for u in half), picks
+
+    def ratio(self, leg: str, other: str, end_to_end: bool = True, resamples: int = 2000) -> dict:
+        """`leg`'s speed over `other`'s. The bootstrap draws units within each cross-fitting half, so a
+        cross-fitted block is still measured on units it was not picked on."""
+
+        def value(units):
+            return self.speed(leg, units, end_to_end) / self.speed(other, units, end_to_end)
+
+        rng, n, halves = random.Random(0), len(self.rows), (self.rows[0::2], self.rows[1::2])
+        boots = []
+        for _ in range(resamples):
+            drawn: list = [None] * n
+            for start, half in enumerate(halves):
+                drawn[start::2] = [half[rng.randrange(len(half))] for _ in half]
+            boots.append(value(drawn))
+        boots.sort()
+        return {"ratio": round(value(self.rows), 3),
+                "ci95": [round(boots[int(0.025 * resamples)], 3), round(boots[int(0.975 * resamples)], 3)]}
+
+
+def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
+    from dflash_mlx.models.block_size import default_block_size
+    from dflash_mlx.policy.calibration import cost_curve
+    from dflash_mlx.session import make_session
+
+    session = make_session(model, draft)  # calibrated afresh: a curve cached at another time does not decide
+    tic = time.perf_counter()
+    curve = cost_curve(session.target, session.proposer, default_block_size(model, draft), force=True)
+    calibration = {"seconds": round(time.perf_counter() - tic, 3), "grid": curve.grid,
+                   "ms": [round(1000 * t, 3) for t in curve.seconds]}  # fmt: skip
+    compared = args.legs.split(",")
+    legs = make_legs(model, tokenizer, draft, compared, args.max_tokens, args.temperature)
+    for leg in legs.values():  # two warm-ups of each leg
+        leg(prompts[0], 0)
+        leg(prompts[-1], 0)
+    units = Units([k for k in compared if k[1:].isdigit()])
+    mismatches, blocks = Counter(), {k: Counter() for k in compared}
+    order, shuffle = list(legs), random.Random(1).shuffle
+    for r in range(args.rounds):
+        for i, p in enumerate(prompts):
+            shuffle(order)  # every leg runs prompt i before any runs prompt i + 1, in a new order each time
+            unit = {k: legs[k](p, r * len(prompts) + i) for k in order}
+            for k in compared:
+                mismatches[k] += args.temperature == 0 and unit[k][0] != unit["mlx-lm"][0]
+                blocks[k].update(unit[k][4])
+            units.rows.append({k: (len(v[0]), *v[1:4]) for k, v in unit.items()})
+    speeds = {k: round(units.speed(k), 2) for k in legs}
+    lead = "adaptive" if "adaptive" in compared else compared[0]  # each pair: the lead leg over another
+    pairs = [(lead, k) for k in compared if k != lead]
+    if len(units.fixed) > 1:
+        speeds["best fixed"] = round(units.speed("best fixed"), 2)
+        pairs.append((lead, "best fixed"))
+
+    def first_token_ms(leg: str) -> float:  # time to the first token: from the call minus the decode window
+        return round(1000 * statistics.median((u[leg][3] - u[leg][1]) - (u["mlx-lm"][3] - u["mlx-lm"][1])
+                                              for u in units.rows), 3)  # fmt: skip
+
+    return {"setting": name, "prompts": len(prompts), "rounds": args.rounds, "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "calibration": calibration, "tps": speeds,
+            "best_fixed_blocks": units.best_fixed(units.rows)[1] if len(units.fixed) > 1 else None,
+            "legs": {k: {"vs_mlx_lm": units.ratio(k, "mlx-lm"),
+                         "vs_mlx_lm_decode": units.ratio(k, "mlx-lm", end_to_end=False),
+                         "first_token_ms_paired_median": first_token_ms(k),
+                         "greedy_mismatches": mismatches[k] if args.temperature == 0 else None,
+                         "blocks": {str(b): n for b, n in sorted(blocks[k].items())}} for k in compared},
+            "pairs": {f"{a} / {b}": units.ratio(a, b) for a, b in pairs}}  # fmt: skip
+
+
+def legs_table(report: dict) -> str:
+    def r(x):
+        return f"{x['ratio']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}]"
+
+    lines = ["| setting | leg | units | mlx-lm tok/s | leg tok/s | leg / mlx-lm | decode window | first token, ms "
+             "| blocks | greedy mismatches |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]  # fmt: skip
+    for st in report["settings"]:
+        title = TITLES.get(st["setting"], st["setting"]) + (f", T = {st['temperature']:g}" if st["temperature"] else "")
+        for leg, x in st["legs"].items():
+            blocks = " ".join(f"{b}:{n}" for b, n in x["blocks"].items())
+            lines.append(f"| {title} | {leg} | {st['prompts'] * st['rounds']} | {st['tps']['mlx-lm']:.1f} "
+                         f"| {st['tps'][leg]:.1f} | {r(x['vs_mlx_lm'])} | {r(x['vs_mlx_lm_decode'])} "
+                         f"| {x['first_token_ms_paired_median']:+.2f} | {blocks} "
+                         f"| {'-' if x['greedy_mismatches'] is None else x['greedy_mismatches']} |")  # fmt: skip
+    lines += ["", "| setting | calibrated T(b) / T(1) at b = | took |", "|---|---|---:|"]
+    for st in report["settings"]:
+        cal = st["calibration"]
+        ratios = ", ".join(f"{b}: {t / cal['ms'][0]:.2f}" for b, t in zip(cal["grid"][1:], cal["ms"][1:]))
+        lines.append(f"| {TITLES.get(st['setting'], st['setting'])} | {ratios} | {cal['seconds']:.2f} s |")
+    pairs = [(st, pair, x) for st in report["settings"] for pair, x in st["pairs"].items()]
+    if pairs:
+        lines += ["", "| setting | legs (best fixed: cross-fitted) | ratio, end to end |", "|---|---|---:|"]
+        lines += [f"| {TITLES.get(st['setting'], st['setting'])} | {pair}"
+                  f"{' (' + '/'.join(st['best_fixed_blocks']) + ')' if pair.endswith('best fixed') else ''} "
+                  f"| {r(x)} |" for st, pair, x in pairs]  # fmt: skip
+    return "\n".join(lines)
+
+
+def legs(args) -> None:
+    import dflash_mlx
+
+    if args.table:
+        print(legs_table(json.loads(args.table.read_text())))
+        return
+    names = args.settings.split(",")
+    unknown = [n for n in names if n not in TITLES]
+    if unknown:  # before an hour of measuring the known ones
+        raise SystemExit(f"--settings: unknown setting(s) {', '.join(unknown)} (known: {', '.join(TITLES)})")
+    demo, report = dflash_mlx.load("demo"), {"settings": []}
+    for name in names:
+        loaded = load_setting(name, demo, args)
+        if loaded is not None:
+            report["settings"].append(run_setting(name, *loaded, args))
+            print(json.dumps(report["settings"][-1]), flush=True)
+    print(legs_table(report))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------------- servers: serving, agent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def float32_copy(dst: Path) -> Path:
+    """The bundled target in float32, for mlx_lm.server (bfloat16 matmuls are slow on a CPU)."""
+    from dflash_mlx.models.registry import lookup
+
+    src = Path(lookup("demo").target_path())
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    weights = {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
+               for k, v in mx.load(str(src / "model.safetensors")).items()}  # fmt: skip
+    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config | {"torch_dtype": "float32"}, indent=2))
+    return dst
+
+
+class Server:
+    """A server subprocess on a free port, ready once its /v1/models answers; stopped with SIGINT."""
+
+    def __init__(self, command: list[str], log: Path):
+        import urllib.request
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([*command, "--port", str(self.port)], stdout=log.open("w"),
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{command[:3]} exited early; its log:\n{log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(self.url + "/v1/models", timeout=2).read()
+                return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise SystemExit(f"{command[:3]} did not answer within 300 s")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def serving(args) -> None:
+    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    exe = shutil.which("dflash-mlx")
+    commands = {"batched": [exe, "serve", "--decode-concurrency", str(args.decode_concurrency)]}
+    if args.serial:
+        commands["one at a time"] = [exe, "serve", "--decode-concurrency", "1"]
+    mlx_lm_command = [sys.executable, "-m", "mlx_lm.server", "--model", str(float32_copy(out_dir / "target-f32"))]
+    servers = {}
+    results = []
+    try:
+        for name, command in {**commands, "mlx_lm": mlx_lm_command}.items():
+            servers[name] = Server(command, out_dir / f"{name.replace(' ', '-')}.log")
+        for c in args.concurrency:
+            runs = {name: [] for name in commands}
+            for k in range(args.rounds):
+                for name in commands:
+                    out = out_dir / f"{name.replace(' ', '-')}-c{c}-r{k}.json"
+                    run = subprocess.run([exe, "bench", "--backend", "openai", "--base-url", servers[name].url,
+                                          "--baseline-url", servers["mlx_lm"].url, "--concurrency", str(c),
+                                          "--num-prompts", str(args.num_prompts), "--max-tokens",
+                                          str(args.max_tokens), "--out", str(out)],
+                                         capture_output=True, text=True, stdin=subprocess.DEVNULL)  # fmt: skip
+                    if run.returncode != 0:
+                        raise SystemExit(f"dflash-mlx bench failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+                    runs[name].append(json.loads(out.read_text())["legs"])
+            for name, rounds in runs.items():
+                def med(f):
+                    return statistics.median(f(r) for r in rounds)
+
+                results.append({"server": name, "concurrency": c,
+                                "tps": med(lambda r: r["dflash"]["throughput_tps"]),
+                                "baseline_tps": med(lambda r: r["baseline"]["throughput_tps"]),
+                                "speedups": [r["dflash"]["throughput_tps"] / r["baseline"]["throughput_tps"]
+                                             for r in rounds],
+                                "latency_p50": med(lambda r: r["dflash"]["latency_s"]["p50"]),
+                                "baseline_latency_p50": med(lambda r: r["baseline"]["latency_s"]["p50"]),
+                                "ttft_p50": med(lambda r: r["dflash"]["ttft_s"]["p50"]),
+                                "baseline_ttft_p50": med(lambda r: r["baseline"]["ttft_s"]["p50"]),
+                                "acceptance_length": med(lambda r: r["dflash"]["acceptance_length"] or 0.0),
+                                })  # fmt: skip
+                print(json.dumps(results[-1]), flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    (out_dir / "summary.json").write_text(json.dumps(results, indent=1))
+    print(f"\n{args.num_prompts} GSM8K prompts x {args.max_tokens} tokens, greedy, median of {args.rounds} rounds "
+          f"(reports in {out_dir})\n\n| server | concurrency | dflash-mlx tok/s | mlx_lm.server tok/s | speedup "
+          "(rounds) | latency p50 (dflash / mlx-lm) | TTFT p50 (dflash / mlx-lm) | acceptance length |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+    for r in results:
+        print(f"| {r['server']} | {r['concurrency']} | {r['tps']:.1f} | {r['baseline_tps']:.1f} "
+              f"| {statistics.median(r['speedups']):.2f}x ({', '.join(f'{s:.2f}' for s in r['speedups'])}) "
+              f"| {r['latency_p50']:.2f} s / {r['baseline_latency_p50']:.2f} s "
+              f"| {r['ttft_p50']:.2f} s / {r['baseline_ttft_p50']:.2f} s | {r['acceptance_length']:.2f} |")  # fmt: skip
+
+
+AGENT_QUESTIONS = [
+    "Tom has 3 boxes with 12 apples each. How many apples does he have?",
+    "He gives 7 apples to his sister. How many are left?",
+    "Then he buys 2 more boxes. How many apples now?",
+    "Summarise what happened to Tom's apples in one sentence.",
+]
+TOOL_NAMES = ["search_files", "read_file", "write_file", "run_tests", "list_directory", "grep"]
+
+
+def agent_system_prompt(count: int) -> str:
+    """`count` tool descriptions as an agent's system prompt lists them (JSON schemas, ~250 tokens each)."""
+    tools = []
+    for i in range(count):
+        name = f"{TOOL_NAMES[i % len(TOOL_NAMES)]}_{i // len(TOOL_NAMES)}"
+        parameters = {"type": "object", "required": ["path"], "properties": {
+            "path": {"type": "string", "description": "a path relative to the workspace root"},
+            "pattern": {"type": "string", "description": "a glob or regular expression"},
+            "limit": {"type": "integer", "description": "the most results to return"}}}  # fmt: skip
+        description = (f"{name.replace('_', ' ')} in the workspace; returns the result as text and never changes "
+                       "files it was not asked to change.")  # fmt: skip
+        tools.append({"type": "function", "function": {"name": name, "description": description,
+                                                        "parameters": parameters}})  # fmt: skip
+    return "You are a careful assistant with these tools:\n" + "\n".join(json.dumps(t) for t in tools)
+
+
+def converse(url: str, system: str, max_tokens: int) -> list[dict]:
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    client.chat.completions.create(model="default_model", max_tokens=4,
+                                   messages=[{"role": "user", "content": "Hello"}])  # a warm-up  # fmt: skip
+    messages, turns = [{"role": "system", "content": system}], []
+    for question in AGENT_QUESTIONS:
+        messages.append({"role": "user", "content": question})
+        tic, first, text, usage = time.perf_counter(), None, "", None
+        for chunk in client.chat.completions.create(model="default_model", messages=messages,
+                                                    max_tokens=max_tokens, temperature=0.0, stream=True,
+                                                    stream_options={"include_usage": True}):  # fmt: skip
+            usage = chunk.usage or usage
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter()
+                text += chunk.choices[0].delta.content
+        done = time.perf_counter()
+        details = getattr(usage, "prompt_tokens_details", None)
+        turns.append({"ttft_s": round((first or done) - tic, 3), "latency_s": round(done - tic, 3),
+                      "prompt_tokens": usage.prompt_tokens, "cached_tokens": getattr(details, "cached_tokens", None),
+                      "text": text})  # fmt: skip
+        messages.append({"role": "assistant", "content": text})
+    client.close()
+    return turns
+
+
+def agent(args) -> None:
+    system = agent_system_prompt(args.tools)
+    exe = shutil.which("dflash-mlx")
+    report = {"max_tokens": args.max_tokens, "legs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        mlx_lm_server = [sys.executable, "-m", "mlx_lm.server", "--model", str(float32_copy(Path(tmp) / "target"))]
+        legs = {"dflash-mlx serve, cached": [exe, "serve"],
+                "dflash-mlx serve, cold": [exe, "serve", "--prompt-cache-size", "0"],
+                "mlx_lm.server, cached": mlx_lm_server,
+                "mlx_lm.server, cold": [*mlx_lm_server, "--prompt-cache-size", "0"]}  # fmt: skip
+        for name, command in legs.items():  # one server at a time
+            server = Server(command, Path(tmp) / "server.log")
+            try:
+                report["legs"][name] = converse(server.url, system, args.max_tokens)
+            finally:
+                server.stop()
+            print(f"{name}: " + "  ".join(f"{t['ttft_s']:.2f} / {t['latency_s']:.2f} s (cached {t['cached_tokens']} "
+                                          f"of {t['prompt_tokens']})" for t in report["legs"][name]), flush=True)
+    texts = {name: [t["text"] for t in turns] for name, turns in report["legs"].items()}
+    report["same_text_everywhere"] = len({json.dumps(t) for t in texts.values()}) == 1
+    print("the same replies from every server, cached or cold:", report["same_text_everywhere"])
+    print("\n| server | " + " | ".join(f"turn {i + 1}" for i in range(len(AGENT_QUESTIONS))) + " |\n|---|"
+          + "---:|" * len(AGENT_QUESTIONS))  # fmt: skip
+    for name, turns in report["legs"].items():
+        print(f"| {name} | " + " | ".join(f"{t['ttft_s']:.2f} / {t['latency_s']:.2f}" for t in turns) + " |")
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+# -------------------------------------------------------------------------------------------- batch
+
+
+def batch(args) -> None:
+    from mlx_lm.generate import batch_generate as mlx_lm_batch_generate
+
+    import dflash_mlx
+    from dflash_mlx.datasets import sample
+
+    model, tokenizer, draft = dflash_mlx.load("demo")
+    prompts = [p.tolist() for p in chat_prompts(tokenizer, [c[0] for c in sample("gsm8k", args.num_prompts)])]
+    want = [dflash_mlx.generate(model, draft, tokenizer, p, max_tokens=args.max_tokens) for p in prompts]
+    print("| rows at once | mlx-lm batch_generate tok/s | dflash_mlx.batch_generate tok/s | ratio |\n"
+          "|---:|---:|---:|---:|")  # fmt: skip
+    for width in args.widths:
+        best, same = {"mlx-lm": 0.0, "dflash": 0.0}, True
+        for r in range(args.rounds + 1):  # round 0 warms up
+            tic = time.perf_counter()
+            ours = dflash_mlx.batch_generate(model, draft, tokenizer, prompts, max_tokens=args.max_tokens,
+                                             max_batch=width, block_size=args.block, return_token_ids=True)  # fmt: skip
+            ours_tps = sum(map(len, ours.token_ids)) / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+            theirs = mlx_lm_batch_generate(model, tokenizer, prompts, max_tokens=args.max_tokens,
+                                           completion_batch_size=width, prefill_batch_size=width,
+                                           return_token_ids=True)  # fmt: skip
+            theirs_tps = sum(map(len, theirs.token_ids)) / (time.perf_counter() - tic)
+            same &= ours.texts == want
+            if r:
+                best = {"mlx-lm": max(best["mlx-lm"], theirs_tps), "dflash": max(best["dflash"], ours_tps)}
+        print(f"| {width} | {best['mlx-lm']:.1f} | {best['dflash']:.1f} | {best['dflash'] / best['mlx-lm']:.2f}x"
+              f"{'' if same else ' (texts DIFFER from one-by-one generate)'} |", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ sharded
+
+
+def rank_job(path: Path) -> None:
+    """One rank (or the single process) of a sharded job: legs alternated prompt by prompt; rank 0 writes."""
+    from mlx_lm import stream_generate as mlx_lm_stream_generate
+
+    import dflash_mlx
+    from dflash_mlx.sharding.group import world
+
+    job = json.loads(path.read_text())
+    group = world()
+    model, tokenizer, draft = dflash_mlx.load(job["target"], job["draft"], shard="tensor" if group.size() > 1 else None)
+    if job.get("synthetic"):
+        prompts = chat_prompts(tokenizer, synthetic_prompts(Path(job["synthetic"]), job["n"]), raw=True)
+    else:
+        from dflash_mlx.datasets import sample
+
+        prompts = chat_prompts(tokenizer, [c[0] for c in sample("gsm8k", job["n"])])
+
+    def run(leg: str, prompt):
+        if leg == "mlx-lm":
+            responses = mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=job["max_tokens"])
+        else:
+            b = leg.split("=")[1]
+            responses = dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=job["max_tokens"],
+                                                   block_size=None if b == "auto" else int(b))  # fmt: skip
+        tokens, decode_seconds = timed(responses)[:2]
+        return tokens, decode_seconds
+
+    legs = ["mlx-lm"] + [f"dflash b={b}" for b in job["blocks"]]
+    for leg in legs:  # warm-up (and the adaptive leg's calibration)
+        run(leg, prompts[0])
+    totals, same = {leg: [0, 0.0] for leg in legs}, {leg: True for leg in legs}
+    for _ in range(job["rounds"]):
+        for prompt in prompts:
+            reference = None
+            for leg in legs:
+                tokens, seconds = run(leg, prompt)
+                reference = tokens if reference is None else reference
+                same[leg] &= tokens == reference
+                totals[leg] = [totals[leg][0] + len(tokens) - 1, totals[leg][1] + seconds]
+    if group.rank() == 0:
+        Path(job["out"]).write_text(json.dumps({leg: {"tok_s": n / s, "same_as_mlx_lm": same[leg]}
+                                                for leg, (n, s) in totals.items()}))  # fmt: skip
+
+
+def sharded(args) -> None:
+    if shutil.which("mlx.launch") is None:
+        raise SystemExit("mlx.launch is not installed (it comes with mlx)")
+    from dflash_mlx.models.resolve import choose_model
+
+    demo = choose_model(None, None)
+    pairs = {"bundled demo, GSM8K": dict(target=str(demo.target), draft=str(demo.draft))}
+    if args.synthetic is not None:
+        pairs["trained synthetic"] = dict(target=str(args.synthetic / "target"),
+                                          draft=str(args.synthetic / "drafter"), synthetic=str(args.synthetic))
+    blocks = args.blocks.split(",")
+    names = [f"DFlash {b if b == 'auto' else 'b=' + b} tok/s" for b in blocks]
+    print("| pair | setup | mlx-lm tok/s | " + " | ".join(names) + " | speedups |\n"
+          "|---|---|---:|" + "---:|" * len(blocks) + "---:|")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-sharded-") as tmp:
+        for name, pair in pairs.items():
+            for ranks in (1, 2):
+                job = Path(tmp) / f"job-{ranks}.json"
+                out = job.with_name(f"result-{ranks}.json")
+                job.write_text(json.dumps({**pair, "n": args.num_prompts, "max_tokens": args.max_tokens,
+                                           "rounds": args.rounds, "blocks": blocks, "out": str(out)}))  # fmt: skip
+                command, env = [sys.executable, __file__, "rank-job", str(job)], dict(os.environ)
+                if ranks > 1:
+                    command = [shutil.which("mlx.launch"), "--backend", "ring", "-n", str(ranks), "--", *command]
+                    env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+                read, write = os.pipe()  # mlx.launch busy-loops on a stdin at end of file
+                try:
+                    done = subprocess.run(command, stdin=read, env=env, capture_output=True, text=True)
+                finally:
+                    os.close(read)
+                    os.close(write)
+                if not out.exists():
+                    raise SystemExit(f"the {ranks}-rank job failed:\n{done.stdout}\n{done.stderr}")
+                legs = json.loads(out.read_text())
+                base = legs["mlx-lm"]["tok_s"]
+                cells = " | ".join(f"{v['tok_s']:.1f}{'' if v['same_as_mlx_lm'] else ' (DIFFERS)'}"
+                                   for k, v in legs.items() if k != "mlx-lm")  # fmt: skip
+                speedups = " / ".join(f"{v['tok_s'] / base:.2f}x" for k, v in legs.items() if k != "mlx-lm")
+                print(f"| {name} | {'1 process' if ranks == 1 else f'{ranks} ranks'} | {base:.1f} | {cells} "
+                      f"| {speedups} |", flush=True)
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="leg", required=True)
+
+    p = sub.add_parser("engine", help="the loop's overhead with an oracle proposer")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--accept", type=int, default=7, help="drafts the oracle gets accepted per cycle")
+    p.add_argument("--repeats", type=int, default=15, help="timed forwards per round")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of every leg; medians are reported")
+    p.add_argument("--draft-layers", type=int, default=5, help="also time a random drafter (0: skip)")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("legs", help="mlx-lm against dflash-mlx legs, alternated")
+    p.add_argument("--settings", default="demo-gsm8k,demo-mtbench,untrained,4bit,long,synthetic")
+    p.add_argument("--legs", default="plain,adaptive", help="plain, adaptive, b2 ... (comma-separated)")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--synthetic", type=Path, default=Path("/tmp/dflash-synthetic"),
+                   help="a scripts/train_synthetic.py work directory (target/, drafter/, prompts.jsonl)")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--table", type=Path, metavar="REPORT", help="print the tables of a saved report and stop")
+
+    p = sub.add_parser("serving", help="dflash-mlx serve against mlx_lm.server")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--decode-concurrency", type=int, default=32, help="the batched server's")
+    p.add_argument("--serial", action="store_true", help="also a one-at-a-time dflash-mlx serve")
+    p.add_argument("--out-dir", type=Path)
+
+    p = sub.add_parser("agent", help="a conversation through both servers, cached and cold")
+    p.add_argument("--tools", type=int, default=6, help="tool descriptions in the system prompt")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--out", type=Path)
+
+    p = sub.add_parser("batch", help="batch_generate against mlx-lm's")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--block", type=int, default=None, help="a fixed block (default: the batch's own choice)")
+    p.add_argument("--rounds", type=int, default=3)
+
+    p = sub.add_parser("sharded", help="one process against 2 ring ranks")
+    p.add_argument("--synthetic", type=Path, help="a scripts/train_synthetic.py work directory")
+    p.add_argument("--num-prompts", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--blocks", default="auto,8", help="DFlash legs: auto and/or fixed blocks, comma-separated")
+
+    p = sub.add_parser("rank-job")  # internal: one rank of `sharded`
+    p.add_argument("job", type=Path)
+
+    args = ap.parse_args()
+    if args.leg == "rank-job":
+        rank_job(args.job)
+    else:
+        {"engine": engine, "legs": legs, "serving": serving, "agent": agent, "batch": batch,
+         "sharded": sharded}[args.leg](args)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
