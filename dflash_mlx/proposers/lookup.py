@@ -1,0 +1,65 @@
+"""Copy-aware drafting: drafts looked up in the context itself (prompt lookup, suffix matching).
+
+Agent and editing replies re-emit spans of their context (a file rewritten with
+a few changes, a quoted tool result, a JSON object echoed with one field
+changed). `LookupIndex` holds the token sequence so far (prompt, conversation,
+output) and proposes what followed the longest suffix of it (at least
+`min_match` tokens) where that suffix occurred before: most recent occurrence
+first, cut at `limit` tokens. It is incremental: each token appended indexes
+the n-grams ending just before it (`min_match`..`max_match` tokens), so a
+proposal costs a few dictionary lookups and nothing is rescanned. A lookup
+draft is a point mass (q one-hot): the acceptor verifies it like any
+deterministic proposer's, exactly under sampling too.
+"""
+
+from __future__ import annotations
+
+MIN_MATCH = 3  # shorter suffixes match too often by chance
+MAX_MATCH = 8  # longer ones add nothing: an 8-token match is already specific
+
+
+class LookupIndex:
+    def __init__(self, tokens: list[int] | None = None, *, min_match: int = MIN_MATCH, max_match: int = MAX_MATCH):
+        if not 1 <= min_match <= max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match, got {min_match} and {max_match}.")
+        self.min_match, self.max_match = min_match, max_match
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest indexed occurrence ends
+        self.extend(tokens or [])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append tokens: each one indexes the n-grams that end right before it (so the sequence's own
+        suffix stays unindexed, and a lookup of it finds an earlier occurrence)."""
+        seq, ends = self.tokens, self._ends
+        for token in tokens:
+            end = len(seq) - 1  # the last token before this one
+            for n in range(self.min_match, min(self.max_match, end + 1) + 1):
+                ends[tuple(seq[end - n + 1 : end + 1])] = end
+            seq.append(int(token))
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens (a session cut back to a common prefix): rebuilt."""
+        if length < len(self.tokens):
+            kept = self.tokens[:length]
+            self.tokens, self._ends = [], {}
+            self.extend(kept)
+
+    def match(self) -> tuple[int, int]:
+        """(length of the longest indexed suffix match, where that occurrence ends), or (0, -1)."""
+        seq = self.tokens
+        for n in range(min(self.max_match, len(seq)), self.min_match - 1, -1):
+            end = self._ends.get(tuple(seq[len(seq) - n :]))
+            if end is not None:
+                return n, end
+        return 0, -1
+
+    def propose(self, limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the longest earlier occurrence of the sequence's suffix
+        (none when no suffix of at least `min_match` tokens occurred before)."""
+        n, end = self.match()
+        if n == 0 or limit < 1:
+            return []
+        return self.tokens[end + 1 : end + 1 + limit]
