@@ -162,9 +162,7 @@ def speculative_cycles(
         drafts = draft_probs = None
         if b > 1:
             context.flush()
-            proposal = proposer.propose(
-                anchor, position, b - 1, sampling=acceptor.draft_settings, key=acceptor.next_key()
-            )
+            proposal = acceptor.propose(proposer, anchor, position, b - 1)
             drafts, draft_probs = proposal.tokens, proposal.probs
             verify_ids = mx.concatenate([anchor.reshape(1), drafts])
         else:
@@ -213,8 +211,9 @@ def speculative_cycles(
         mx.async_eval(anchor, context.state() if first_block > 1 else [])  # log-probabilities stay lazy
         session.prefilled(prompt_ids)  # before a verify updates the caches (its checkpoint copies the state)
         # b = 1 steps are chained on the lazy token when nothing needs it on the host first
-        # (logits processors read the history) and the caches can undo a step past a stop token.
-        chains = not acceptor.processors and all(undoes_single_row(c) for c in cache)
+        # (logits processors read the history, a grammar follows it) and the caches can undo a step
+        # past a stop token.
+        chains = acceptor.raw_logits and all(undoes_single_row(c) for c in cache)
 
         # The first cycle is queued before the first token is handed out, as mlx-lm queues its second
         # step, and built on the lazy token (its graph built while the prompt's last row computes) when

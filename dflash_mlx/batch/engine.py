@@ -265,9 +265,9 @@ class BatchDecoder:
     def _verdicts(self, logits: mx.array, drafts: list, probs: list) -> tuple[list, list[list[int]]]:
         """Each row's processed verify rows and [accepted, t_0..t_{b-1}] (one host sync for all).
 
-        Greedy rows without logits processors are judged together (argmax and the accepted
+        Greedy rows without logits processors or a grammar are judged together (argmax and the accepted
         prefix over [B, b] at once); the others by their own acceptor."""
-        plain = [not r.acceptor.processors and r.acceptor.settings.greedy for r in self.rows]
+        plain = [r.acceptor.raw_logits and r.acceptor.settings.greedy for r in self.rows]
         rows = [logits[i] if plain[i] else r.acceptor.process(logits[i], drafts[i]) for i, r in enumerate(self.rows)]
         judged = {}
         together = [i for i, ok in enumerate(plain) if ok]
