@@ -74,6 +74,7 @@ class _Pending:
     rows: mx.array
     features: mx.array | None
     record: VerifyRecord
+    chosen: bool = True  # the policy chose this block (not widened for a run the grammar forces)
 
 
 class _DrafterContext:
@@ -148,18 +149,25 @@ def speculative_cycles(
     cache = session.cache
     context = _DrafterContext(proposer)
 
-    def choose(committed: int, position: int) -> int:
+    def room(committed: int, position: int) -> int:
+        """The widest block the next cycle may verify."""
         limit = policy.max_block if max_tokens < 0 else min(policy.max_block, max_tokens - committed)
         if kv is not None and (rows := kv.rows_allowed(position)) is not None:
             limit = min(limit, rows)
-        return 1 if proposer is None else policy.choose(limit)
+        return limit
+
+    def choose(committed: int, position: int) -> int:
+        return 1 if proposer is None else policy.choose(room(committed, position))
 
     queue: deque[_Pending] = deque()
     total = prompt.size
 
     def launch(anchor: mx.array, position: int, committed: int, b: int) -> _Pending:
-        """Queue one draft + verify of block b."""
+        """Queue one draft + verify of block b (wider where a grammar forces a longer run: free drafts)."""
         drafts = draft_probs = None
+        chosen = b
+        if proposer is not None and acceptor.constraint is not None:
+            b = max(b, acceptor.constraint.forced_block(room(committed, position)))
         if b > 1:
             context.flush()
             proposal = acceptor.propose(proposer, anchor, position, b - 1)
@@ -173,7 +181,7 @@ def speculative_cycles(
         rows = acceptor.process(logits[0], drafts)
         verdict = acceptor.verdict(rows, drafts, draft_probs) if b > 1 else acceptor.next_token(rows)
         mx.async_eval(verdict)
-        return _Pending(b, verdict, rows, features, record)
+        return _Pending(b, verdict, rows, features, record, chosen=b == chosen)
 
     settled = False
 
@@ -259,7 +267,8 @@ def speculative_cycles(
                 context.add(queued.features[:, :kept] if queued.features is not None else None)
             session.fed([anchor_id] + tokens[:-1])
             acceptor.commit(tokens)
-            policy.observe(queued.block_size, accepted if stop is None else None, seconds)
+            if queued.chosen:
+                policy.observe(queued.block_size, accepted if stop is None else None, seconds)
             committed += len(tokens)
             position += len(tokens)
             anchor_id = tokens[-1]

@@ -224,7 +224,7 @@ def test_sampled_tokens_follow_the_constrained_target(tiny_pair, draft_sampling)
             firsts.append(out[0].token)
             seconds.append(out[1].token)
             drafted += out[1].from_draft
-    assert drafted > RUNS * 0.02, drafted  # the second token was an accepted draft in some runs
+    assert drafted > RUNS * 0.01, drafted  # the second token was an accepted draft in some runs
     for tokens, probs in ((firsts, p1), (seconds, p2)):
         counts = np.bincount(tokens, minlength=probs.size)
         assert counts[probs <= 1e-9].sum() == 0  # never outside the grammar

@@ -32,12 +32,11 @@ from llguidance.numpy import fill_next_token_bitmask
 from ..proposers.base import Proposal
 
 CANDIDATES = 16  # drafter candidates per row brought to the host (a row none of them fits costs one more sync)
-_SHIFTS = mx.arange(32, dtype=mx.uint32)
 
 
 def expand(words: np.ndarray, width: int) -> mx.array:
     """Bit rows [n, W] (int32, llguidance's layout) as boolean rows [n, width] (False past the vocabulary)."""
-    bits = (mx.array(words.view(np.uint32))[:, :, None] >> _SHIFTS) & 1
+    bits = (mx.array(words.view(np.uint32))[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
     bits = bits.reshape(words.shape[0], -1).astype(mx.bool_)
     if bits.shape[1] >= width:
         return bits[:, :width]
@@ -135,8 +134,16 @@ class Constraint:
         self._walk = (ids, words)
         return expand(words, width)
 
+    def forced_block(self, limit: int) -> int:
+        """The block that drafts the whole run of tokens the grammar forces next (at most `limit`)."""
+        return min(limit, 1 + (0 if self.ended else len(self.matcher.compute_ff_tokens())))
+
     def propose(self, proposer, anchor: mx.array, position: int, count: int, sampling, key) -> Proposal:
-        """`count` drafts after the anchor that the grammar allows (see the module docstring)."""
+        """`count` drafts after the anchor that the grammar allows (see the module docstring); a block
+        the grammar forces whole needs no drafter."""
+        forced = [] if self.ended else self.matcher.compute_ff_tokens()
+        if len(forced) >= count:
+            return self._walk_rows(count, lambda i, words: forced[i] if self.allows(words, forced[i]) else None)
         draft_logits = getattr(proposer, "draft_logits", None)
         if draft_logits is not None:
             return self.choose(draft_logits(anchor, position, count), sampling, key)

@@ -79,6 +79,13 @@ def grammar_text(response_format, check: bool = True) -> str | None:
     return _json(schema, strict=bool(strict), where=where + "schema", check=check)
 
 
+def schema_place(response_format) -> str:
+    """Where a response format holds its JSON schema ("json_schema.schema", "schema"; "" for the whole)."""
+    if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+        return "json_schema.schema" if "json_schema" in response_format else "schema"
+    return ""
+
+
 def _known(value: dict, keys: set, where: str) -> None:
     extra = sorted(set(value) - keys)
     if extra:
