@@ -22,13 +22,13 @@ import threading
 
 import pytest
 from mlx_lm import stream_generate as mlx_lm_stream_generate
-from pydantic import BaseModel, ConfigDict, Field
 
 from dflash_mlx import load
 from dflash_mlx.server import make_server
 from dflash_mlx.structured import GrammarLogitsProcessor
 from helpers import load_pair, make_draft
 from helpers.scripted import CALL, WEATHER_TOOL, make_scripted_target
+from helpers.formats import Answer, Order, schema_format
 from helpers.servers import ServeProcess
 
 pytestmark = pytest.mark.slow  # servers
@@ -38,23 +38,6 @@ anthropic = pytest.importorskip("anthropic")
 
 QUESTION = "Tom has 3 boxes with 12 apples each. How many apples? Reply in JSON."
 MESSAGES = [{"role": "user", "content": QUESTION}]
-
-
-class Answer(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    reasoning: str = Field(max_length=80)
-    answer: int = Field(ge=0, le=100000)
-
-
-class Order(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    item: str = Field(pattern="^(apples|pears|plums|bread)$")
-    count: int = Field(ge=1, le=99)
-
-
-def schema_format(model: type[BaseModel]) -> dict:
-    return {"type": "json_schema", "json_schema": {"name": model.__name__, "schema": model.model_json_schema(),
-                                                   "strict": True}}  # fmt: skip
 
 
 SAME, HONOURED = "same", "honoured"  # served with the text of the request without the field; changes it

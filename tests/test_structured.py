@@ -21,31 +21,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import stream_generate as mlx_lm_stream_generate
-from pydantic import BaseModel, ConfigDict, Field
 
 from dflash_mlx import batch_generate, load, stream_generate
 from dflash_mlx.proposers.oracle import OracleProposer
 from dflash_mlx.sampling import SamplingSettings, distribution
 from dflash_mlx.structured import Grammar, GrammarError, GrammarLogitsProcessor, grammar_text
 from helpers import TINY_VOCAB, chi_square_p, make_draft2, prompt_ids, without_eos
-
-
-class Answer(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # (as OpenAI's strict schemas: no other keys)
-    reasoning: str = Field(max_length=80)
-    answer: int = Field(ge=0, le=100000)
-
-
-class Order(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    item: str = Field(pattern="^(apples|pears|plums|bread)$")
-    count: int = Field(ge=1, le=99)
-    urgent: bool
-
-
-def json_schema(model: type[BaseModel], strict: bool = True) -> dict:
-    return {"type": "json_schema", "json_schema": {"name": model.__name__, "schema": model.model_json_schema(),
-                                                   "strict": strict}}  # fmt: skip
+from helpers.formats import Answer, Order, schema_format
 
 
 QUESTION = "Tom has 3 boxes with 12 apples each. How many apples? Reply in JSON."
@@ -69,7 +51,7 @@ def test_formats_compile_and_what_llguidance_refuses_is_a_value_error():
     assert grammar_text(None) is None and grammar_text({"type": "text"}) is None
     assert grammar_text({"type": "json_object"})
     flat = {"type": "json_schema", "name": "a", "schema": Answer.model_json_schema(), "strict": True}
-    assert grammar_text(flat) == grammar_text(json_schema(Answer)) == grammar_text(Answer)
+    assert grammar_text(flat) == grammar_text(schema_format(Answer)) == grammar_text(Answer)
     assert grammar_text(llguidance.grammar_from("regex", "[ab]+"))
     unknown_keyword = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "string",
                                                                                        "format": "colour"}}}
@@ -95,7 +77,7 @@ def test_formats_compile_and_what_llguidance_refuses_is_a_value_error():
 @pytest.mark.parametrize("model_class", [Answer, Order])
 def test_greedy_under_a_schema_equals_mlx_lm_with_the_same_grammar(demo, model_class, block_size):
     model, tokenizer, draft, prompt = demo
-    response_format = json_schema(model_class)
+    response_format = schema_format(model_class)
     want = plain(model, tokenizer, prompt, response_format, 160)
     got = list(stream_generate(model, draft, tokenizer, prompt, max_tokens=160, block_size=block_size,
                                response_format=response_format))  # fmt: skip
@@ -125,7 +107,7 @@ def test_masked_drafts_are_accepted_more_than_unmasked_ones(demo):
     """The same constrained target, drafts chosen under the grammar or not (the grammar as a plain
     logits processor masks the target's rows only): the same tokens, more of them per cycle."""
     model, tokenizer, draft, prompt = demo
-    response_format = json_schema(Order)
+    response_format = schema_format(Order)
     masked = list(stream_generate(model, draft, tokenizer, prompt, max_tokens=80, block_size=8,
                                   response_format=response_format))  # fmt: skip
     unmasked = list(stream_generate(model, draft, tokenizer, prompt, max_tokens=80, block_size=8,
@@ -139,7 +121,7 @@ def test_masked_drafts_are_accepted_more_than_unmasked_ones(demo):
 def test_other_families_under_a_schema_equal_mlx_lm(tiny_pair, family):
     model, tokenizer, draft = tiny_pair(family)
     prompt = mx.array(prompt_ids(10, seed=2))
-    for response_format in (json_schema(Order), Answer):
+    for response_format in (schema_format(Order), Answer):
         want = plain(model, tokenizer, prompt, response_format, 60)
         got = list(stream_generate(model, draft, tokenizer, prompt, max_tokens=60, block_size=4,
                                    response_format=response_format))  # fmt: skip
@@ -167,7 +149,7 @@ def test_batched_rows_each_follow_their_own_grammar(demo):
     model, tokenizer, draft, prompt = demo
     other = tokenizer.apply_chat_template([{"role": "user", "content": "Order some fruit."}], tokenize=False,
                                           add_generation_prompt=True)  # fmt: skip
-    formats = [json_schema(Answer), None, Order]
+    formats = [schema_format(Answer), None, Order]
     prompts = [prompt, other, other]
     out = batch_generate(model, draft, tokenizer, prompts, max_tokens=60, block_size=4, return_token_ids=True,
                          row_settings=[{"response_format": f} for f in formats])  # fmt: skip
