@@ -188,7 +188,7 @@ class Constraint:
         drafts, consumed, ended = [], 0, self.ended
         for i in range(count):
             row = self._fill(words, i, ended)
-            ff = [min(self.eos)] if ended else self.matcher.compute_ff_tokens()
+            ff = [min(self.eos)] if ended or self.matcher.is_stopped() else self.matcher.compute_ff_tokens()
             if ff:
                 token = ff[0]
                 if forced is not None:
