@@ -17,13 +17,13 @@ EFFORTS = {"none": "off", "minimal": "low", "low": "low", "medium": "medium", "h
            "max": "xhigh"}  # fmt: skip
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
     """A finite number a float holds (an integer beyond a float's range is not one)."""
-    if not (_is_int(value) or isinstance(value, float)):
+    if not (is_int(value) or isinstance(value, float)):
         return False
     try:
         return math.isfinite(value)
@@ -44,7 +44,7 @@ class Fields:
 
     def number(self, name, default, low=None, high=None, *, low_open=False):
         value, where = self.get(name, default), self.prefix + name
-        if not _is_number(value):
+        if not is_number(value):
             raise RequestError(where, f"expected a number, got {value!r}")
         if low is not None and (value < low or (low_open and value == low)):
             raise RequestError(where, f"must be {'>' if low_open else '>='} {low}, got {value!r}")
@@ -54,7 +54,7 @@ class Fields:
 
     def integer(self, name, default, low=None, high=None):
         value, where = self.get(name, default), self.prefix + name
-        if value is not None and not _is_int(value):
+        if value is not None and not is_int(value):
             raise RequestError(where, f"expected an integer, got {value!r}")
         if value is not None and low is not None and value < low:
             raise RequestError(where, f"must be >= {low}, got {value!r}")

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from .messages import messages as chat_messages, tool_choice, tools
 from .errors import RequestError
-from .fields import Fields, _is_int, _is_number
+from .fields import Fields, is_int, is_number
 from .formats import response_format
 from .openai_fields import CHAT_ONLY, ignored, legacy_functions, legacy_messages, reasoning
 
@@ -186,7 +186,7 @@ def _prompt(prompt, vocab_size: int) -> str | list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise RequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
@@ -239,7 +239,7 @@ def _processors(b: Fields, info: ServerInfo) -> dict:
                 raise RequestError("logit_bias", f"keys must be token ids, got {key!r}") from None
             if not 0 <= token < vocab_size:
                 raise RequestError("logit_bias", f"token id {token} is outside the vocabulary [0, {vocab_size})")
-            if not _is_number(value) or not -100 <= value <= 100:
+            if not is_number(value) or not -100 <= value <= 100:
                 raise RequestError("logit_bias", f"biases must be numbers in [-100, 100], got {value!r}")
             parsed[token] = float(value)
         kwargs["logit_bias"] = parsed
@@ -276,7 +276,7 @@ def stops(stop, name: str = "stop") -> list[str]:
 def _logprobs(b: Fields, req: GenerationRequest, kind: str) -> None:
     value = b.get("logprobs", False)
     top = b.integer("top_logprobs", None, low=-1, high=MAX_TOP_LOGPROBS)
-    if kind == "text" and _is_int(value):  # the legacy completions API: logprobs = how many top entries
+    if kind == "text" and is_int(value):  # the legacy completions API: logprobs = how many top entries
         if not 0 <= value <= MAX_TOP_LOGPROBS:
             raise RequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
         if top not in (None, -1, value):
