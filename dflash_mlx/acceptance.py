@@ -6,7 +6,9 @@ history plain decoding would have given it), the processed distributions of
 `dflash_mlx.sampling`, the random keys (reproducible from a seed), and the
 verdict `[accepted, t_0, ..., t_{b-1}]` where t_0..t_accepted are the tokens
 the cycle commits (`next_token` for a row with no drafts: a plain step). Everything
-stays on the device; the engine syncs once.
+stays on the device; the engine syncs once. Under a grammar (`constraint`, see
+`dflash_mlx.structured`) the drafts are asked for through `propose` (chosen on the
+host under the grammar: one more sync) and every row is masked after the processors.
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ class Acceptor:
         seed: int | None = None,
         xtc: tuple[float, float, list[int]] | None = None,
         sample_drafts: bool = True,
+        constraint=None,
     ):
         """`xtc` = (probability, threshold, special tokens): plain decoding only, through
         mlx-lm's own sampler (XTC has no fixed distribution to verify drafts against).
         `sample_drafts=False`: under sampling, proposers still propose their argmax
-        (one-hot q) instead of samples of q (this call's choice, see `draft_settings`)."""
+        (one-hot q) instead of samples of q (this call's choice, see `draft_settings`).
+        `constraint`: a grammar's `structured.constraint.Constraint` the output must follow."""
         self.settings = settings
+        self.constraint = constraint
         self.sample_drafts = sample_drafts
         self.processors = list(logits_processors or [])
         self.history = prompt.astype(mx.int32) if self.processors else None
@@ -53,6 +58,19 @@ class Acceptor:
         """How proposers should sample their drafts (None: greedy, one-hot q)."""
         return None if self.settings.greedy or not self.sample_drafts else self.settings
 
+    @property
+    def raw_logits(self) -> bool:
+        """`process` leaves the logits as they are (no processors, no grammar): nothing needs the
+        committed tokens on the host (a step may be built on a token not yet read)."""
+        return not self.processors and self.constraint is None
+
+    def propose(self, proposer, anchor: mx.array, position: int, count: int):
+        """`proposer`'s drafts for this call's settings (a `Proposal`), under the grammar if any."""
+        key = self.next_key()
+        if self.constraint is None:
+            return proposer.propose(anchor, position, count, sampling=self.draft_settings, key=key)
+        return self.constraint.propose(proposer, anchor, position, count, self.draft_settings, key)
+
     def next_key(self) -> mx.array | None:
         if self._key is None:
             return None
@@ -60,17 +78,21 @@ class Acceptor:
         return key
 
     def process(self, logits: mx.array, drafts: mx.array | None = None) -> mx.array:
-        """Apply the processors to rows [b, V]; row j's history ends with drafts[:j]."""
-        if not self.processors:
-            return logits
-        rows = []
-        for j in range(logits.shape[0]):
-            history = self.history if j == 0 else mx.concatenate([self.history, drafts[:j]])
-            row = logits[j : j + 1]
-            for processor in self.processors:
-                row = processor(history, row)
-            rows.append(row)
-        return mx.concatenate(rows, axis=0)
+        """Apply the processors, then the grammar's masks, to rows [b, V]; row j's history ends with
+        drafts[:j]."""
+        if self.processors:
+            rows = []
+            for j in range(logits.shape[0]):
+                history = self.history if j == 0 else mx.concatenate([self.history, drafts[:j]])
+                row = logits[j : j + 1]
+                for processor in self.processors:
+                    row = processor(history, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        if self.constraint is not None:
+            allowed = self.constraint.masks(logits.shape[0], drafts, logits.shape[-1])
+            logits = mx.where(allowed, logits, mx.array(-mx.inf, logits.dtype))
+        return logits
 
     def next_token(self, logits: mx.array) -> mx.array:
         """The next token [1] from a processed row [1, V] with no drafts to verify (the token after
@@ -114,3 +136,5 @@ class Acceptor:
     def commit(self, tokens: list[int]) -> None:
         if self.history is not None:
             self.history = mx.concatenate([self.history, mx.array(tokens, mx.int32)])
+        if self.constraint is not None:
+            self.constraint.commit(tokens)

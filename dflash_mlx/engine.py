@@ -74,6 +74,7 @@ class _Pending:
     rows: mx.array
     features: mx.array | None
     record: VerifyRecord
+    chosen: bool = True  # the policy chose this block (not widened for a run the grammar forces)
 
 
 class _DrafterContext:
@@ -148,23 +149,28 @@ def speculative_cycles(
     cache = session.cache
     context = _DrafterContext(proposer)
 
-    def choose(committed: int, position: int) -> int:
+    def room(committed: int, position: int) -> int:
+        """The widest block the next cycle may verify."""
         limit = policy.max_block if max_tokens < 0 else min(policy.max_block, max_tokens - committed)
         if kv is not None and (rows := kv.rows_allowed(position)) is not None:
             limit = min(limit, rows)
-        return 1 if proposer is None else policy.choose(limit)
+        return limit
+
+    def choose(committed: int, position: int) -> int:
+        return 1 if proposer is None else policy.choose(room(committed, position))
 
     queue: deque[_Pending] = deque()
     total = prompt.size
 
     def launch(anchor: mx.array, position: int, committed: int, b: int) -> _Pending:
-        """Queue one draft + verify of block b."""
+        """Queue one draft + verify of block b (wider where a grammar forces a longer run: free drafts)."""
         drafts = draft_probs = None
+        chosen = b
+        if proposer is not None and acceptor.constraint is not None:
+            b = max(b, acceptor.constraint.forced_block(room(committed, position)))
         if b > 1:
             context.flush()
-            proposal = proposer.propose(
-                anchor, position, b - 1, sampling=acceptor.draft_settings, key=acceptor.next_key()
-            )
+            proposal = acceptor.propose(proposer, anchor, position, b - 1)
             drafts, draft_probs = proposal.tokens, proposal.probs
             verify_ids = mx.concatenate([anchor.reshape(1), drafts])
         else:
@@ -175,7 +181,7 @@ def speculative_cycles(
         rows = acceptor.process(logits[0], drafts)
         verdict = acceptor.verdict(rows, drafts, draft_probs) if b > 1 else acceptor.next_token(rows)
         mx.async_eval(verdict)
-        return _Pending(b, verdict, rows, features, record)
+        return _Pending(b, verdict, rows, features, record, chosen=b == chosen)
 
     settled = False
 
@@ -213,8 +219,9 @@ def speculative_cycles(
         mx.async_eval(anchor, context.state() if first_block > 1 else [])  # log-probabilities stay lazy
         session.prefilled(prompt_ids)  # before a verify updates the caches (its checkpoint copies the state)
         # b = 1 steps are chained on the lazy token when nothing needs it on the host first
-        # (logits processors read the history) and the caches can undo a step past a stop token.
-        chains = not acceptor.processors and all(undoes_single_row(c) for c in cache)
+        # (logits processors read the history, a grammar follows it) and the caches can undo a step
+        # past a stop token.
+        chains = acceptor.raw_logits and all(undoes_single_row(c) for c in cache)
 
         # The first cycle is queued before the first token is handed out, as mlx-lm queues its second
         # step, and built on the lazy token (its graph built while the prompt's last row computes) when
@@ -260,7 +267,8 @@ def speculative_cycles(
                 context.add(queued.features[:, :kept] if queued.features is not None else None)
             session.fed([anchor_id] + tokens[:-1])
             acceptor.commit(tokens)
-            policy.observe(queued.block_size, accepted if stop is None else None, seconds)
+            if queued.chosen:
+                policy.observe(queued.block_size, accepted if stop is None else None, seconds)
             committed += len(tokens)
             position += len(tokens)
             anchor_id = tokens[-1]

@@ -27,6 +27,7 @@ from .policy.adaptive import adaptive_policy
 from .sampling import SamplingSettings
 from .session import Session, check_draft_sampling, make_session
 from .sharding.lockstep import check_lockstep
+from .structured import Grammar
 from .targets.quantized_kv import kv_quantization
 
 
@@ -73,6 +74,7 @@ def stream_generate(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    response_format=None,
 ) -> Iterator[DFlashResponse]:
     """Generate from `model`, drafting with `draft` (a DFlash drafter, a Proposer or None).
 
@@ -103,6 +105,12 @@ def stream_generate(
     `quantized_kv_start` quantize the target's KV cache as `mlx_lm.generate` does
     (output equal to mlx-lm's with the same settings; not for sliding-window targets);
     without `kv_bits`, a session's own settings (`make_session(..., kv_bits=...)`) apply.
+    `response_format` constrains the output to a grammar (`dflash_mlx.structured`): OpenAI's
+    ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": ...,
+    "strict": ...}}``, a pydantic model class, a `structured.Grammar` or llguidance grammar text;
+    the drafts are chosen under it too. The output is what plain decoding under the same grammar
+    gives (`structured.GrammarLogitsProcessor` in mlx-lm); a format llguidance cannot compile is
+    a ValueError.
     """
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
@@ -110,6 +118,7 @@ def stream_generate(
         raise ValueError("max_tokens must be non-zero (use -1 for no limit).")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
+    grammar = Grammar.of(tokenizer, response_format)
     prompt = encode_prompt(tokenizer, prompt)
     if prompt.size == 0:
         raise ValueError("The prompt is empty: at least one token is needed.")
@@ -161,7 +170,7 @@ def stream_generate(
         Acceptor(
             settings, prompt, logits_processors, seed,
             xtc=(xtc_probability, xtc_threshold, sorted(tokenizer.eos_token_ids)) if xtc_probability else None,
-            sample_drafts=draft_sampling == "sample",
+            sample_drafts=draft_sampling == "sample", constraint=grammar.constraint() if grammar else None,
         ),
         kv,
     )

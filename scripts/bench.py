@@ -16,6 +16,10 @@
   batch    `dflash_mlx.batch_generate` against mlx-lm's `batch_generate` at several batch widths
   sharded  the same job in one process and as 2 ring ranks on this machine (`mlx.launch`)
 
+`legs --response-format F` (json_object, or a JSON Schema / OpenAI response_format, inline or in a file)
+runs every leg under that grammar: mlx-lm with `dflash_mlx.structured.GrammarLogitsProcessor`, dflash-mlx
+with `response_format=` (the same compiled grammar), each prompt asking for a JSON answer.
+
 `legs` settings (`--settings`, comma-separated): demo-gsm8k and demo-mtbench (the bundled pair on
 chat-templated GSM8K / MT-Bench first turns: in and off distribution), untrained (the bundled target
 with a random drafter of the same shape), 4bit (the bundled target quantized to 4 bits, group 64),
@@ -52,6 +56,7 @@ TITLES = {"demo-gsm8k": "demo pair, GSM8K", "demo-mtbench": "demo pair, MT-Bench
           "4bit": "4-bit target (blocks <= 5)", "long": "demo pair, 1.6k-token prompts",
           "synthetic": "synthetic pair"}  # fmt: skip
 LONG_PROMPT_TOKENS = 1600
+JSON_ASK = "\nAnswer with a JSON object: your reasoning, then the final answer as a number."
 
 
 # ------------------------------------------------------------------------------------------- engine
@@ -174,6 +179,18 @@ def synthetic_prompts(directory: Path, n: int) -> list[str]:
     return [json.loads(line)["prompt"] for line in (directory / "prompts.jsonl").read_text().splitlines()[:n]]
 
 
+def response_format(value: str | None):
+    """--response-format: None, json_object, or a JSON Schema / OpenAI response_format (inline or a file)."""
+    if value is None:
+        return None
+    if value == "json_object":
+        return {"type": "json_object"}
+    parsed = json.loads(value if value.lstrip().startswith("{") else Path(value).read_text())
+    if parsed.get("type") in ("json_schema", "json_object", "text"):
+        return parsed
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": parsed, "strict": True}}
+
+
 def load_setting(name: str, demo, args):
     """(model, tokenizer, draft, prompts) of a setting (`demo`: the loaded demo pair), or None with a note."""
     import mlx.nn as nn
@@ -204,7 +221,8 @@ def load_setting(name: str, demo, args):
         conversations = long_gsm8k_conversations(tokenizer, LONG_PROMPT_TOKENS, n)
         return model, tokenizer, draft, chat_prompts(tokenizer, conversations)
     dataset = "mt-bench" if name == "demo-mtbench" else "gsm8k"
-    return model, tokenizer, draft, chat_prompts(tokenizer, [c[0] for c in sample(dataset, n)])
+    ask = JSON_ASK if args.response_format else ""
+    return model, tokenizer, draft, chat_prompts(tokenizer, [c[0] + ask for c in sample(dataset, n)])
 
 
 def timed(responses) -> tuple:
@@ -222,20 +240,34 @@ def timed(responses) -> tuple:
     return tokens, end - first, cycles, end - start, blocks
 
 
-def make_legs(model, tokenizer, draft, names: list[str], max_tokens: int, temperature: float) -> dict:
+def parses_as_json(tokenizer, tokens: list[int]) -> bool:
+    try:
+        json.loads(tokenizer.decode([t for t in tokens if t not in tokenizer.eos_token_ids]))
+        return True
+    except ValueError:
+        return False
+
+
+def make_legs(model, tokenizer, draft, names: list[str], max_tokens: int, temperature: float,
+              response_format=None) -> dict:  # fmt: skip
     from mlx_lm import stream_generate as mlx_lm_stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     from dflash_mlx.generation import stream_generate
+    from dflash_mlx.structured import Grammar, GrammarLogitsProcessor
+
+    grammar = Grammar.of(tokenizer, response_format)  # compiled once: each call follows it afresh
 
     def mlx_lm_leg(prompt, seed):
         mx.random.seed(seed)
+        processors = [GrammarLogitsProcessor(tokenizer, grammar)] if grammar else None
         return timed(mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                            sampler=make_sampler(temperature)))  # fmt: skip
+                                            sampler=make_sampler(temperature), logits_processors=processors))
 
     def ours(drafter, block):
         return lambda prompt, seed: timed(stream_generate(model, drafter, tokenizer, prompt, max_tokens=max_tokens,
-                                                          block_size=block, temperature=temperature, seed=seed))
+                                                          block_size=block, temperature=temperature, seed=seed,
+                                                          response_format=grammar))  # fmt: skip
 
     legs = {"mlx-lm": mlx_lm_leg}
     for name in names:
@@ -309,12 +341,12 @@ def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
     calibration = {"seconds": round(time.perf_counter() - tic, 3), "grid": curve.grid,
                    "ms": [round(1000 * t, 3) for t in curve.seconds]}  # fmt: skip
     compared = args.legs.split(",")
-    legs = make_legs(model, tokenizer, draft, compared, args.max_tokens, args.temperature)
+    legs = make_legs(model, tokenizer, draft, compared, args.max_tokens, args.temperature, args.response_format)
     for leg in legs.values():  # two warm-ups of each leg
         leg(prompts[0], 0)
         leg(prompts[-1], 0)
     units = Units([k for k in compared if k[1:].isdigit()])
-    mismatches, blocks = Counter(), {k: Counter() for k in compared}
+    mismatches, blocks, parsed = Counter(), {k: Counter() for k in compared}, Counter()
     order, shuffle = list(legs), random.Random(1).shuffle
     for r in range(args.rounds):
         for i, p in enumerate(prompts):
@@ -323,6 +355,8 @@ def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
             for k in compared:
                 mismatches[k] += args.temperature == 0 and unit[k][0] != unit["mlx-lm"][0]
                 blocks[k].update(unit[k][4])
+            for k in unit if args.response_format else ():
+                parsed[k] += parses_as_json(tokenizer, unit[k][0])
             units.rows.append({k: (len(v[0]), *v[1:4]) for k, v in unit.items()})
     speeds = {k: round(units.speed(k), 2) for k in legs}
     lead = "adaptive" if "adaptive" in compared else compared[0]  # each pair: the lead leg over another
@@ -336,13 +370,15 @@ def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
                                               for u in units.rows), 3)  # fmt: skip
 
     return {"setting": name, "prompts": len(prompts), "rounds": args.rounds, "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "calibration": calibration, "tps": speeds,
+            "temperature": args.temperature, "response_format": args.response_format, "calibration": calibration,
+            "tps": speeds,
             "best_fixed_blocks": units.best_fixed(units.rows)[1] if len(units.fixed) > 1 else None,
             "legs": {k: {"vs_mlx_lm": units.ratio(k, "mlx-lm"),
                          "vs_mlx_lm_decode": units.ratio(k, "mlx-lm", end_to_end=False),
                          "first_token_ms_paired_median": first_token_ms(k),
                          "greedy_mismatches": mismatches[k] if args.temperature == 0 else None,
                          "blocks": {str(b): n for b, n in sorted(blocks[k].items())}} for k in compared},
+            "replies_parsing_as_json": dict(parsed) if args.response_format else None,
             "pairs": {f"{a} / {b}": units.ratio(a, b) for a, b in pairs}}  # fmt: skip
 
 
@@ -354,6 +390,7 @@ def legs_table(report: dict) -> str:
              "| blocks | greedy mismatches |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]  # fmt: skip
     for st in report["settings"]:
         title = TITLES.get(st["setting"], st["setting"]) + (f", T = {st['temperature']:g}" if st["temperature"] else "")
+        title += ", JSON schema" if st.get("response_format") else ""
         for leg, x in st["legs"].items():
             blocks = " ".join(f"{b}:{n}" for b, n in x["blocks"].items())
             lines.append(f"| {title} | {leg} | {st['prompts'] * st['rounds']} | {st['tps']['mlx-lm']:.1f} "
@@ -738,6 +775,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--synthetic", type=Path, default=Path("/tmp/dflash-synthetic"),
                    help="a scripts/train_synthetic.py work directory (target/, drafter/, prompts.jsonl)")
+    p.add_argument("--response-format", type=response_format, metavar="json_object|SCHEMA|FILE",
+                   help="every leg under this grammar (prompts ask for JSON)")
     p.add_argument("--out", type=Path)
     p.add_argument("--table", type=Path, metavar="REPORT", help="print the tables of a saved report and stop")
 

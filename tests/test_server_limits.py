@@ -119,6 +119,64 @@ HOSTILE = [
     ("text: echo", TEXT, {"prompt": "hi", "echo": True}, None, BAD),
     ("text: best_of 10**9", TEXT, {"prompt": "hi", "best_of": 10**9}, None, BAD),
     ("text: legacy logprobs 10**9", TEXT, {"prompt": "hi", "logprobs": 10**9}, None, BAD),
+    ("response_format a string", CHAT, _chat(response_format="json"), None, BAD),
+    ("response_format of an unknown type", CHAT, _chat(response_format={"type": "xml"}), None, BAD),
+    ("response_format: a schema with an unknown type", CHAT, _chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+            "a": {"type": "strin"}}}}}), None, BAD),
+    ("response_format: a schema that is a list", CHAT, _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": [1, 2]}}), None, BAD),
+    ("response_format: strict with a keyword llguidance cannot enforce", CHAT, _chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {"type": "string",
+                                                                                       "format": "colour"}}}),
+     None, BAD),
+    ("response_format: an enum of 200,000 strings", CHAT, _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"enum": [f"v{i}" for i in range(200_000)]}}}), None, BAD),
+    ("response_format: an array of at least 10**9 items (cut by max_tokens)", CHAT, _chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "minItems": 10**9,
+                                                                       "items": {"type": "integer"}}}}), None, {200}),
+    ("response_format: a catastrophic pattern", CHAT, _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "(a*)*b" * 50}}}), None, {200}),
+    ("response_format: a recursive $ref", CHAT, _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#/$defs/a", "$defs": {"a": {"type": "array", "items": {
+            "$ref": "#/$defs/a"}}}}}}), None, {200}),
+    ("response_format: 3,000 required properties", CHAT, _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(3000)},
+                                "required": [f"k{i}" for i in range(3000)]}}}), None, {200}),
+    ("response_format: a minimum of Infinity (Python's JSON reads it)", CHAT, b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], '
+     b'"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", '
+     b'"minimum": Infinity}}}}', None, BAD),
+    ("response_format json_object", CHAT, _chat(response_format={"type": "json_object"}), None, {200}),
+    ("reasoning_effort unknown", CHAT, _chat(reasoning_effort="extreme"), None, BAD),
+    ("reasoning_effort a number", CHAT, _chat(reasoning_effort=5), None, BAD),
+    ("store a string", CHAT, _chat(store="yes"), None, BAD),
+    ("metadata of 17 keys", CHAT, _chat(metadata={str(i): "v" for i in range(17)}), None, BAD),
+    ("metadata a list", CHAT, _chat(metadata=["a"]), None, BAD),
+    ("service_tier a number", CHAT, _chat(service_tier=5), None, BAD),
+    ("safety_identifier of a million characters", CHAT, _chat(safety_identifier="x" * 10**6), None, BAD),
+    ("prompt_cache_key an object", CHAT, _chat(prompt_cache_key={"a": 1}), None, BAD),
+    ("prompt_cache_options with more", CHAT, _chat(prompt_cache_options={"mode": "implicit", "x": 1}), None, BAD),
+    ("modalities audio", CHAT, _chat(modalities=["audio"]), None, BAD),
+    ("modalities of 10,000", CHAT, _chat(modalities=["text"] * 10_000), None, BAD),
+    ("parallel_tool_calls a string", CHAT, _chat(parallel_tool_calls="no"), None, BAD),
+    ("verbosity loud", CHAT, _chat(verbosity="loud"), None, BAD),
+    ("prediction of another type", CHAT, _chat(prediction={"type": "diff", "content": "x"}), None, BAD),
+    ("prediction content a number", CHAT, _chat(prediction={"type": "content", "content": 5}), None, BAD),
+    ("functions not a list", CHAT, _chat(functions="all"), None, BAD),
+    ("functions without a name", CHAT, _chat(functions=[{"parameters": {}}]), None, BAD),
+    ("function_call naming a number", CHAT, _chat(function_call={"name": 5}), None, BAD),
+    ("functions with tools", CHAT, _chat(functions=[{"name": "f"}], tools=[{"type": "function", "function": {
+        "name": "f"}}]), None, BAD),
+    ("web_search_options", CHAT, _chat(web_search_options={}), None, BAD),
+    ("audio", CHAT, _chat(audio={"voice": "alloy", "format": "wav"}), None, BAD),
+    ("stream_options include_obfuscation a string", CHAT, _chat(stream=True, stream_options={
+        "include_obfuscation": "x"}), None, BAD),
+    ("every no-op field at once", CHAT, _chat(store=False, metadata={"a": "b"}, service_tier="flex", user="u",
+                                              safety_identifier="s", prompt_cache_key="k", modalities=["text"],
+                                              parallel_tool_calls=True, verbosity="high", reasoning_effort="none",
+                                              prediction={"type": "content", "content": [{"type": "text",
+                                                                                          "text": "x"}]},
+                                              prompt_cache_retention="in_memory"), None, {200}),
     ("not JSON", CHAT, b"{'messages': [", None, BAD),
     ("JSON null", CHAT, b"null", None, BAD),
     ("a JSON array", CHAT, b"[1, 2]", None, BAD),
@@ -292,6 +350,18 @@ DIALECT_HOSTILE = [
     ("responses: reasoning effort on a model without a switch", RESPONSES, _input(reasoning={"effort": "high"}),
      None),
     ("responses: store false", RESPONSES, _input(store=False), None),
+    ("responses: text.format a schema llguidance cannot compile", RESPONSES, _input(text={"format": {
+        "type": "json_schema", "name": "x", "schema": {"type": "strin"}}}), "text.format.schema"),
+    ("responses: text.format with an unknown key", RESPONSES, _input(text={"format": {"type": "json_object",
+                                                                                      "x": 1}}), "text.format.x"),
+    ("responses: text.format a string", RESPONSES, _input(text={"format": "json"}), "text.format"),
+    ("responses: text.format json_object", RESPONSES, _input(text={"format": {"type": "json_object"}}), None),
+    ("messages: output_config.format of a list schema", ANTHROPIC, _ask(output_config={"format": {
+        "type": "json_schema", "schema": [1]}}), "output_config.format.schema"),
+    ("messages: output_config.format a schema of 200,000 enum values", ANTHROPIC, _ask(output_config={"format": {
+        "type": "json_schema", "schema": {"enum": [f"v{i}" for i in range(200_000)]}}}), "output_config.format.schema"),
+    ("messages: output_config.format json_schema", ANTHROPIC, _ask(output_config={"format": {
+        "type": "json_schema", "schema": {"type": "object", "properties": {"n": {"type": "integer"}}}}}), None),
     ("responses: an unknown field", RESPONSES, _input(conversation="c"), "conversation"),
 ]
 

@@ -6,7 +6,8 @@ contexts as one batch: left-padded to the longest, with per-row positions
 (RoPE offsets) and a mask that hides each row's padding. The drafter's own
 layers then run on [B, b] blocks unchanged. Drafts only decide how many
 tokens a verify accepts, never which: a proposer this module cannot batch
-(DFlash 2, a custom one) drafts row by row instead.
+(DFlash 2, a custom one) drafts row by row instead. A row under a grammar
+chooses its drafts from its logits under its own grammar state.
 """
 
 from __future__ import annotations
@@ -69,8 +70,7 @@ def propose_rows(rows: list, count: int) -> list[Proposal]:
     proposers = [r.session.proposer for r in rows]
     batchable = all(type(p) is DFlashProposer for p in proposers) and len({id(p.drafter) for p in proposers}) == 1
     if not batchable or len(rows) == 1:
-        return [r.session.proposer.propose(mx.array([r.anchor], mx.int32), r.position, count,
-                                           sampling=r.acceptor.draft_settings, key=r.acceptor.next_key())
+        return [r.acceptor.propose(r.session.proposer, mx.array([r.anchor], mx.int32), r.position, count)
                 for r in rows]  # fmt: skip
     for r, p in zip(rows, proposers):
         if p.context_end != r.position:
@@ -80,7 +80,8 @@ def propose_rows(rows: list, count: int) -> list[Proposal]:
     block = mx.concatenate([anchors, mx.full((len(rows), count), drafter.config.mask_token_id, mx.int32)], axis=1)
     contexts = [BatchContext([p.cache[layer] for p in proposers]) for layer in range(len(drafter.layers))]
     logits = drafter(block, contexts, proposers[0].target)
-    if all(r.acceptor.draft_settings is None for r in rows):  # greedy drafts: one argmax for all rows
+    if all(r.acceptor.draft_settings is None and r.acceptor.constraint is None for r in rows):
+        # greedy drafts: one argmax for all rows
         for r in rows:
             r.acceptor.next_key()  # (the keys a row draws stay those of its own proposer calls)
         best = mx.argmax(logits, axis=-1).astype(mx.int32)
@@ -88,7 +89,9 @@ def propose_rows(rows: list, count: int) -> list[Proposal]:
     out = []
     for i, r in enumerate(rows):
         sampling, key = r.acceptor.draft_settings, r.acceptor.next_key()
-        if sampling is None:
+        if r.acceptor.constraint is not None:  # chosen under the row's grammar
+            out.append(r.acceptor.constraint.choose(logits[i], sampling, key))
+        elif sampling is None:
             out.append(Proposal(tokens=mx.argmax(logits[i], axis=-1).astype(mx.int32)))
         else:
             probs = distribution(logits[i], sampling)

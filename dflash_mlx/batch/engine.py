@@ -20,7 +20,8 @@ alone in the batch chooses as the single-request policy does (its
 `policy.adaptive` policy, whose acceptance estimate it also brings to the
 batch). A row may fix its own block (`max_block`): a batch of such rows
 verifies the largest, and a row's drafts past its own block are ignored; a
-row needing fewer tokens takes its cut at acceptance.
+row needing fewer tokens takes its cut at acceptance. A step is widened to
+draft a run of tokens a row's grammar forces (`structured`).
 """
 
 from __future__ import annotations
@@ -211,6 +212,10 @@ class BatchDecoder:
             b = self.rows[0].policy.choose(self.rows[0].max_block)
         else:
             b = self.choice.choose(self.rows)
+        chosen = b
+        if block_size is None:  # widened for a run a row's grammar forces (free drafts)
+            b = max([b] + [r.acceptor.constraint.forced_block(r.max_block) for r in self.rows
+                           if r.acceptor.constraint is not None and r.session.proposer is not None])  # fmt: skip
         cache = self.rows[0].session.cache if single else self._batch()
         anchors = [mx.array([row.anchor], mx.int32) for row in self.rows]
         if b > 1:
@@ -245,9 +250,9 @@ class BatchDecoder:
             row.finish = finish
             out.append(RowTokens(row.uid, tokens, log_softmax(rows[i][: len(tokens)]), min(accepted, len(tokens)),
                                  min(b, row.max_block), finish))  # fmt: skip
-        if single and self.rows[0].policy is not None:
+        if b == chosen and single and self.rows[0].policy is not None:  # (policies learn from their own blocks)
             self.rows[0].policy.observe(b, accepts[0], 0.0)
-        elif self.choice is not None:
+        elif b == chosen and self.choice is not None:
             self.choice.observe(self.rows, b, accepts)
         if single:
             rollback(cache, record, keep[0])
@@ -265,9 +270,9 @@ class BatchDecoder:
     def _verdicts(self, logits: mx.array, drafts: list, probs: list) -> tuple[list, list[list[int]]]:
         """Each row's processed verify rows and [accepted, t_0..t_{b-1}] (one host sync for all).
 
-        Greedy rows without logits processors are judged together (argmax and the accepted
+        Greedy rows without logits processors or a grammar are judged together (argmax and the accepted
         prefix over [B, b] at once); the others by their own acceptor."""
-        plain = [not r.acceptor.processors and r.acceptor.settings.greedy for r in self.rows]
+        plain = [r.acceptor.raw_logits and r.acceptor.settings.greedy for r in self.rows]
         rows = [logits[i] if plain[i] else r.acceptor.process(logits[i], drafts[i]) for i, r in enumerate(self.rows)]
         judged = {}
         together = [i for i, ok in enumerate(plain) if ok]

@@ -5,9 +5,10 @@ prompt or for all, its `BatchResponse` and `BatchStats`), with continuous
 batching: up to `max_batch` prompts are in the batch at once and a finished
 row's place goes to the next prompt. Each prompt is prefilled alone, then
 verified with the others (`engine.BatchDecoder`). Every prompt may bring its
-own sampler settings, logits processors and seed (`row_settings`); each
-row's output is exactly what `stream_generate` gives for it (greedy: token
-for token; sampled: the same distribution).
+own sampler settings, logits processors, seed and response format
+(`row_settings`: each row follows its own grammar); each row's output is
+exactly what `stream_generate` gives for it (greedy: token for token;
+sampled: the same distribution).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from ..generation import DFlashResponse, encode_prompt
 from ..models.block_size import check_block_size, default_block_size
 from ..sampling import SamplingSettings
 from ..session import make_session
+from ..structured import Grammar
 from .block_choice import BatchBlockChoice
 from .calibration import batch_cost
 from .engine import BatchDecoder
 
-ROW_KEYS = {"temperature", "top_p", "top_k", "min_p", "seed", "logits_processors", "max_tokens"}
+ROW_KEYS = {"temperature", "top_p", "top_k", "min_p", "seed", "logits_processors", "max_tokens", "response_format"}
 
 
 def _rows(prompts: list, max_tokens, row_settings, defaults: dict) -> list[dict]:
@@ -105,14 +107,15 @@ def stream_batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens:
                           block_size: int | str | None = None, max_batch: int = 8, temperature: float = 0.0,
                           top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                           logits_processors: list | None = None, row_settings: list[dict] | None = None,
-                          prefill_step_size: int = 2048,
+                          prefill_step_size: int = 2048, response_format=None,
                           stats: BatchStats | None = None) -> Iterator[tuple[int, DFlashResponse]]:  # fmt: skip
     """Yield (prompt index, response) for every generated token, rows interleaved as they decode.
 
     `block_size`: the block every step verifies; None (or "auto"): chosen each step for the
     batch (`block_choice`), up to the drafter's block (at most 5 for <= 4-bit models),
     plain batched decoding included; 1 without a drafter. `seed` seeds prompt i with seed + i unless
-    its `row_settings` entry gives one. `stats` (an mlx-lm `BatchStats`) is filled in.
+    its `row_settings` entry gives one. `response_format` (as `stream_generate` takes it) constrains
+    every row, or a row's own entry that row. `stats` (an mlx-lm `BatchStats`) is filled in.
     """
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}.")
@@ -122,8 +125,10 @@ def stream_batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens:
     if any(p.size == 0 for p in encoded):
         raise ValueError("A prompt is empty: at least one token is needed.")
     defaults = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                    logits_processors=logits_processors)  # fmt: skip
+                    logits_processors=logits_processors, response_format=response_format)  # fmt: skip
     rows = _rows(encoded, max_tokens, row_settings, defaults)
+    for row in rows:  # compiled once per distinct format, before any prompt runs
+        row["grammar"] = Grammar.of(tokenizer, row["response_format"])
     sessions = [make_session(model, draft) for _ in encoded]
     decoder = batch_decoder(sessions[0], block_size)
     eos = tokenizer.eos_token_ids
@@ -139,7 +144,8 @@ def stream_batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens:
             row = rows[i]
             acceptor = Acceptor(SamplingSettings(temperature=row["temperature"], top_p=row["top_p"],
                                                  top_k=row["top_k"], min_p=row["min_p"]),
-                                encoded[i], row["logits_processors"], row["seed"])  # fmt: skip
+                                encoded[i], row["logits_processors"], row["seed"],
+                                constraint=row["grammar"].constraint() if row["grammar"] else None)  # fmt: skip
             joining.append((i, (sessions[i], encoded[i], acceptor, row["max_tokens"])))
         if joining:
             tic = time.perf_counter()

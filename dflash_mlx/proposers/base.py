@@ -11,7 +11,9 @@ Optionally `fork(context=False)` returns an independent copy on the same
 weights, with an empty context (the block-size calibration times it on
 private state; without one it times the verify alone) or with a copy of the
 context (`Session.copy`: the server's prompt cache branches a conversation).
-`proposers.dflash` wraps DFlash (v1) and DFlash 2 drafters (and `as_proposer`
+Optionally `draft_logits(anchor, position, count)` gives the drafter's logits
+of the block's rows, so a grammar can choose the drafts itself
+(`structured.constraint`). `proposers.dflash` wraps DFlash (v1) and DFlash 2 drafters (and `as_proposer`
 turns what a caller passes as `draft` into a proposer); `proposers.oracle`
 knows the answer (tests, benchmarks).
 """

@@ -103,6 +103,17 @@ class DFlashProposer:
         return self._cache[0].end + (0 if self._pending is None else self._pending.shape[1])
 
     def propose(self, anchor: mx.array, position: int, count: int, *, sampling=None, key=None) -> Proposal:
+        block, features = self._block(anchor, position, count)
+        return self._choose(block, anchor, features, sampling, key)
+
+    def draft_logits(self, anchor: mx.array, position: int, count: int) -> mx.array:
+        """The drafter's logits [count, V] of the block's rows after the anchor, for a caller that
+        chooses the drafts itself (a grammar, `structured.constraint`; DFlash 2's selector is not used)."""
+        block, features = self._block(anchor, position, count)
+        return self.drafter(block, self._cache, self.target, features)[0]
+
+    def _block(self, anchor: mx.array, position: int, count: int) -> tuple[mx.array, mx.array | None]:
+        """The block's ids (the anchor, then mask tokens) and the context features its forward ingests."""
         if self.context_end != position:
             raise RuntimeError(
                 f"Drafter context ends at {self.context_end} but the anchor sits at {position}."
@@ -110,7 +121,7 @@ class DFlashProposer:
         masks = mx.full((count,), self._mask_id, dtype=mx.int32)
         block = mx.concatenate([anchor.reshape(1).astype(mx.int32), masks])[None]
         features, self._pending = self._pending, None
-        return self._choose(block, anchor, features, sampling, key)
+        return block, features
 
     def _choose(self, block: mx.array, anchor: mx.array, features, sampling, key) -> Proposal:
         logits = self.drafter(block, self._cache, self.target, features)[0]

@@ -15,8 +15,10 @@ fields: the current SDK sends them through ``extra_body``) default to the
 server's (greedy), and ``stop_sequences`` are stops. ``metadata``,
 ``cache_control`` marks (the prompt cache is automatic), ``context_management``,
 ``output_config.effort`` and the service fields are accepted and ignored;
-images, documents, server tools, a final assistant turn (prefill) and
-``output_config.format`` are refused with a 400 naming the field.
+``output_config.format`` (``{"type": "json_schema", "schema": ...}``)
+constrains the output to its grammar (`formats`); images, documents, server
+tools and a final assistant turn (prefill) are refused with a 400 naming the
+field.
 
 The reply: ``content`` blocks in the order the model wrote them (``thinking``
 with an empty ``signature``, ``text``, ``tool_use`` with its parsed ``input``),
@@ -38,7 +40,9 @@ import uuid
 
 from .dialect import Blocks, Exchange, Outcome
 from .errors import RequestError
-from .request import Fields, GenerationRequest, check_model, listed, reasoning_args, sampling, stops
+from .formats import response_format
+from .fields import Fields, listed, reasoning_args
+from .request import GenerationRequest, check_model, sampling, stops
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}  # fmt: skip
@@ -59,6 +63,7 @@ def parse(body: dict, info, known: set) -> GenerationRequest:
     b = Fields(body)
     b.unknown(known)
     _ignored(b)
+    output_format = Fields(b.mapping("output_config"), "output_config.").mapping("format")
     req = GenerationRequest(kind="chat", model=check_model(body.get("model"), info))
     tools = _tools(body.get("tools"))
     req.tools = tools or None
@@ -72,6 +77,7 @@ def parse(body: dict, info, known: set) -> GenerationRequest:
         sampling(b, req, info)
         req.stop = stops(body.get("stop_sequences"), "stop_sequences")
         req.stream = b.boolean("stream")
+        req.grammar = response_format(output_format or None, info.grammars, "output_config.format")
     return req
 
 
@@ -86,8 +92,6 @@ def _ignored(b: Fields) -> None:
     config = Fields(b.mapping("output_config"), "output_config.")
     config.unknown({"effort", "format"})
     config.string("effort")
-    if config.get("format") is not None:
-        raise RequestError("output_config.format", "structured outputs are not supported by this server")
 
 
 def _blocks(content, where: str) -> list:

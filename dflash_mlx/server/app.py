@@ -149,6 +149,7 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
         has_chat_template=bool(tokenizer.has_chat_template), model_id=model_id, max_tokens=max_tokens,
         chat_template_args=dict(chat_template_args or {}), max_block=worker.block_size,
         context_length=worker.context_length, reasoning=reasoning_switches(tokenizer, registry_entry, model_id),
+        grammars=worker.grammars,
     )
     server = DFlashServer((host, port), worker, info, model_id=model_id, draft_id=draft_id, log_requests=log_requests,
                           api_key=api_key, response_store_size=response_store_size)  # fmt: skip

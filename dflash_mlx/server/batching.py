@@ -7,7 +7,7 @@ verifies all rows in one target forward (the block chosen for the batch,
 plain batched decoding included, unless the server fixes it; a request's
 ``num_draft_tokens`` caps its own row). Each request keeps what it has when
 served alone: its session from the prompt cache (taken when it joins, put
-back when it leaves), its sampler settings, processors and seed, its stop
+back when it leaves), its sampler settings, processors, seed and grammar, its stop
 sequences (`stops.StopText`), logprobs and cancellation (a request whose
 client went away leaves the batch at the next step). Its output is what it
 would be served alone.
@@ -140,8 +140,10 @@ class BatchedServing:
         block = max_block or worker.block_size
         settings = SamplingSettings(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p)
         xtc = (req.xtc_probability, req.xtc_threshold, sorted(worker.tokenizer.eos_token_ids))
+        grammar = worker.grammars.get(req.grammar) if req.grammar else None
         acceptor = Acceptor(settings, mx.array(prompt, mx.int32), make_logits_processors(**req.processors) or None,
-                            req.seed, xtc=xtc if req.xtc_probability else None)  # fmt: skip
+                            req.seed, xtc=xtc if req.xtc_probability else None,
+                            constraint=grammar.constraint() if grammar else None)  # fmt: skip
         session = worker.sessions.take(prompt)
         return _Row(job, prompt, session, acceptor, max_tokens, max_block, RunStats(block_size=block, adaptive=adaptive),
                     StopText(req.stop), cached=session.usable_prefix(prompt))  # fmt: skip

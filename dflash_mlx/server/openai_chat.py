@@ -13,7 +13,8 @@ with ``prompt_tokens_details.cached_tokens``, and errors as
 carry what `channels.Channels` split off: ``content`` (null in a whole
 message without text, as mlx_lm.server sends it), ``reasoning`` (mlx_lm.server's
 name) and the same text as ``reasoning_content`` (vLLM's and SGLang's), and
-``tool_calls``. Each reply also carries a ``dflash`` object with its
+``tool_calls`` (``function_call``, the first call, when the request used the
+legacy ``functions``). Each reply also carries a ``dflash`` object with its
 acceptance statistics (`worker.dflash_object`), and on request SGLang's
 ``meta_info`` (`meta_info`).
 """
@@ -56,10 +57,12 @@ def meta_info(reply_id: str, finish_reason: str, use: dict, dflash: dict, second
     return out
 
 
-def _channels(message: dict, reasoning: str, tool_calls: list | None) -> dict:
+def _channels(message: dict, reasoning: str, tool_calls: list | None, legacy: bool = False) -> dict:
     if reasoning:
         message["reasoning"] = message["reasoning_content"] = reasoning
-    if tool_calls:
+    if tool_calls and legacy:  # the request's legacy ``functions``: one call, as ``function_call``
+        message["function_call"] = {k: tool_calls[0]["function"][k] for k in ("name", "arguments")}
+    elif tool_calls:
         message["tool_calls"] = tool_calls
     return message
 
@@ -73,6 +76,7 @@ class Reply:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     text_offset: int = 0  # characters of the reply so far (legacy logprobs' text_offset)
+    legacy_functions: bool = False  # the request's legacy ``functions``: a call is a ``function_call``
 
     def __post_init__(self):
         self.id = self.id or f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -113,7 +117,7 @@ class Reply:
             delta = {"role": "assistant"} if first else {}
             if text or first:
                 delta["content"] = text
-            choice["delta"] = _channels(delta, reasoning, tool_calls)
+            choice["delta"] = _channels(delta, reasoning, tool_calls, self.legacy_functions)
         else:
             choice["text"] = text
         out = {**self._object(".chunk"), "choices": [choice]}
@@ -131,7 +135,8 @@ class Reply:
         """The complete (non-streamed) response."""
         choice = {"index": 0, "logprobs": self.logprobs(tokens), "finish_reason": finish_reason}
         if self.kind == "chat":
-            choice["message"] = _channels({"role": "assistant", "content": text or None}, reasoning, tool_calls)
+            choice["message"] = _channels({"role": "assistant", "content": text or None}, reasoning, tool_calls,
+                                          self.legacy_functions)
         else:
             choice["text"] = text
         out = {**self._object(), "choices": [choice], "usage": usage_}
@@ -156,7 +161,7 @@ class Completion(Exchange):
 
     def __init__(self, request, model: str):
         super().__init__(request, model)
-        self.reply = Reply(request.kind, model)
+        self.reply = Reply(request.kind, model, legacy_functions=request.legacy_functions)
         self.parts, self.tokens = Delta(), []  # tokens: events whose logprobs are not sent yet
         self.first = True
 
@@ -182,7 +187,7 @@ class Completion(Exchange):
             self.parts.add(delta)
             return []
         use = self._usage(outcome)
-        events = [(None, self.reply.chunk(delta.content, self.tokens, outcome.reason, first=self.first,
+        events = [(None, self.reply.chunk(delta.content, self.tokens, self._reason(outcome), first=self.first,
                                           dflash=outcome.dflash, reasoning=delta.reasoning,
                                           tool_calls=delta.tool_calls, meta=self._meta(outcome, use)))]  # fmt: skip
         if self.request.include_usage:
@@ -191,9 +196,13 @@ class Completion(Exchange):
 
     def whole(self, outcome: Outcome) -> dict:
         use = self._usage(outcome)
-        return self.reply.whole(self.parts.content, self.tokens, outcome.reason, use, outcome.dflash,
+        return self.reply.whole(self.parts.content, self.tokens, self._reason(outcome), use, outcome.dflash,
                                 reasoning=self.parts.reasoning, tool_calls=self.parts.tool_calls,
                                 meta=self._meta(outcome, use))  # fmt: skip
+
+    def _reason(self, outcome: Outcome) -> str:
+        legacy = self.request.legacy_functions and outcome.reason == "tool_calls"
+        return "function_call" if legacy else outcome.reason
 
     @staticmethod
     def _usage(outcome: Outcome) -> dict:

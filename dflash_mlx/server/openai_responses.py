@@ -19,9 +19,10 @@ a template switched on / off takes any effort as on), ``max_output_tokens``,
 ``temperature`` and ``top_p`` (absent: the server's defaults, greedy).
 ``metadata`` is echoed; ``include``, ``text.verbosity``, ``prompt_cache_key``,
 ``user``, ``safety_identifier``, ``service_tier`` and ``parallel_tool_calls``
-are accepted and change nothing; images, files, other tool types,
-``text.format`` other than text, ``truncation: "auto"`` and unknown fields are
-a 400 naming the field.
+are accepted and change nothing; ``text.format`` (``json_schema`` with
+``schema`` and ``strict``, ``json_object``) constrains the output to its
+grammar (`formats`); images, files, other tool types, ``truncation: "auto"``
+and unknown fields are a 400 naming the field.
 
 The reply is a ``response`` object: ``output`` items in the order the model
 wrote them (``reasoning`` with ``reasoning_text`` content, ``message`` with
@@ -42,14 +43,16 @@ from collections import OrderedDict
 
 from .dialect import Blocks, Exchange, Outcome
 from .errors import RequestError
+from .formats import response_format
 from .messages import call_arguments
+from .openai_fields import metadata
 from .openai_chat import error_body
-from .request import Fields, GenerationRequest, check_model, listed, reasoning_args, sampling
+from .fields import EFFORTS, Fields, listed, reasoning_args
+from .request import GenerationRequest, check_model, sampling
 
 KNOWN = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
          "parallel_tool_calls", "reasoning", "previous_response_id", "store", "stream", "stream_options", "metadata",
          "include", "text", "truncation", "user", "safety_identifier", "prompt_cache_key", "service_tier"}  # fmt: skip
-EFFORTS = {"none": "off", "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh"}
 RENAMED = {"messages": "input", "max_tokens": "max_output_tokens"}  # the worker's field names, in this dialect
 DEFAULT_STORED = 100  # responses whose conversations are kept (--response-store-size)
 
@@ -199,12 +202,7 @@ def _options(b: Fields, info) -> dict:
     text = Fields(b.mapping("text"), "text.")
     text.unknown({"format", "verbosity"})
     text.string("verbosity", None, ("low", "medium", "high"))
-    if Fields(text.mapping("format"), "text.format.").string("type", "text") != "text":
-        raise RequestError("text.format", "structured outputs are not supported by this server (only 'text')")
-    metadata = b.mapping("metadata")
-    if len(metadata) > 16 or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-                                     for k, v in metadata.items()):  # fmt: skip
-        raise RequestError("metadata", "expected at most 16 string values (keys of 64 characters, values of 512)")
+    metadata(b)
     if b.mapping("stream_options") and not b.boolean("stream"):
         raise RequestError("stream_options", "only allowed with stream: true")
     Fields(b.mapping("stream_options"), "stream_options.").unknown({"include_obfuscation"})
@@ -245,12 +243,15 @@ class Responses(Exchange):
         req.max_tokens = b.integer("max_output_tokens", None, low=1) or info.max_tokens
         sampling(b, req, info)
         req.stream = b.boolean("stream")
+        text_format = Fields(b.mapping("text"), "text.").mapping("format")
+        req.grammar = response_format(text_format or None, info.grammars, "text.format")
         store = b.boolean("store", True)
         echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
                 "metadata": b.mapping("metadata"), "parallel_tool_calls": b.get("parallel_tool_calls", True),
                 "previous_response_id": previous, "store": store, "temperature": req.temperature,
                 "reasoning": {"effort": None, "summary": None, **b.mapping("reasoning")},
-                "text": {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice") or "auto",
+                "text": {"format": text_format or {"type": "text"}},
+                "tool_choice": body.get("tool_choice") or "auto",
                 "tools": body.get("tools") or [], "top_p": req.top_p, "truncation": "disabled",
                 "user": body.get("user")}  # fmt: skip
         return cls(req, server.model_id, echo, messages if store else None, server.conversations)

@@ -1,12 +1,14 @@
 """The server's request model (`GenerationRequest`) and chat / text completions' bodies parsed into it.
 
 Every dialect (`dialect`) parses into the same `GenerationRequest`: chat
-messages and tools as chat templates take them, sampling, stops and limits;
-the field checks they share are here (`Fields`, `check_model`, `sampling`,
-`stops`, `reasoning_args`). (OpenAI's standard fields and structured outputs,
-when served, belong here too.)
+messages and tools as chat templates take them, sampling, stops and limits,
+the grammar of a structured output (`formats`); the checks they share are
+here and in `fields` (`check_model`, `sampling`, `stops`; `Fields`,
+`reasoning_args`). OpenAI's standard fields beyond these (no-ops, refusals,
+``reasoning_effort``, the legacy ``functions``) are `openai_fields`'.
 
-Every field mlx-lm's server reads is either honoured or refused with a
+Every field of OpenAI's request schemas and every field mlx-lm's server reads
+is honoured, ignored (a no-op here, still checked) or refused with a
 `RequestError` naming it (HTTP 400); so is every field this module does not
 know. Sampling values follow mlx-lm's meaning (`dflash_mlx.sampling`), and the
 penalties are mlx-lm's logits processors (``make_logits_processors``: presence
@@ -32,11 +34,13 @@ does. ``return_meta_info`` asks for SGLang's ``meta_info`` object.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from .messages import messages as chat_messages, tool_choice, tools
 from .errors import RequestError
+from .fields import Fields, is_int, is_number
+from .formats import response_format
+from .openai_fields import CHAT_ONLY, ignored, legacy_functions, legacy_messages, reasoning
 
 COMMON = {
     "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
@@ -45,7 +49,7 @@ COMMON = {
     "top_logprobs", "xtc_probability", "xtc_threshold", "num_draft_tokens", "draft_model", "adapters", "n", "user",
     "return_meta_info",
 }
-CHAT = COMMON | {"messages", "tools", "tool_choice", "role_mapping", "chat_template_kwargs"}
+CHAT = COMMON | {"messages", "tools", "tool_choice", "role_mapping", "chat_template_kwargs"} | CHAT_ONLY
 TEXT = COMMON | {"prompt", "echo", "suffix", "best_of"}
 MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 32  # stop sequences per request, each at most MAX_STOP_CHARS characters (matched on every token)
@@ -67,6 +71,7 @@ class ServerInfo:
     max_block: int = 1  # the widest block this server verifies (anchor included): num_draft_tokens < it
     context_length: int | None = None  # the model's context in tokens (None: its config gives none)
     reasoning: dict = field(default_factory=dict)  # level -> template arguments, or why not (reasoning_switches)
+    grammars: object = None  # the worker's `formats.Grammars` (structured outputs), None: unavailable
 
     @property
     def window_bound(self) -> int:
@@ -100,79 +105,8 @@ class GenerationRequest:
     tools: list | None = None
     tool_choice: str | dict | None = None
     return_meta_info: bool = False
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    """A finite number a float holds (an integer beyond a float's range is not one)."""
-    if not (_is_int(value) or isinstance(value, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-class Fields:
-    """Typed access to a body's fields; each getter validates and names the field on error (its
-    name after `prefix`, for a nested object: "thinking." names "thinking.budget_tokens")."""
-
-    def __init__(self, body: dict, prefix: str = ""):
-        self.body, self.prefix = body, prefix
-
-    def get(self, name, default=None):
-        value = self.body.get(name)
-        return default if value is None else value
-
-    def number(self, name, default, low=None, high=None, *, low_open=False):
-        value, where = self.get(name, default), self.prefix + name
-        if not _is_number(value):
-            raise RequestError(where, f"expected a number, got {value!r}")
-        if low is not None and (value < low or (low_open and value == low)):
-            raise RequestError(where, f"must be {'>' if low_open else '>='} {low}, got {value!r}")
-        if high is not None and value > high:
-            raise RequestError(where, f"must be <= {high}, got {value!r}")
-        return float(value)  # (MLX cannot take a Python integer beyond 64 bits)
-
-    def integer(self, name, default, low=None, high=None):
-        value, where = self.get(name, default), self.prefix + name
-        if value is not None and not _is_int(value):
-            raise RequestError(where, f"expected an integer, got {value!r}")
-        if value is not None and low is not None and value < low:
-            raise RequestError(where, f"must be >= {low}, got {value!r}")
-        if value is not None and high is not None and value > high:
-            raise RequestError(where, f"must be <= {high}, got {value!r}")
-        return value
-
-    def boolean(self, name, default=False):
-        value = self.get(name, default)
-        if not isinstance(value, bool):
-            raise RequestError(self.prefix + name, f"expected true or false, got {value!r}")
-        return value
-
-    def mapping(self, name):
-        value = self.get(name, {})
-        if not isinstance(value, dict):
-            raise RequestError(self.prefix + name, f"expected an object, got {value!r}")
-        return value
-
-    def string(self, name, default=None, choices=None):
-        """A string field (None when absent and no default), one of `choices` when given."""
-        value = self.get(name, default)
-        if value is not None and not isinstance(value, str):
-            raise RequestError(self.prefix + name, f"expected a string, got {value!r}")
-        if value is not None and choices is not None and value not in choices:
-            raise RequestError(self.prefix + name, f"expected one of {', '.join(map(repr, choices))}, got {value!r}")
-        return value
-
-    def unknown(self, known) -> None:
-        """Refuse the first field not in `known`."""
-        extra = sorted(set(self.body) - set(known))
-        if extra:
-            raise RequestError(self.prefix + extra[0], "unknown field (not supported by this server)")
+    grammar: str | None = None  # llguidance grammar text the output follows (`formats`)
+    legacy_functions: bool = False  # the request used ``functions``: the reply's call is a ``function_call``
 
 
 def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
@@ -183,12 +117,15 @@ def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
     b.unknown(CHAT if kind == "chat" else TEXT)
     req = GenerationRequest(kind=kind)
     _refusals(b, kind, info)
+    ignored(b)
     if kind == "chat":
-        req.tools = tools(body.get("tools"))
-        req.tool_choice = tool_choice(body.get("tool_choice"), req.tools)
-        req.messages = chat_messages(body.get("messages"))
+        functions, function_call = legacy_functions(body)
+        req.legacy_functions = functions is not None or function_call is not None
+        req.tools = tools(body.get("tools") if functions is None else functions)
+        req.tool_choice = tool_choice(body.get("tool_choice") if function_call is None else function_call, req.tools)
+        req.messages = chat_messages(legacy_messages(body.get("messages")))
         req.role_mapping = _role_mapping(b, info)
-        req.chat_template_kwargs = {**info.chat_template_args, **b.mapping("chat_template_kwargs")}
+        req.chat_template_kwargs = {**info.chat_template_args, **reasoning(b, info), **b.mapping("chat_template_kwargs")}
     else:
         req.prompt = _prompt(body.get("prompt"), info.vocab_size)
     req.model = check_model(body.get("model"), info)
@@ -199,22 +136,15 @@ def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
     _logprobs(b, req, kind)
     req.stream = b.boolean("stream")
     req.return_meta_info = b.boolean("return_meta_info")
-    options = b.mapping("stream_options")
-    if options and not req.stream:
+    options = Fields(b.mapping("stream_options"), "stream_options.")
+    if options.body and not req.stream:
         raise RequestError("stream_options", "only allowed with stream: true")
-    if set(options) - {"include_usage"}:
-        raise RequestError("stream_options", f"unknown option {sorted(set(options) - {'include_usage'})[0]!r}")
-    req.include_usage = Fields(options).boolean("include_usage")
+    options.unknown({"include_usage", "include_obfuscation"})
+    options.boolean("include_obfuscation", True)  # (no padding to hide lengths: this server is local)
+    req.include_usage = options.boolean("include_usage")
+    if kind == "chat":  # (last: compiling a grammar is the costliest check)
+        req.grammar = response_format(body.get("response_format"), info.grammars, "response_format")
     return req
-
-
-def listed(value, name: str, what: str) -> list:
-    """`value` as a list ([] for None, a `RequestError` naming `name` for anything else)."""
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise RequestError(name, f"expected a list of {what}, got {value!r}")
-    return value
 
 
 def check_model(model, info: ServerInfo):
@@ -224,18 +154,6 @@ def check_model(model, info: ServerInfo):
     return model
 
 
-def reasoning_args(info: ServerInfo, level: str, name: str) -> dict:
-    """The chat template arguments that switch reasoning to `level` (``--reasoning``'s levels) for a
-    request's field `name`; {} when the template has no switch (the field then changes nothing). A template
-    switched on or off takes any effort as "on"."""
-    switch = info.reasoning.get(level, {})
-    if isinstance(switch, str) and level != "off" and "enable_thinking" in info.reasoning.get("on", ()):
-        switch = info.reasoning["on"]
-    if isinstance(switch, str):
-        raise RequestError(name, switch)
-    return switch
-
-
 def _refusals(b: Fields, kind: str, info: ServerInfo) -> None:
     if b.get("n", 1) != 1:
         raise RequestError("n", f"only one choice per request is supported, got {b.get('n')!r}")
@@ -243,8 +161,6 @@ def _refusals(b: Fields, kind: str, info: ServerInfo) -> None:
         raise RequestError("draft_model", "this server runs the one drafter chosen when it started (--draft)")
     if b.get("adapters") is not None:
         raise RequestError("adapters", "LoRA adapters are not supported by this server")
-    if b.get("user") is not None and not isinstance(b.get("user"), str):
-        raise RequestError("user", f"expected a string, got {b.get('user')!r}")
     if kind != "chat":
         if b.get("best_of", 1) != 1:
             raise RequestError("best_of", f"only 1 is supported, got {b.get('best_of')!r}")
@@ -270,7 +186,7 @@ def _prompt(prompt, vocab_size: int) -> str | list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise RequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
@@ -323,7 +239,7 @@ def _processors(b: Fields, info: ServerInfo) -> dict:
                 raise RequestError("logit_bias", f"keys must be token ids, got {key!r}") from None
             if not 0 <= token < vocab_size:
                 raise RequestError("logit_bias", f"token id {token} is outside the vocabulary [0, {vocab_size})")
-            if not _is_number(value) or not -100 <= value <= 100:
+            if not is_number(value) or not -100 <= value <= 100:
                 raise RequestError("logit_bias", f"biases must be numbers in [-100, 100], got {value!r}")
             parsed[token] = float(value)
         kwargs["logit_bias"] = parsed
@@ -360,7 +276,7 @@ def stops(stop, name: str = "stop") -> list[str]:
 def _logprobs(b: Fields, req: GenerationRequest, kind: str) -> None:
     value = b.get("logprobs", False)
     top = b.integer("top_logprobs", None, low=-1, high=MAX_TOP_LOGPROBS)
-    if kind == "text" and _is_int(value):  # the legacy completions API: logprobs = how many top entries
+    if kind == "text" and is_int(value):  # the legacy completions API: logprobs = how many top entries
         if not 0 <= value <= MAX_TOP_LOGPROBS:
             raise RequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
         if top not in (None, -1, value):

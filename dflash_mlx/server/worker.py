@@ -55,12 +55,16 @@ from ..batch.ragged_cache import batch_problem
 from .batching import BatchedServing
 from .channels import initial_state
 from .events import GENERATION_ERRORS, Discard, Failed, Finished, Job, Started, Token, dflash_object
+from .formats import Grammars
 from .limits import Footprint, memory_budget, weight_bytes
 from .prompt_cache import DEFAULT_SESSIONS, PromptCache
 from .session_store import SessionStore, identity
 from .errors import RequestError
 from .request import GenerationRequest
 from .stops import StopText
+
+
+MIN_LOGPROB = -9999.0  # what OpenAI reports for a token that cannot be sampled (JSON has no -Infinity)
 
 
 class GenerationWorker:
@@ -79,6 +83,7 @@ class GenerationWorker:
                              "ranks' caches must stay alike).")  # fmt: skip
         self.group = group if group is not None and group.size() > 1 else None
         self.model, self.tokenizer, self.draft = model, tokenizer, draft
+        self.grammars = Grammars(tokenizer)  # structured outputs' grammars, compiled as requests are parsed
         self.context_length = context_length
         self.block_size = block_size or (default_block_size(model, draft) if draft is not None else 1)
         self.adaptive = adaptive and draft is not None  # up to block_size, unless a request fixes it
@@ -216,6 +221,7 @@ class GenerationWorker:
                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
                 xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
                 logits_processors=make_logits_processors(**req.processors) or None, session=session, **self.kv,
+                response_format=self.grammars.get(req.grammar) if req.grammar else None,
             )
             for r in responses:
                 if job.cancelled and self.group is None:
@@ -350,7 +356,7 @@ class GenerationWorker:
         event = Token(text, r.token)
         if not logprobs:
             return event
-        row = r.logprobs.astype(mx.float32)
+        row = mx.maximum(r.logprobs.astype(mx.float32), MIN_LOGPROB)  # (a grammar's masked tokens: -inf)
         event.token_text = self._token_text(r.token)
         event.logprob = row[r.token].item()
         if top_n:
