@@ -74,6 +74,7 @@ class _Pending:
     rows: mx.array
     features: mx.array | None
     record: VerifyRecord
+    seconds: float | None  # building and queueing it (None: not its own cost, the prefill's too)
 
 
 class _DrafterContext:
@@ -159,6 +160,7 @@ def speculative_cycles(
 
     def launch(anchor: mx.array, position: int, committed: int, b: int) -> _Pending:
         """Queue one draft + verify of block b."""
+        began = time.perf_counter()
         drafts = draft_probs = None
         if b > 1:
             context.flush()
@@ -175,7 +177,7 @@ def speculative_cycles(
         rows = acceptor.process(logits[0], drafts)
         verdict = acceptor.verdict(rows, drafts, draft_probs) if b > 1 else acceptor.next_token(rows)
         mx.async_eval(verdict)
-        return _Pending(b, verdict, rows, features, record)
+        return _Pending(b, verdict, rows, features, record, time.perf_counter() - began)
 
     settled = False
 
@@ -219,7 +221,6 @@ def speculative_cycles(
         # The first cycle is queued before the first token is handed out, as mlx-lm queues its second
         # step, and built on the lazy token (its graph built while the prompt's last row computes) when
         # the caches can undo it should that token be a stop token.
-        synced = time.perf_counter()
         if chains and committed != max_tokens:
             queue.append(launch(anchor, position, committed, first_block))
         anchor_id = anchor.item()
@@ -230,6 +231,8 @@ def speculative_cycles(
             undo_chained()
         elif not queue and committed != max_tokens:
             queue.append(launch(anchor, position, committed, first_block))
+        if queue:  # (its cost is not the block's alone: chained, its queueing waited for the prefill)
+            queue[0].seconds = None
         first = Cycle(tokens=[anchor_id], logprobs=logprobs, drafted=0, block_size=0, stopped=stopped)
         yield first
         if settled:
@@ -242,9 +245,8 @@ def speculative_cycles(
             if chains and queued.block_size == 1 and remaining and not queue:
                 # a b = 1 cycle commits exactly one token: the next cycle (any block) can be built on it unread
                 queue.append(launch(queued.verdict, position + 1, committed + 1, choose(committed + 1, position + 1)))
+            waited = time.perf_counter()
             values = queued.verdict.tolist()
-            now = time.perf_counter()
-            seconds, synced = now - synced, now
             if queued.block_size > 1:
                 accepted = values[0]
                 tokens = values[1 : accepted + 2]
@@ -260,6 +262,10 @@ def speculative_cycles(
                 context.add(queued.features[:, :kept] if queued.features is not None else None)
             session.fed([anchor_id] + tokens[:-1])
             acceptor.commit(tokens)
+            # the cycle's cost on the engine's side: building and queueing it, waiting for its verdict
+            # and taking it in (not the caller's work while the generator is suspended, nor the launch
+            # of a cycle queued before this one was read, which is that cycle's)
+            seconds = None if queued.seconds is None else queued.seconds + time.perf_counter() - waited
             policy.observe(queued.block_size, accepted if stop is None else None, seconds)
             committed += len(tokens)
             position += len(tokens)
