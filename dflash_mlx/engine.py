@@ -13,7 +13,10 @@ before that token is read) where the caches can undo it whole should the
 token be a stop token. At b = 1 the drafter's context still receives every
 committed position, batched and left lazy until a larger block needs it (the
 prompt's too, when the first cycle is plain). What a verify commits (greedy
-or exact sampling, logits processors) is the `Acceptor`'s. Log-probabilities
+or exact sampling, logits processors) is the `Acceptor`'s. The policy is told
+each cycle's cost on the engine's side: its launch, the wait for its verdict
+and taking it in, not the caller's work while the generator is suspended nor
+the launch of a cycle pipelined after it. Log-probabilities
 are left lazy (a full-vocabulary log-softmax over every verified row is a
 sizeable share of a verify on a CPU). An exception raised inside the
 loop (a progress callback cancelling, a logits processor, Ctrl-C) hands the

@@ -25,6 +25,7 @@ row needing fewer tokens takes its cut at acceptance.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -33,7 +34,7 @@ from ..acceptance import Acceptor
 from ..engine import speculative_cycles
 from ..models.block_size import check_block_size
 from ..policy.adaptive import AdaptiveBlock, adaptive_policy
-from ..policy.calibration import cost_curve
+from ..policy.calibration import cost_model
 from ..policy.estimate import AcceptanceEstimate
 from ..sampling import log_softmax
 from ..session import Session
@@ -91,7 +92,7 @@ class BatchDecoder:
         self.rows: list[BatchRow] = []
         self._cache: list | None = None  # the batch's caches while rows are in it
         self._next_uid = 0
-        self._curves: dict = {}  # max block -> the single-request cost curve of this setup
+        self._costs: dict = {}  # max block -> the single-request cost model of this setup
 
     # -- rows joining and leaving ---------------------------------------------------------------
 
@@ -159,10 +160,11 @@ class BatchDecoder:
         fixed = max_block is not None or self.choice is None
         policy = None
         if not fixed and cap > 1:  # alone, a row chooses as `stream_generate` does (greedy: carrying history)
-            if cap not in self._curves:  # (looking a curve up hashes the models' facts)
-                self._curves[cap] = cost_curve(self.target, session.proposer, cap)
-            policy = adaptive_policy(self.target, session.proposer, cap, carry=acceptor.settings.greedy,
-                                     curve=self._curves[cap])  # fmt: skip
+            if cap not in self._costs:  # (looking a model up reads the models' facts)
+                self._costs[cap] = cost_model(self.target, session.proposer, cap)
+            settings = acceptor.settings
+            policy = adaptive_policy(self.target, session.proposer, cap, carry=settings.greedy,
+                                     cost=self._costs[cap], frozen=acceptor.seeded)  # fmt: skip
         row = BatchRow(self._next_uid, session, acceptor, max_tokens, frozenset(stop_tokens), cap, fixed,
                        policy.estimate if policy else AcceptanceEstimate(max(cap - 1, 0)), policy,
                        anchor=tokens[0], position=prompt.size, committed=1)  # fmt: skip
@@ -202,6 +204,7 @@ class BatchDecoder:
         `block_size` forces this step's block (the batch calibration times each)."""
         if not self.rows:
             return []
+        tic = time.perf_counter()
         single = len(self.rows) == 1 and self._cache is None  # one row: its own caches, as served alone
         if block_size is not None:
             b = block_size
@@ -245,10 +248,10 @@ class BatchDecoder:
             row.finish = finish
             out.append(RowTokens(row.uid, tokens, log_softmax(rows[i][: len(tokens)]), min(accepted, len(tokens)),
                                  min(b, row.max_block), finish))  # fmt: skip
-        if single and self.rows[0].policy is not None:
-            self.rows[0].policy.observe(b, accepts[0], 0.0)
+        if single and self.rows[0].policy is not None:  # (not timed: its plain steps are not pipelined here)
+            self.rows[0].policy.observe(b, accepts[0], None)
         elif self.choice is not None:
-            self.choice.observe(self.rows, b, accepts)
+            self.choice.observe(self.rows, b, accepts, None if block_size is not None else time.perf_counter() - tic)
         if single:
             rollback(cache, record, keep[0])
         else:
