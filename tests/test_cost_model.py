@@ -74,13 +74,16 @@ def test_a_cycle_changing_to_or_from_plain_decoding_is_not_timed():
     timer = CycleTimer(model)
     for b in (8, 8, 1, 1, 1, 8, 8):
         timer.observe(b, QUIET(b), 1)
-    # counted: the second 8, the second and third 1 and the last 8; compared: 1 with the 8 before it
-    # (once), and the last 8 with the 1s before it (once)
-    assert model.cycles == 4 and len(model.comparisons(8, 1)) == 2
-    timer.observe(6, QUIET(6), 1)  # drafting to drafting: timed, compared with the 8s
-    assert model.cycles == 5 and len(model.comparisons(8, 6)) == 1 and len(model.comparisons(6, 1)) == 1
+    # counted: the second 8, the second and third 1 and the last 8, which is compared with the 1s (once)
+    assert model.cycles == 4 and model.comparisons(8, 1) == [pytest.approx(math.log(QUIET(8) / QUIET(1)))]
+    timer.observe(6, QUIET(6), 1)  # drafting to drafting: timed, compared with the smaller block that ran
+    assert model.cycles == 5 and len(model.comparisons(6, 1)) == 1 and not model.comparisons(8, 6)
+    timer.observe(8, QUIET(8), 1)  # and the 8 after it with the 6
+    assert len(model.comparisons(8, 6)) == 1 and len(model.comparisons(8, 1)) == 1
+    timer.observe(8, QUIET(8), 1)  # a run goes on: nothing new to compare
+    assert len(model.comparisons(8, 6)) == 1 and model.cycles == 7
     timer.observe(6, None, 1)  # not timed (the engine's first cycle): nothing
-    assert model.cycles == 5
+    assert model.cycles == 7
 
 
 def test_a_curve_measured_on_a_busy_machine_is_replaced_within_a_few_dozen_cycles():

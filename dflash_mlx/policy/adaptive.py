@@ -17,7 +17,7 @@ import threading
 import weakref
 from typing import Callable
 
-from .cost import CostModel, CostTable
+from .cost import MIN_PAIR_SAMPLES, CostModel, CostTable
 from .estimate import PRIOR_RATE, AcceptanceEstimate, learnt_estimate
 
 PROBE_BLOCK = 2
@@ -30,6 +30,7 @@ TIMING_BUDGET = 0.01  # time re-timing other blocks may cost a run (against runn
 UNSURE_TIMING_BUDGET = 0.05  # the same while the model doubts a block's time against the run's (`doubtful`)
 MIN_TIMING_GAP = 4  # cycles between re-timings at least
 STALE_CYCLES = 400  # timed cycles (of the setup's model) after which a block's time is measured again
+DOUBT_GAP = 3  # plain cycles between probes while the probe block's time is not compared with plain's yet
 RECENT_GENERATIONS = 3  # a greedy generation probes at once unless drafting paid in none of this many before it
 
 
@@ -81,6 +82,24 @@ class ProbeSchedule:
         self.probing = False
 
 
+def next_to_time(cost: CostModel, blocks: list[int], run: int, rows: int = 1) -> int | None:
+    """Which of `blocks` (grid blocks) to time next against the run's block `run`: one not yet compared
+    with it MIN_PAIR_SAMPLES times, the one compared most often first (its first comparisons are
+    completed before another's begin, so a curve that is wrong is replaced soon): while drafting, plain
+    decoding and then the block nearest the run's (the choice is between those); from plain decoding, the
+    largest block (its time alone says whether drafting can pay at all, a good drafter commits most
+    there, and a table replaced on it gives the blocks not yet timed its time too). Else the block
+    compared least recently."""
+
+    def order(g: int) -> tuple:
+        compared = len(cost.comparisons(max(g, run), min(g, run), rows))
+        if compared < MIN_PAIR_SAMPLES:
+            return (0, -compared, g != 1, -g if run == 1 else abs(g - run))
+        return (1, cost.last_timed(g, rows), 0, 0)
+
+    return min(blocks, key=order, default=None)
+
+
 class Retiming:
     """While drafting, when to run another grid block for a cycle (two for plain decoding, whose first
     step after a drafting cycle is not timed) to keep its time fresh: the block compared least recently,
@@ -99,10 +118,9 @@ class Retiming:
             return None
         table, rows = self.cost.table, self.rows
         run = table.grid_block(b)
-        candidates = [g for g in table.blocks if g <= limit and g != run]
-        if not candidates:
+        g = next_to_time(self.cost, [g for g in table.blocks if g <= limit and g != run], run, rows)
+        if g is None:
             return None
-        g = min(candidates, key=lambda g: (self.cost.last_timed(g, rows), g != 1, abs(g - b)))
         cycles = 2 if g == 1 else 1
         t_run, t_g = table(b, rows), table(g, rows)
         loss = cycles * t_g * max(0.0, 1 - rate(g) / rate(b)) / t_run  # run cycles lost
@@ -171,9 +189,12 @@ class AdaptiveBlock:
         self._costs: list[float] = []
 
     def costs(self) -> list[float]:
-        """[T(1), ..., T(max_block)] on the model's current table."""
+        """[T(1), ..., T(max_block)] on the model's current table. A table the loop replaced resets the probe
+        gap, earned on the old one, and the next plain cycle probes."""
         table = self.cost.table
         if table is not self._table:
+            if self._table is not None:
+                self.probes.gap, self.probes.due = PROBE_GAP, True
             self._table, self._costs = table, [table(b) for b in range(1, self.max_block + 1)]
         return self._costs
 
@@ -222,18 +243,26 @@ class AdaptiveBlock:
         """The probe block and the longest gap between probes: where a block could pay, the smallest such
         (failing probes cost at most PROBE_BUDGET of the plain steps); where none could by the curve, the
         drafting block timed least recently, as TIMING_BUDGET allows (a curve that says no block pays is
-        corrected only by timing a block; a frozen curve is not)."""
+        corrected only by timing a block; a frozen curve is not). While the probe block's time has not been
+        compared with plain decoding's MIN_PAIR_SAMPLES times, every DOUBT_GAP cycles."""
         probe = self.probe_block(limit)
         if probe is not None:
-            return probe, max(PROBE_GAP, (self.cost(probe) / self.cost(1) - 1) / PROBE_BUDGET)
-        if self.timer is None:
+            gap = max(PROBE_GAP, (self.cost(probe) / self.cost(1) - 1) / PROBE_BUDGET)
+        elif self.timer is None:
             return None, math.inf
-        blocks = [g for g in self.cost.table.blocks if 1 < g <= limit]
-        if not blocks:
-            return None, math.inf
-        probe = min(blocks, key=lambda g: (self.cost.last_timed(g), g))
-        extra = (1 + self._stale(probe)) * (self.cost(probe) / self.cost(1) - 1)
-        return probe, max(MAX_PROBE_GAP, extra / TIMING_BUDGET)
+        else:
+            probe = next_to_time(self.cost, [g for g in self.cost.table.blocks if 1 < g <= limit], 1)
+            if probe is None:
+                return None, math.inf
+            gap = max(MAX_PROBE_GAP, (1 + self._stale(probe)) * (self.cost(probe) / self.cost(1) - 1) / TIMING_BUDGET)
+        if self._unmeasured(probe):  # the curve that keeps the policy plain may be wrong: a few probes soon
+            gap = DOUBT_GAP
+        return probe, gap
+
+    def _unmeasured(self, b: int) -> bool:
+        """Whether block b's time has fewer than MIN_PAIR_SAMPLES comparisons with plain decoding's."""
+        g = self.cost.table.grid_block(b)
+        return self.timer is not None and len(self.cost.comparisons(g, 1)) < MIN_PAIR_SAMPLES
 
     def _stale(self, b: int) -> bool:
         """Whether block b's time wants a fresh comparison with plain decoding's."""

@@ -5,7 +5,7 @@ blocks, interpolated between them. `CostModel` is one setup's table as the
 loop knows it: the calibration (or the last table the loop wrote) is its
 prior, and `CycleTimer`s (one per generation or batch decoder) turn the
 cycles the engine times into pairs of nearby cycles at different blocks,
-whose log-ratios (windowed medians) correct the shape T(b) / T(1) of each row
+whose log-ratios (windowed medians) give the shape T(b) / T(1) of each row
 count's line by a small least-squares fit. Pairs compare cycles a few apart,
 so a machine uniformly slower for a while does not look like a steeper
 curve. A line that most of a pair's comparisons miss by more than
@@ -31,8 +31,8 @@ LEVEL_WINDOW = 32  # newest cycles that set the replaced line's level (seconds o
 REPLACE_TOLERANCE = 0.10  # comparisons missing the table's ratio by more contradict it
 CONTRADICTING = 0.75  # share of a pair's comparisons that must miss on one side for the line to be replaced
 NEWEST = 4  # ... or its newest comparisons, all of them
-SMOOTHNESS = 0.5  # weight tying neighbouring drafting blocks' corrections (blocks not measured follow them)
-RIDGE = 0.02  # weight pulling a correction nothing measures back to the table's
+SMOOTHNESS = 0.5  # weight tying neighbouring drafting blocks' times (a block not measured follows its neighbours)
+RIDGE = 0.02  # weight pulling the shape to the table's (where nothing measures it, and nothing tied to it)
 
 
 def _between(xs, ys, x: float) -> float:
@@ -112,6 +112,7 @@ class CostModel:
         self._pairs: dict[tuple[int, int, int], deque] = {}  # (rows, b, d) with b > d -> log T(b) - log T(d)
         self._last: dict[tuple[int, int], int] = {}  # (rows, block) -> `cycles` at its last pair
         self._recent: dict[int, deque] = {}  # rows -> (grid block, log seconds) of recent timed cycles
+        self._settled: set = set()  # pairs that contradict the table where no better table fits them all
 
     def __call__(self, b: int, rows: int = 1) -> float:
         return self.table(b, rows)
@@ -136,6 +137,8 @@ class CostModel:
         window = self.comparisons(b, d, rows)
         if len(window) < MIN_PAIR_SAMPLES:
             return True
+        if (rows, b, d) in self._settled:  # (timing it more often would not change the table)
+            return False
         table, tolerance = self.table, math.log1p(REPLACE_TOLERANCE)
         predicted = math.log(table(b, rows)) - math.log(table(d, rows))
         misses = [x - predicted for x in window[-2:]]
@@ -197,27 +200,32 @@ class CostModel:
             side = max(sum(m > tolerance for m in misses), sum(m < -tolerance for m in misses))
             return side >= math.ceil(CONTRADICTING * len(window))
 
-        if not [w for w in windows if contradicts(*w)]:
+        contradicting = {(rows, blocks[i], blocks[j]) for i, j, w in windows if contradicts(i, j, w)}
+        if not contradicting:
             return None
-        correction = _fit_corrections(blocks, prior, [(i, j, statistics.median(w), len(w)) for i, j, w in windows])
-        shape = [math.log(t) for t in _non_decreasing([math.exp(p + c - prior[0]) for p, c in zip(prior, correction)])]
+        fitted = _fit_shape(prior, [(i, j, statistics.median(w), len(w)) for i, j, w in windows])
+        shape = [math.log(t) for t in _non_decreasing([math.exp(f) for f in fitted])]
         if max(abs(s - p + prior[0]) for s, p in zip(shape, prior)) < tolerance / 2:  # pairs that disagree
-            return None  # among themselves (or with a non-decreasing curve): no news
+            self._settled |= contradicting  # among themselves (or with a non-decreasing curve): no news
+            return None
+        self._settled.clear()
         level = statistics.median(y - shape[index[b]] for b, y in self._recent[rows])
         return [math.exp(level + s) for s in shape]
 
 
-def _fit_corrections(blocks, prior: list[float], pairs: list[tuple[int, int, float, int]]) -> list[float]:
-    """Log-corrections c to the table's line (c at block 1 is 0: the shape is relative to T(1)) that best
-    explain the pairs' medians (i, j, median of log T_i - log T_j, count) in least squares, neighbouring
-    drafting blocks tied by SMOOTHNESS and every block pulled to the table by RIDGE."""
-    n = len(blocks) - 1  # unknowns: the corrections of blocks[1:]
+def _fit_shape(prior: list[float], pairs: list[tuple[int, int, float, int]]) -> list[float]:
+    """The line's log-shape S (log T(b) - log T(1) at each grid block; 0 at b = 1) that best explains the
+    pairs' medians (i, j, median of log T_i - log T_j, count) in least squares, each weighted by its
+    count; neighbouring drafting blocks are tied by SMOOTHNESS towards equal times (a block nothing
+    measures takes its measured neighbours' time: the table's own shape may be the one that is wrong)
+    and every block is pulled to the table's shape `prior` by RIDGE."""
+    n = len(prior) - 1  # unknowns: the shape at blocks[1:]
     if n == 0:
         return [0.0]
     a = [[RIDGE if i == j else 0.0 for j in range(n)] for i in range(n)]
-    r = [0.0] * n
+    r = [RIDGE * (p - prior[0]) for p in prior[1:]]
 
-    def tie(i: int, j: int, weight: float, target: float) -> None:  # weight * (c_i - c_j - target)^2
+    def tie(i: int, j: int, weight: float, target: float) -> None:  # weight * (S_i - S_j - target)^2
         for k, sign in ((i, 1.0), (j, -1.0)):
             if k == 0:
                 continue
@@ -227,7 +235,7 @@ def _fit_corrections(blocks, prior: list[float], pairs: list[tuple[int, int, flo
                     a[k - 1][m - 1] += sign * other * weight
 
     for i, j, median, count in pairs:
-        tie(i, j, float(count), median - (prior[i] - prior[j]))
+        tie(i, j, float(count), median)
     for i in range(1, n):  # blocks[i] and blocks[i + 1], both drafting
         tie(i + 1, i, SMOOTHNESS, 0.0)
     return [0.0] + _solve(a, r)
@@ -263,9 +271,10 @@ class CycleTimer:
     same rows, or both drafting. A plain step after a drafting cycle is launched without the pipelining
     that consecutive plain steps have, and a drafting cycle after plain steps also takes their rows into
     the drafter, so a cycle changing to or from plain decoding does not cost what a run of it does.
-    A counted cycle is compared with the median of the counted cycles at another block within NEAR_CYCLES
-    before it, where that block ran more often than its own in that span: a block run for a cycle or
-    two among another's (a probe) is compared once, with the run around it."""
+    A counted cycle at block b is compared with each smaller block that ran since b's own last counted
+    cycle: the median of b's counted cycles within NEAR_CYCLES (this one included) against the median of
+    that block's. Every change between two blocks is compared once (a probe among a run, or a run after
+    a probe), whatever the cadence, and a run's cycles on both sides of a probe enter its comparison."""
 
     def __init__(self, model: CostModel):
         self.model = model
@@ -289,10 +298,13 @@ class CycleTimer:
         while recent and recent[0][0] < self._cycle - NEAR_CYCLES:
             recent.popleft()
         seen: dict[int, list[float]] = {}
-        for _, n, g, v in recent:
+        newest: dict[int, int] = {}
+        for c, n, g, v in recent:
             if n == rows:
                 seen.setdefault(g, []).append(v)
-        own = len(seen.get(block, ()))
-        pairs = [(d, y - statistics.median(v)) for d, v in seen.items() if d != block and len(v) > own]
+                newest[g] = c
+        own = newest.get(block, -1)
+        mine = statistics.median(seen.get(block, []) + [y])  # (a run's cycles around a probe: less noise)
+        pairs = [(d, mine - statistics.median(v)) for d, v in seen.items() if d < block and newest[d] > own]
         recent.append((self._cycle, rows, block, y))
         self.model.add(rows, block, y, pairs)
