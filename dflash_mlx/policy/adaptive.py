@@ -30,7 +30,7 @@ TIMING_BUDGET = 0.01  # time re-timing other blocks may cost a run (against runn
 UNSURE_TIMING_BUDGET = 0.05  # the same while the model doubts a block's time against the run's (`doubtful`)
 MIN_TIMING_GAP = 4  # cycles between re-timings at least
 STALE_CYCLES = 400  # timed cycles (of the setup's model) after which a block's time is measured again
-DOUBT_GAP = 3  # plain cycles between probes while the probe block's time is not compared with plain's yet
+DOUBT_GAP = 3  # plain cycles between probes while a table no loop has timed yet keeps the policy plain
 RECENT_GENERATIONS = 3  # a greedy generation probes at once unless drafting paid in none of this many before it
 
 
@@ -104,16 +104,22 @@ class Retiming:
     """While drafting, when to run another grid block for a cycle (two for plain decoding, whose first
     step after a drafting cycle is not timed) to keep its time fresh: the block compared least recently,
     as often as TIMING_BUDGET of the run's time allows (UNSURE_TIMING_BUDGET while the model doubts that
-    block's time against the run's block's: `CostModel.doubtful`). Shared with `batch.block_choice`."""
+    block's time against the run's block's: `CostModel.doubtful`), and every MIN_TIMING_GAP cycles for
+    a few after the model saw the machine change. Shared with `batch.block_choice`."""
 
     def __init__(self, cost: CostModel, rows: int = 1):
         self.cost, self.rows = cost, rows
         self.since = 0  # drafting cycles since the last re-timing
+        self.changes = cost.changes
+        self.urgent = 0  # re-timings still due every MIN_TIMING_GAP cycles (the machine changed)
 
     def block(self, b: int, limit: int, rate: Callable[[int], float]) -> tuple[int, int] | None:
         """(block, cycles) to run instead of block b now, or None. `rate(g)`: the tokens per second
-        expected at block g."""
+        expected at block g. After the model saw the machine change, MIN_PAIR_SAMPLES re-timings come
+        every MIN_TIMING_GAP cycles (plain decoding's first: is drafting still worth it?)."""
         self.since += 1
+        if self.changes != self.cost.changes:
+            self.changes, self.urgent = self.cost.changes, MIN_PAIR_SAMPLES
         if self.since < MIN_TIMING_GAP:
             return None
         table, rows = self.cost.table, self.rows
@@ -125,9 +131,9 @@ class Retiming:
         t_run, t_g = table(b, rows), table(g, rows)
         loss = cycles * t_g * max(0.0, 1 - rate(g) / rate(b)) / t_run  # run cycles lost
         unsure = self.cost.doubtful(g, run, rows)
-        if self.since < loss / (UNSURE_TIMING_BUDGET if unsure else TIMING_BUDGET):
+        if not self.urgent and self.since < loss / (UNSURE_TIMING_BUDGET if unsure else TIMING_BUDGET):
             return None
-        self.since = 0
+        self.since, self.urgent = 0, max(0, self.urgent - 1)
         return g, cycles
 
 
@@ -243,8 +249,8 @@ class AdaptiveBlock:
         """The probe block and the longest gap between probes: where a block could pay, the smallest such
         (failing probes cost at most PROBE_BUDGET of the plain steps); where none could by the curve, the
         drafting block timed least recently, as TIMING_BUDGET allows (a curve that says no block pays is
-        corrected only by timing a block; a frozen curve is not). While the probe block's time has not been
-        compared with plain decoding's MIN_PAIR_SAMPLES times, every DOUBT_GAP cycles."""
+        corrected only by timing a block; a frozen curve is not). Every DOUBT_GAP cycles while the curve
+        is suspect (`_suspect`)."""
         probe = self.probe_block(limit)
         if probe is not None:
             gap = max(PROBE_GAP, (self.cost(probe) / self.cost(1) - 1) / PROBE_BUDGET)
@@ -255,14 +261,16 @@ class AdaptiveBlock:
             if probe is None:
                 return None, math.inf
             gap = max(MAX_PROBE_GAP, (1 + self._stale(probe)) * (self.cost(probe) / self.cost(1) - 1) / TIMING_BUDGET)
-        if self._unmeasured(probe):  # the curve that keeps the policy plain may be wrong: a few probes soon
+        if self._suspect(probe):  # the curve that keeps the policy plain may be wrong: a few probes soon
             gap = DOUBT_GAP
         return probe, gap
 
-    def _unmeasured(self, b: int) -> bool:
-        """Whether block b's time has fewer than MIN_PAIR_SAMPLES comparisons with plain decoding's."""
+    def _suspect(self, b: int) -> bool:
+        """Whether block b's time is in a table no loop has timed (nor since the machine got faster), with
+        fewer than MIN_PAIR_SAMPLES comparisons with plain decoding's: a cached curve measured on a busy
+        machine, or a busy curve after the other jobs stopped."""
         g = self.cost.table.grid_block(b)
-        return self.timer is not None and len(self.cost.comparisons(g, 1)) < MIN_PAIR_SAMPLES
+        return self.timer is not None and self.cost.suspect and len(self.cost.comparisons(g, 1)) < MIN_PAIR_SAMPLES
 
     def _stale(self, b: int) -> bool:
         """Whether block b's time wants a fresh comparison with plain decoding's."""

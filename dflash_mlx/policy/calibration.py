@@ -170,14 +170,15 @@ def model_for(key: dict, measure: Callable[[], tuple[CostTable, dict]], *, force
             model = _follow_the_leader(key, group, found, measure)
         elif found is not None:
             table, doc = found
-            model = _learning(key, table, learns=doc.get("learns", True) is not False)
+            model = _learning(key, table, learns=doc.get("learns", True) is not False,
+                              confirmed=doc.get("source") == "learnt")  # fmt: skip
             model.notes = {**{k: v for k, v in doc.items() if k not in ("key", "rows", "blocks", "seconds")},
                            "read": True}  # fmt: skip
         else:
             table, notes = _measured(measure)
             if notes["stable"]:
                 write_table(key, table, notes)
-            model = _learning(key, table, confirm=not notes["stable"])  # (cached once the loop confirms it)
+            model = _learning(key, table)  # (an unstable one is cached once the loop confirms it)
             model.notes = notes
         _models[name] = model
         return model
@@ -198,16 +199,16 @@ def _measured(measure) -> tuple[CostTable, dict]:
                    "source": "measured"}  # fmt: skip
 
 
-def _learning(key: dict, table: CostTable, learns: bool = True, confirm: bool = False) -> CostModel:
-    """A model of `key`'s table that rewrites its file when the loop replaces a line (`confirm`: or first
-    confirms it, for a table not cached)."""
+def _learning(key: dict, table: CostTable, learns: bool = True, confirmed: bool = False) -> CostModel:
+    """A model of `key`'s table that rewrites its file when the loop replaces a line or first confirms it
+    (unless `confirmed`: the file is a loop's already)."""
     writing = threading.Lock()
 
     def rewrite(replaced: CostTable, notes: dict) -> None:
         with writing:
             write_table(key, replaced, {"source": "learnt", "learnt_at": time.time(), **notes})
 
-    return CostModel(table, learns=learns, on_replace=rewrite, confirm=confirm)
+    return CostModel(table, learns=learns, on_replace=rewrite, confirmed=confirmed)
 
 
 def _follow_the_leader(key: dict, group, found, measure) -> CostModel:

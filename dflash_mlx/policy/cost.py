@@ -8,7 +8,8 @@ cycles the engine times into pairs of nearby cycles at different blocks,
 whose log-ratios (windowed medians) give the shape T(b) / T(1) of each row
 count's line by a small least-squares fit. Pairs compare cycles a few apart,
 so a machine uniformly slower for a while does not look like a steeper
-curve. A line that most of a pair's comparisons miss by more than
+curve; a level that jumps (another job starts or stops) drops the older
+comparisons, so the next few decide. A line that most of a pair's comparisons miss by more than
 REPLACE_TOLERANCE, on the same side, is replaced (`on_replace`: the
 calibration rewrites its file).
 Room for a verify-only cost T_v(b) (a proposer without a drafter forward):
@@ -28,6 +29,8 @@ PAIR_WINDOW = 9  # newest log-ratios kept per pair of blocks (their median is th
 MIN_PAIR_SAMPLES = 3  # a pair corrects the curve once it has this many
 NEAR_CYCLES = 8  # cycles apart within which two cycles' times are compared
 LEVEL_WINDOW = 32  # newest cycles that set the replaced line's level (seconds of T(1))
+CHANGE_CYCLES = 8  # the newest of those, whose level against the older ones' tells a change of machine
+CHANGE = 0.5  # a level that moved by more: the machine changed (another job, or none any more)
 REPLACE_TOLERANCE = 0.10  # comparisons missing the table's ratio by more contradict it
 CONTRADICTING = 0.75  # share of a pair's comparisons that must miss on one side for the line to be replaced
 NEWEST = 4  # ... or its newest comparisons, all of them
@@ -97,17 +100,18 @@ class CostModel:
     test injects, sharded ranks, seeded requests: `frozen`)."""
 
     def __init__(self, table: CostTable, *, learns: bool = True,
-                 on_replace: Callable[[CostTable, dict], None] | None = None, confirm: bool = False):  # fmt: skip
-        """`on_replace(table, notes)`: told of every line replaced (`confirm`: also of the table as it is, the
-        first time the loop's pairs agree with it: a table its calibration did not cache)."""
+                 on_replace: Callable[[CostTable, dict], None] | None = None, confirmed: bool = False):  # fmt: skip
+        """`on_replace(table, notes)`: told of every line replaced, and of the table as it is the first time
+        the loop's comparisons agree with it, unless `confirmed` (by an earlier process's loop)."""
         self.table = table  # what every choice reads; replaced whole, never changed in place
         self.initial = table  # the table this process started from (seeded requests keep to it)
         self.learns = learns
         self.notes: dict = {}  # what its calibration recorded (the cache file's notes)
         self.replaced = 0  # lines replaced since the model was made
         self.cycles = 0  # timed cycles observed
+        self.changes = 0  # changes of the machine's level seen (`_change`)
         self._on_replace = on_replace
-        self._confirm = confirm
+        self.suspect = learns and not confirmed  # no loop has timed this table yet (nor since it got faster)
         self._lock = threading.Lock()
         self._pairs: dict[tuple[int, int, int], deque] = {}  # (rows, b, d) with b > d -> log T(b) - log T(d)
         self._last: dict[tuple[int, int], int] = {}  # (rows, block) -> `cycles` at its last pair
@@ -157,7 +161,17 @@ class CostModel:
         with self._lock:
             self.cycles += 1
             table = self.table
-            self._recent.setdefault(rows, deque(maxlen=LEVEL_WINDOW)).append((block, log_seconds))
+            recent = self._recent.setdefault(rows, deque(maxlen=LEVEL_WINDOW))
+            recent.append((block, log_seconds))
+            change = self._change(rows)
+            if change:  # the comparisons made before are of another machine: made afresh
+                for key in [k for k in self._pairs if k[0] == rows]:
+                    del self._pairs[key]
+                self._settled.clear()
+                while len(recent) > CHANGE_CYCLES:
+                    recent.popleft()
+                self.suspect |= change < 0  # faster: the blocks the table makes dear may not be any more
+                self.changes += 1
             for d, delta in pairs:
                 key = (rows, block, d) if block > d else (rows, d, block)
                 window = self._pairs.setdefault(key, deque(maxlen=PAIR_WINDOW))
@@ -168,11 +182,29 @@ class CostModel:
                 if fitted is not None:
                     replaced = self.table = table.with_line(rows, fitted)
                     self.replaced += 1
-                elif self._confirm and any(len(w) >= MIN_PAIR_SAMPLES for w in self._pairs.values()):
+                elif self.suspect and any(len(w) >= MIN_PAIR_SAMPLES for w in self._pairs.values()):
                     replaced = table  # confirmed as it is
-                self._confirm = self._confirm and replaced is None
+                self.suspect = self.suspect and replaced is None
         if replaced is not None and self._on_replace is not None:
             self._on_replace(replaced, {"cycles": self.cycles, "replaced": self.replaced})
+
+    def _change(self, rows: int) -> int:
+        """1 where the newest CHANGE_CYCLES timed cycles run at a level (their time over the table's shape)
+        more than CHANGE above the older ones' in the window (slower: re-timing plain decoding is cheap,
+        and staying at a block gone dear is not); -1 where those and the CHANGE_CYCLES before them both
+        run more than CHANGE below (faster, and lasting: the probes it calls for are of blocks the table
+        makes dear); else 0 (under the lock)."""
+        recent = self._recent[rows]
+        if len(recent) < LEVEL_WINDOW:
+            return 0
+        table = self.table
+        levels = [y - math.log(table(b, rows) / table(1, rows)) for b, y in recent]
+        old = statistics.median(levels[: -2 * CHANGE_CYCLES])
+        newest = statistics.median(levels[-CHANGE_CYCLES:]) - old
+        if newest > math.log1p(CHANGE):
+            return 1
+        before = statistics.median(levels[-2 * CHANGE_CYCLES : -CHANGE_CYCLES]) - old
+        return -1 if max(newest, before) < -math.log1p(CHANGE) else 0
 
     def _refit(self, rows: int) -> list[float] | None:
         """The line's new seconds when the pairs contradict its shape, else None (under the lock).
