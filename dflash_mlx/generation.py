@@ -150,7 +150,7 @@ def stream_generate(
             # output cannot change); sampled runs start from the prior, and a seeded one keeps to the
             # curve this process started with, so no timing changes its blocks and the seed reproduces it
             block_size = adaptive_policy(target, proposer, largest, carry=settings.greedy, kv=kv,
-                                         frozen=not settings.greedy and seed is not None)
+                                         sampled=not settings.greedy, frozen=not settings.greedy and seed is not None)
     elif max_block_size is not None:
         raise ValueError("max_block_size is for the adaptive block (block_size=None), not a fixed one.")
     elif isinstance(block_size, str) or (not hasattr(block_size, "choose") and not isinstance(block_size, int)):

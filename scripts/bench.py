@@ -309,7 +309,8 @@ def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
 
     session = make_session(model, draft)  # calibrated afresh: a curve cached at another time does not decide
     tic = time.perf_counter()
-    cost = cost_model(session.target, session.proposer, default_block_size(model, draft), force=True)
+    cost = cost_model(session.target, session.proposer, default_block_size(model, draft),
+                      sampled=args.temperature > 0, force=True)  # fmt: skip
     calibration = {"seconds": round(time.perf_counter() - tic, 3), "grid": list(cost.table.blocks),
                    "ms": [round(1000 * t, 3) for t in cost.table.line()],
                    "instability": cost.notes.get("instability")}  # fmt: skip

@@ -92,7 +92,7 @@ class BatchDecoder:
         self.rows: list[BatchRow] = []
         self._cache: list | None = None  # the batch's caches while rows are in it
         self._next_uid = 0
-        self._costs: dict = {}  # max block -> the single-request cost model of this setup
+        self._costs: dict = {}  # (max block, sampled) -> the single-request cost model of this setup
 
     # -- rows joining and leaving ---------------------------------------------------------------
 
@@ -160,11 +160,11 @@ class BatchDecoder:
         fixed = max_block is not None or self.choice is None
         policy = None
         if not fixed and cap > 1:  # alone, a row chooses as `stream_generate` does (greedy: carrying history)
-            if cap not in self._costs:  # (looking a model up reads the models' facts)
-                self._costs[cap] = cost_model(self.target, session.proposer, cap)
-            settings = acceptor.settings
-            policy = adaptive_policy(self.target, session.proposer, cap, carry=settings.greedy,
-                                     cost=self._costs[cap], frozen=acceptor.seeded)  # fmt: skip
+            sampled = not acceptor.settings.greedy
+            if (cap, sampled) not in self._costs:  # (looking a model up reads the models' facts)
+                self._costs[cap, sampled] = cost_model(self.target, session.proposer, cap, sampled=sampled)
+            policy = adaptive_policy(self.target, session.proposer, cap, carry=not sampled,
+                                     cost=self._costs[cap, sampled], frozen=acceptor.seeded)  # fmt: skip
         row = BatchRow(self._next_uid, session, acceptor, max_tokens, frozenset(stop_tokens), cap, fixed,
                        policy.estimate if policy else AcceptanceEstimate(max(cap - 1, 0)), policy,
                        anchor=tokens[0], position=prompt.size, committed=1)  # fmt: skip

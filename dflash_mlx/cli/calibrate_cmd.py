@@ -34,6 +34,8 @@ def calibrate(
     force: Annotated[bool, typer.Option("--force", help="Measure again, replacing the cached curve.")] = False,
     clear: Annotated[bool, typer.Option("--clear", help="Delete every cached calibration, then exit.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    sampled: Annotated[bool, typer.Option("--sampled", help="The curve of sampled decoding (temperature > 0), "
+                                          "whose verify is dearer per row than greedy decoding's.")] = False,
     kv_bits: KVBitsOpt = KV_DEFAULTS["kv_bits"],
     kv_group_size: KVGroupSizeOpt = KV_DEFAULTS["kv_group_size"],
     quantized_kv_start: QuantizedKVStartOpt = KV_DEFAULTS["quantized_kv_start"],
@@ -53,10 +55,10 @@ def calibrate(
         largest = choose_block_size(None, choice.entry, model_, drafter).size
     session = make_session(model_, drafter)
     target, proposer = session.target, session.proposer
-    path = file_for(calibration_key(target, proposer, largest, kv))
+    path = file_for(calibration_key(target, proposer, largest, kv, sampled=sampled))
     tic = time.perf_counter()
     with console.status("Calibrating…", spinner="dots") if not as_json else nullcontext():
-        cost = cost_model(target, proposer, largest, kv=kv, force=force)
+        cost = cost_model(target, proposer, largest, kv=kv, sampled=sampled, force=force)
     took = time.perf_counter() - tic
     notes = cost.notes
     measured = notes.get("measured_at") is not None and not notes.get("read")
@@ -65,14 +67,15 @@ def calibrate(
              "break_even_tokens_per_cycle": round(t / curve.line()[0], 3)}
             for b, t in zip(curve.blocks, curve.line())]  # fmt: skip
     instability = notes.get("instability")
-    summary = {"model": choice.label, "max_block_size": largest, "cached": not measured,
+    summary = {"model": choice.label, "max_block_size": largest, "sampled": sampled, "cached": not measured,
                "seconds": round(took, 3), "file": str(path), "source": notes.get("source", "measured"),
                "instability": instability, "stable": instability is None or instability <= STABLE,
                "written": path.exists() and (not measured or bool(notes.get("stable"))), "curve": rows}  # fmt: skip
     if as_json:
         typer.echo(json.dumps(summary))
         return
-    table = Table(title=f"{choice.label}: one draft/verify cycle per block", box=box.SIMPLE_HEAD)
+    title = f"{choice.label}: one {'sampled' if sampled else 'greedy'} draft/verify cycle per block"
+    table = Table(title=title, box=box.SIMPLE_HEAD)
     for col in ("block", "ms / cycle", "tokens/cycle to beat plain"):
         table.add_column(col, justify="right")
     for r in rows:

@@ -319,7 +319,7 @@ _histories_lock = threading.Lock()
 
 
 def adaptive_policy(target, proposer, max_block: int, *, carry: bool = False, cost: CostModel | CostTable | None = None,
-                    kv=None, frozen: bool = False) -> AdaptiveBlock:  # fmt: skip
+                    kv=None, sampled: bool = False, frozen: bool = False) -> AdaptiveBlock:  # fmt: skip
     """An adaptive policy for one generation, on this machine's cost model (`calibration.cost_model`).
 
     `carry`: the generation continues the drafter's history (`DrafterHistory`): its estimate starts from
@@ -327,13 +327,14 @@ def adaptive_policy(target, proposer, max_block: int, *, carry: bool = False, co
     drafter starts at b = 1 and a good one at a large block, and its probes keep the drafter's gap (a
     drafter that failed its probes is not probed afresh at every request). The library carries only for
     greedy decoding, whose output no block choice can change. `cost`: the setup's model (or a table)
-    when the caller has it. `frozen`: the curve this process started with, which no timing changes (a
-    seeded sampled request: its blocks decide its random draws).
+    when the caller has it, else the one for `kv` and greedy or `sampled` cycles. `frozen`: the curve this
+    process started with, which no timing changes (a seeded sampled request: its blocks decide its random
+    draws).
     """
     if cost is None:
         from .calibration import cost_model
 
-        cost = cost_model(target, proposer, max_block, kv=kv)
+        cost = cost_model(target, proposer, max_block, kv=kv, sampled=sampled)
     if frozen and isinstance(cost, CostModel):
         cost = cost.frozen(initial=True)
     history = drafter_history(getattr(proposer, "drafter", proposer), max_block - 1) if carry else None

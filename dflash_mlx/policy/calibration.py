@@ -31,8 +31,10 @@ from typing import Callable
 
 import mlx.core as mx
 
+from ..acceptance import Acceptor
 from ..models.facts import model_facts
 from ..proposers.base import Proposal
+from ..sampling import SamplingSettings
 from ..sharding.group import broadcast_floats
 from ..utils.io import write_json_atomic
 from ..utils.machine import chip, loaded_blas
@@ -90,13 +92,15 @@ def grid_for(max_block: int, grid=GRID) -> list[int]:
     return sorted({b for b in grid if b < max_block} | {max_block})
 
 
-def calibration_key(target, proposer, max_block: int, kv=None, decoder: str = "single") -> dict:
+def calibration_key(target, proposer, max_block: int, kv=None, decoder: str = "single", sampled: bool = False) -> dict:
     """Everything the cost table depends on: the models, the KV cache's quantization, the device, the
-    software, and the decoder measured (one request's loop, or the batch decoder)."""
+    software, the decoder measured (one request's loop, or the batch decoder), and whether cycles sample
+    (a sampled verify's acceptance works on full distributions, row by row: dearer with every row)."""
     group = _group(target)
     return {
         "format": FORMAT,
         "decoder": decoder,
+        "sampling": "sampled" if sampled else "greedy",
         "target": model_facts(target.model),
         "draft": model_facts(getattr(proposer, "drafter", proposer)) if proposer is not None else None,
         "proposer": type(proposer).__name__,
@@ -230,15 +234,15 @@ def _follow_the_leader(key: dict, group, found, measure) -> CostModel:
 # ------------------------------------------------------------------ one request's curve, by the engine
 
 
-def cost_model(target, proposer, max_block: int, *, kv=None, force: bool = False) -> CostModel:
-    """This setup's model of T(b) up to `max_block` (measured at first use, then cached; `force`:
-    measure again, replacing the cached one once stable)."""
-    key = calibration_key(target, proposer, max_block, kv)
+def cost_model(target, proposer, max_block: int, *, kv=None, sampled: bool = False, force: bool = False) -> CostModel:
+    """This setup's model of T(b) up to `max_block` for greedy or `sampled` cycles (measured at first use,
+    then cached; `force`: measure again, replacing the cached one once stable)."""
+    key = calibration_key(target, proposer, max_block, kv, sampled=sampled)
     group = _group(target)
 
     def measure_curve() -> tuple[CostTable, dict]:
         table = measure(target, proposer, key["grid"], rounds=SHARDED_ROUNDS if group else ROUNDS,
-                        budget=None if group else BUDGET_SECONDS, kv=kv)  # fmt: skip
+                        budget=None if group else BUDGET_SECONDS, kv=kv, sampled=sampled)  # fmt: skip
         return CostTable.curve(key["grid"], fitted_curve(key["grid"], table)), {
             "rounds": len(table), "instability": round(instability(key["grid"], table), 4)}
 
@@ -246,11 +250,12 @@ def cost_model(target, proposer, max_block: int, *, kv=None, force: bool = False
 
 
 def measure(target, proposer, grid: list[int], rounds: int = ROUNDS, budget: float | None = BUDGET_SECONDS,
-            kv=None) -> list[list[float]]:  # fmt: skip
+            kv=None, sampled: bool = False) -> list[list[float]]:  # fmt: skip
     """Seconds per cycle at each grid block, one row per round (after a warm-up cycle of each block),
     measured by the loop itself on private state. Once MIN_ROUNDS rounds are done, no round starts
     that would end after `budget` seconds (`another_round`; None: all `rounds`, as sharded ranks must
-    run the same cycles). `kv`: the KV cache quantized as from the first position on."""
+    run the same cycles). `kv`: the KV cache quantized as from the first position on; `sampled`: cycles
+    sampling at temperature 1 (drafts sampled too)."""
     from ..engine import speculative_cycles  # the engine imports this package
     from ..session import Session
 
@@ -265,7 +270,9 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS, budget: flo
         return one_round * rounds
 
     policy = ScheduledBlocks(list(grid), then=after_warm_up)
-    cycles = speculative_cycles(target, _prompt(target), private, max_tokens=-1, block_size=policy,
+    prompt = _prompt(target)
+    acceptor = Acceptor(SamplingSettings(temperature=1.0 if sampled else 0.0), prompt, seed=0 if sampled else None)
+    cycles = speculative_cycles(target, prompt, private, max_tokens=-1, block_size=policy, acceptor=acceptor,
                                 session=Session(target, private),
                                 kv=dataclasses.replace(kv, start=0) if kv is not None else None)  # fmt: skip
     last_end = began  # when the warm-up or the last round ended (each cycle is handed out once)
