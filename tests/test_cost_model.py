@@ -197,3 +197,30 @@ def test_the_batch_table_is_kept_true_per_row_count():
     assert all(abs(x / y - 1) < 0.15 for x, y in zip(shape(model.table, 4), shape(quiet, 4)))
     assert chosen[-100:].count(8) > 80
     assert REPLACE_TOLERANCE < 0.15
+
+
+def test_a_level_that_jumps_drops_the_older_comparisons():
+    """Another job starting (slower) or stopping (faster, lasting) changes the machine: the comparisons made
+    before are dropped, and faster makes the table suspect (a busy curve's dear blocks may be cheap now)."""
+    model = CostModel(QUIET, confirmed=True)
+    assert not model.suspect
+    timer = CycleTimer(model)
+    machine = Machine(QUIET, noise=0.01)
+    for _ in range(8):
+        for b in (8, 8, 8, 1, 1, 8):
+            timer.observe(b, machine(b))
+    assert model.changes == 0 and len(model.comparisons(8, 1)) >= 3
+    machine.level = 3.0
+    for b in (8,) * 10:
+        timer.observe(b, machine(b))
+    assert model.changes == 1 and not model.comparisons(8, 1) and not model.suspect
+    for _ in range(6):
+        for b in (8, 8, 8, 1, 1, 8):
+            timer.observe(b, machine(b))
+    machine.level = 1.0
+    for b in (8,) * 9:  # faster for one stretch of CHANGE_CYCLES only: not yet
+        timer.observe(b, machine(b))
+    assert model.changes == 1
+    for b in (8,) * 8:
+        timer.observe(b, machine(b))
+    assert model.changes == 2 and model.suspect and model.table is QUIET  # the shape never changed
