@@ -112,6 +112,7 @@ class Retiming:
         self.since = 0  # drafting cycles since the last re-timing
         self.changes = cost.changes
         self.urgent = 0  # re-timings still due every MIN_TIMING_GAP cycles (the machine changed)
+        self._plan: tuple[int, int, float] | None = None  # (block, cycles, gap), planned every MIN_TIMING_GAP
 
     def block(self, b: int, limit: int, rate: Callable[[int], float]) -> tuple[int, int] | None:
         """(block, cycles) to run instead of block b now, or None. `rate(g)`: the tokens per second
@@ -122,19 +123,24 @@ class Retiming:
             self.changes, self.urgent = self.cost.changes, MIN_PAIR_SAMPLES
         if self.since < MIN_TIMING_GAP:
             return None
+        if self._plan is None or self.since % MIN_TIMING_GAP == 0:
+            self._plan = self._next(b, limit, rate)
+        if self._plan is None or self._plan[0] > limit or (not self.urgent and self.since < self._plan[2]):
+            return None
+        (g, cycles, _), self._plan = self._plan, None
+        self.since, self.urgent = 0, max(0, self.urgent - 1)
+        return g, cycles
+
+    def _next(self, b: int, limit: int, rate: Callable[[int], float]) -> tuple[int, int, float] | None:
+        """The block to time next, its cycles, and the drafting cycles to wait for it since the last."""
         table, rows = self.cost.table, self.rows
         run = table.grid_block(b)
         g = next_to_time(self.cost, [g for g in table.blocks if g <= limit and g != run], run, rows)
         if g is None:
             return None
         cycles = 2 if g == 1 else 1
-        t_run, t_g = table(b, rows), table(g, rows)
-        loss = cycles * t_g * max(0.0, 1 - rate(g) / rate(b)) / t_run  # run cycles lost
-        unsure = self.cost.doubtful(g, run, rows)
-        if not self.urgent and self.since < loss / (UNSURE_TIMING_BUDGET if unsure else TIMING_BUDGET):
-            return None
-        self.since, self.urgent = 0, max(0, self.urgent - 1)
-        return g, cycles
+        loss = cycles * table(g, rows) * max(0.0, 1 - rate(g) / rate(b)) / table(b, rows)  # run cycles lost
+        return g, cycles, loss / (UNSURE_TIMING_BUDGET if self.cost.doubtful(g, run, rows) else TIMING_BUDGET)
 
 
 class DrafterHistory:

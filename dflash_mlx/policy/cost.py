@@ -70,6 +70,8 @@ class CostTable:
             raise ValueError("A cost table needs one time per (rows, block) point.")
         if any(not (t > 0 and math.isfinite(t)) for line in seconds for t in line):
             raise ValueError(f"Cycle times must be positive, got {[list(line) for line in seconds]}.")
+        nearest = {b: min(blocks, key=lambda g: (abs(g - b), g)) for b in range(1, blocks[-1] + 1)}
+        object.__setattr__(self, "_nearest", nearest)
 
     @classmethod
     def curve(cls, blocks, seconds) -> CostTable:
@@ -91,7 +93,7 @@ class CostTable:
 
     def grid_block(self, b: int) -> int:
         """The grid block a cycle at block b is timed as (the nearest, the smaller on a tie)."""
-        return min(self.blocks, key=lambda g: (abs(g - b), g))
+        return self._nearest.get(b) or min(self.blocks, key=lambda g: (abs(g - b), g))
 
 
 class CostModel:
@@ -116,6 +118,7 @@ class CostModel:
         self._pairs: dict[tuple[int, int, int], deque] = {}  # (rows, b, d) with b > d -> log T(b) - log T(d)
         self._last: dict[tuple[int, int], int] = {}  # (rows, block) -> `cycles` at its last pair
         self._recent: dict[int, deque] = {}  # rows -> (grid block, log seconds) of recent timed cycles
+        self._levels: dict[int, deque] = {}  # rows -> theirs over the table's shape (their log T(1))
         self._settled: set = set()  # pairs that contradict the table where no better table fits them all
 
     def __call__(self, b: int, rows: int = 1) -> float:
@@ -162,14 +165,17 @@ class CostModel:
             self.cycles += 1
             table = self.table
             recent = self._recent.setdefault(rows, deque(maxlen=LEVEL_WINDOW))
+            levels = self._levels.setdefault(rows, deque(maxlen=LEVEL_WINDOW))
             recent.append((block, log_seconds))
-            change = self._change(rows)
+            levels.append(log_seconds - math.log(table(block, rows) / table(1, rows)))
+            change = self._change(levels)
             if change:  # the comparisons made before are of another machine: made afresh
                 for key in [k for k in self._pairs if k[0] == rows]:
                     del self._pairs[key]
                 self._settled.clear()
                 while len(recent) > CHANGE_CYCLES:
                     recent.popleft()
+                    levels.popleft()
                 self.suspect |= change < 0  # faster: the blocks the table makes dear may not be any more
                 self.changes += 1
             for d, delta in pairs:
@@ -182,23 +188,24 @@ class CostModel:
                 if fitted is not None:
                     replaced = self.table = table.with_line(rows, fitted)
                     self.replaced += 1
+                    levels.clear()
+                    levels.extend(y - math.log(replaced(b, rows) / replaced(1, rows)) for b, y in recent)
                 elif self.suspect and any(len(w) >= MIN_PAIR_SAMPLES for w in self._pairs.values()):
                     replaced = table  # confirmed as it is
                 self.suspect = self.suspect and replaced is None
         if replaced is not None and self._on_replace is not None:
             self._on_replace(replaced, {"cycles": self.cycles, "replaced": self.replaced})
 
-    def _change(self, rows: int) -> int:
+    @staticmethod
+    def _change(levels) -> int:
         """1 where the newest CHANGE_CYCLES timed cycles run at a level (their time over the table's shape)
         more than CHANGE above the older ones' in the window (slower: re-timing plain decoding is cheap,
         and staying at a block gone dear is not); -1 where those and the CHANGE_CYCLES before them both
         run more than CHANGE below (faster, and lasting: the probes it calls for are of blocks the table
-        makes dear); else 0 (under the lock)."""
-        recent = self._recent[rows]
-        if len(recent) < LEVEL_WINDOW:
+        makes dear); else 0. `levels`: the window's log T(1) implied by each cycle and the table's shape."""
+        if len(levels) < LEVEL_WINDOW:
             return 0
-        table = self.table
-        levels = [y - math.log(table(b, rows) / table(1, rows)) for b, y in recent]
+        levels = list(levels)
         old = statistics.median(levels[: -2 * CHANGE_CYCLES])
         newest = statistics.median(levels[-CHANGE_CYCLES:]) - old
         if newest > math.log1p(CHANGE):
