@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass
 
 import mlx.core as mx
-import pytest
 
 import dflash_mlx
 from dflash_mlx.acceptance import Acceptor

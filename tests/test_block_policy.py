@@ -8,7 +8,6 @@ how long it took (a cost table, or none: the policy's own curve frozen).
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 
@@ -334,22 +333,3 @@ def test_a_probe_that_does_not_pay_doubles_the_gap():
     steep = CostTable.curve([1, 2, 3, 4, 5], [0.0084, 0.0187, 0.0249, 0.0310, 0.0372])
     assert AdaptiveBlock(steep, 5).probe_block(5) is None
     assert set(simulate(AdaptiveBlock(steep, 5), [0.9], 300)) == {1}
-
-
-def test_generations_at_once_share_the_drafters_history_under_its_lock():
-    history = DrafterHistory(7)
-    errors = []
-
-    def run(seed):
-        try:
-            for _ in range(20):
-                simulate(generation(DRAFTING_COSTS, history), [0.6], 50, seed=seed)
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and history.generations == 80 and 0.3 < history.learnt.rate(0) < 0.9

@@ -127,7 +127,8 @@ def test_the_key_tells_setups_apart(setup, tiny_pair):
     kv4, kv8 = KVQuantization(4), KVQuantization(8, 64, 0)
     keys = [key_of(target, proposer, 8), key_of(target, proposer, 16), key_of(other.target, other.proposer, 8),
             key_of(target, None, 8), key_of(target, proposer, 8, kv4), key_of(target, proposer, 8, kv8),
-            calibration_key(target, proposer, 8, decoder="batch"), calibration_key(target, proposer, 8, sampled=True)]  # fmt: skip
+            calibration_key(target, proposer, 8, decoder="batch"),
+            calibration_key(target, proposer, 8, sampled=True)]  # fmt: skip
     assert len({json.dumps(k, sort_keys=True, default=str) for k in keys}) == len(keys)
     assert {"device", "chip", "mlx", "blas", "format", "kv", "decoder", "sampling"} <= set(keys[0])
 

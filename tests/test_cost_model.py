@@ -156,14 +156,17 @@ def test_a_frozen_model_never_changes_and_seeded_requests_keep_the_first_table()
     assert adaptive_policy(None, None, 8, cost=learning).cost is learning
 
 
-def test_generations_at_once_feed_one_model_under_its_lock():
-    model = CostModel(BUSY)
-    errors = []
+def test_generations_at_once_share_the_model_and_the_drafters_history_under_their_locks():
+    class Drafter:  # any weakly referenceable drafter
+        pass
+
+    model, drafter, errors = CostModel(BUSY), Drafter(), []
 
     def generations(seed):
         try:
             for k in range(10):
-                run(AdaptiveBlock(model, 8, AcceptanceEstimate(7)), Machine(QUIET, seed=seed * 100 + k), 80, seed=k)
+                policy = adaptive_policy(None, drafter, 8, carry=True, cost=model)
+                run(policy, Machine(QUIET, seed=seed * 100 + k), 80, seed=k)
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -172,7 +175,9 @@ def test_generations_at_once_feed_one_model_under_its_lock():
         t.start()
     for t in threads:
         t.join()
+    history = adaptive_policy(None, drafter, 8, carry=True, cost=model).history
     assert not errors and model.replaced >= 1 and shape(model.table)[-1] < 2.6
+    assert history.generations == 41 and 0.6 < history.learnt.rate(0) < 0.95
 
 
 def test_the_batch_table_is_kept_true_per_row_count():

@@ -82,7 +82,8 @@ def calibrate(
         table.add_row(str(r["block"]), f"{r['ms_per_cycle']:.2f}", f"{r['break_even_tokens_per_cycle']:.2f}")
     console.print(table)
     if instability is not None:
-        agree = f"its rounds agree on T(b) / T(1) within {instability:.0%} (a calibration is cached within {STABLE:.0%})"
+        agree = (f"its rounds agree on T(b) / T(1) within {instability:.0%} "
+                 f"(a calibration is cached within {STABLE:.0%})")
     else:
         agree = "its rounds' agreement was not recorded"
     if not measured:

@@ -282,7 +282,8 @@ class AdaptiveBlock:
         """Whether block b's time wants a fresh comparison with plain decoding's."""
         if self.timer is None:
             return False
-        return self._doubtful(b) or self.cost.cycles - self.cost.last_timed(self.cost.table.grid_block(b)) > STALE_CYCLES
+        age = self.cost.cycles - self.cost.last_timed(self.cost.table.grid_block(b))
+        return self._doubtful(b) or age > STALE_CYCLES
 
     def _doubtful(self, b: int) -> bool:
         return self.timer is not None and self.cost.doubtful(self.cost.table.grid_block(b), 1)
