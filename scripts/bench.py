@@ -18,7 +18,8 @@
   load     the adaptive block as the machine's load changes: the curve cached while CPU-bound processes ran,
            then `dflash-mlx bench` quiet (against the fixed block and mlx-lm, the cached curve against a quiet
            calibration's); and a quiet curve, then load during a run of generations, then quiet again, per
-           window of prompts
+           window of prompts; `--scenario timing`: the cycle cost the engine reports against the wall time
+           between cycles and a calibration
 
 `legs` settings (`--settings`, comma-separated): demo-gsm8k and demo-mtbench (the bundled pair on
 chat-templated GSM8K / MT-Bench first turns: in and off distribution), untrained (the bundled target
@@ -867,8 +868,65 @@ def load_run(args) -> dict:
     return {"windows": windows, "replaced": cost.replaced}
 
 
+def load_timing(args) -> dict:
+    """What the engine charges a cycle (its launch, the wait for its verdict, taking it in) against the wall
+    time between two cycles (the old measure: it holds the caller's per-token work, here `--consumer-ms`
+    of busy work per token), per grid block, against a fresh calibration: stretches of each block in
+    turn on GSM8K replies, a stretch's first cycle left out."""
+    from dflash_mlx.datasets import sample
+    from dflash_mlx.generation import stream_generate
+    from dflash_mlx.policy.calibration import cost_model
+    from dflash_mlx.session import make_session
+
+    import dflash_mlx
+
+    os.environ["DFLASH_MLX_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-bench-load-")
+    model, tokenizer, draft = dflash_mlx.load("demo")
+    session = make_session(model, draft)
+    table = cost_model(session.target, session.proposer, 8, force=True).table
+    prompts = chat_prompts(tokenizer, [c[0] for c in sample("gsm8k", args.window)])
+
+    class Stretches:  # the engine's BlockPolicy shape: each grid block for 3 cycles in turn, from `start`
+        max_block = 8
+
+        def __init__(self, start: int):
+            self.i, self.log = 3 * start, []
+
+        def choose(self, limit):
+            self.i += 1
+            return min(limit, table.blocks[(self.i - 1) // 3 % len(table.blocks)])
+
+        def observe(self, b, accepted, seconds):
+            self.log.append((b, seconds, time.perf_counter()))
+
+    engine, wall = {b: [] for b in table.blocks}, {b: [] for b in table.blocks}
+    for _ in range(args.rounds):
+        for i, prompt in enumerate(prompts):
+            policy = Stretches(i)  # (replies end early: each starts at another block)
+            for _ in stream_generate(model, draft, tokenizer, prompt, max_tokens=args.max_tokens, block_size=policy):
+                end = time.perf_counter() + args.consumer_ms / 1000
+                while time.perf_counter() < end:  # the caller's per-token work
+                    pass
+            for (b0, _, t0), (b, seconds, t) in zip(policy.log, policy.log[1:]):
+                if b == b0 and seconds is not None:
+                    engine[b].append(seconds)
+                    wall[b].append(t - t0)
+    shapes = {}
+    for name, samples in (("engine", engine), ("wall", wall)):
+        first = statistics.median(samples[1])
+        shapes[name] = [round(statistics.median(samples[b]) / first, 3) if samples[b] else None for b in table.blocks]
+    shapes["calibration"] = shape_of(table.line())
+    print(f"consumer {args.consumer_ms} ms per token; T(b)/T(1) at b = {list(table.blocks)} (load {load_average()})")
+    for name, shape in shapes.items():
+        print(f"  {name:>11}: {shape}")
+    print(f"  cycles timed per block: {[len(engine[b]) for b in table.blocks]}", flush=True)
+    return shapes
+
+
 def load(args) -> None:
     report = {}
+    if args.scenario == "timing":
+        report["timing"] = load_timing(args)
     if args.scenario in ("calibration", "both"):
         report["calibration"] = load_calibration(args)
     if args.scenario in ("run", "both"):
@@ -938,9 +996,12 @@ def main() -> None:
     p.add_argument("--blocks", default="auto,8", help="DFlash legs: auto and/or fixed blocks, comma-separated")
 
     p = sub.add_parser("load", help="the adaptive block when the machine's load changes (calibration, run)")
-    p.add_argument("--scenario", choices=["calibration", "run", "both"], default="both",
+    p.add_argument("--scenario", choices=["calibration", "run", "both", "timing"], default="both",
                    help="calibration: the curve cached under load, then `dflash-mlx bench` quiet; run: a quiet "
-                        "curve, then load during a run of generations, then quiet again")
+                        "curve, then load during a run of generations, then quiet again; timing: what the engine "
+                        "charges a cycle against the wall time between cycles and a calibration")
+    p.add_argument("--consumer-ms", type=float, default=2.0, help="timing: the caller's busy work per token")
+    p.add_argument("--rounds", type=int, default=2, help="timing: rounds over the prompts")
     p.add_argument("--busy", type=int, default=2, help="CPU-bound processes started as the load")
     p.add_argument("--num-prompts", type=int, default=10, help="calibration: `dflash-mlx bench --num-prompts`")
     p.add_argument("--max-tokens", type=int, default=128)

@@ -2,18 +2,18 @@
 
 `CostTable` is a measured table T(B, b): rows (1 for one request) x grid
 blocks, interpolated between them. `CostModel` is one setup's table as the
-loop knows it: the calibration (or the last table the loop wrote) is its
-prior, and `CycleTimer`s (one per generation or batch decoder) turn the
-cycles the engine times into pairs of nearby cycles at different blocks,
-whose log-ratios (windowed medians) give the shape T(b) / T(1) of each row
-count's line by a small least-squares fit. Pairs compare cycles a few apart,
-so a machine uniformly slower for a while does not look like a steeper
-curve; a level that jumps (another job starts or stops) drops the older
-comparisons, so the next few decide. A line that most of a pair's comparisons miss by more than
-REPLACE_TOLERANCE, on the same side, is replaced (`on_replace`: the
-calibration rewrites its file).
-Room for a verify-only cost T_v(b) (a proposer without a drafter forward):
-another line of the same table, keyed apart. Why: docs/adaptive.md.
+loop knows it: the calibration (or the last table a loop wrote) is its
+prior, and `CycleTimer`s (one per generation or batch decoder) compare the
+cycles the engine times at different blocks a few cycles apart; the pairs'
+log-ratios (windowed medians) give the shape T(b) / T(1) of each row count's
+line by a small least-squares fit. Comparing nearby cycles, a machine
+uniformly slower for a while does not look like a steeper curve; a level
+that jumps (another job starts or stops) drops the older comparisons, so the
+next few decide. A line most of a pair's comparisons miss by more than
+REPLACE_TOLERANCE on the same side is replaced (`on_replace`: the calibration
+rewrites its file). A proposer without a drafter forward (verify-only cycles,
+T_v(b)) is another setup's table: the key tells proposers apart. Why:
+docs/adaptive.md.
 """
 
 from __future__ import annotations
