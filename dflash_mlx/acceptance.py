@@ -40,6 +40,7 @@ class Acceptor:
         self.sample_drafts = sample_drafts
         self.processors = list(logits_processors or [])
         self.history = prompt.astype(mx.int32) if self.processors else None
+        self.seeded = seed is not None and not settings.greedy  # reproducible: its blocks may not follow timing
         if seed is None and not settings.greedy:
             seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
         self._key = mx.random.key(seed) if seed is not None else None

@@ -13,7 +13,10 @@ before that token is read) where the caches can undo it whole should the
 token be a stop token. At b = 1 the drafter's context still receives every
 committed position, batched and left lazy until a larger block needs it (the
 prompt's too, when the first cycle is plain). What a verify commits (greedy
-or exact sampling, logits processors) is the `Acceptor`'s. Log-probabilities
+or exact sampling, logits processors) is the `Acceptor`'s. The policy is told
+each cycle's cost on the engine's side: its launch, the wait for its verdict
+and taking it in, not the caller's work while the generator is suspended nor
+the launch of a cycle pipelined after it. Log-probabilities
 are left lazy (a full-vocabulary log-softmax over every verified row is a
 sizeable share of a verify on a CPU). An exception raised inside the
 loop (a progress callback cancelling, a logits processor, Ctrl-C) hands the
@@ -74,6 +77,7 @@ class _Pending:
     rows: mx.array
     features: mx.array | None
     record: VerifyRecord
+    seconds: float | None  # building and queueing it (None: not its own cost, the prefill's too)
     chosen: bool = True  # the policy chose this block (not widened for a run the grammar forces)
 
 
@@ -164,6 +168,7 @@ def speculative_cycles(
 
     def launch(anchor: mx.array, position: int, committed: int, b: int) -> _Pending:
         """Queue one draft + verify of block b (wider where a grammar forces a longer run: free drafts)."""
+        began = time.perf_counter()
         drafts = draft_probs = None
         chosen = b
         if proposer is not None and acceptor.constraint is not None:
@@ -181,7 +186,7 @@ def speculative_cycles(
         rows = acceptor.process(logits[0], drafts)
         verdict = acceptor.verdict(rows, drafts, draft_probs) if b > 1 else acceptor.next_token(rows)
         mx.async_eval(verdict)
-        return _Pending(b, verdict, rows, features, record, chosen=b == chosen)
+        return _Pending(b, verdict, rows, features, record, time.perf_counter() - began, chosen=b == chosen)
 
     settled = False
 
@@ -226,7 +231,6 @@ def speculative_cycles(
         # The first cycle is queued before the first token is handed out, as mlx-lm queues its second
         # step, and built on the lazy token (its graph built while the prompt's last row computes) when
         # the caches can undo it should that token be a stop token.
-        synced = time.perf_counter()
         if chains and committed != max_tokens:
             queue.append(launch(anchor, position, committed, first_block))
         anchor_id = anchor.item()
@@ -237,6 +241,8 @@ def speculative_cycles(
             undo_chained()
         elif not queue and committed != max_tokens:
             queue.append(launch(anchor, position, committed, first_block))
+        if queue:  # (its cost is not the block's alone: chained, its queueing waited for the prefill)
+            queue[0].seconds = None
         first = Cycle(tokens=[anchor_id], logprobs=logprobs, drafted=0, block_size=0, stopped=stopped)
         yield first
         if settled:
@@ -249,9 +255,8 @@ def speculative_cycles(
             if chains and queued.block_size == 1 and remaining and not queue:
                 # a b = 1 cycle commits exactly one token: the next cycle (any block) can be built on it unread
                 queue.append(launch(queued.verdict, position + 1, committed + 1, choose(committed + 1, position + 1)))
+            waited = time.perf_counter()
             values = queued.verdict.tolist()
-            now = time.perf_counter()
-            seconds, synced = now - synced, now
             if queued.block_size > 1:
                 accepted = values[0]
                 tokens = values[1 : accepted + 2]
@@ -267,7 +272,11 @@ def speculative_cycles(
                 context.add(queued.features[:, :kept] if queued.features is not None else None)
             session.fed([anchor_id] + tokens[:-1])
             acceptor.commit(tokens)
+            # the cycle's cost on the engine's side: building and queueing it, waiting for its verdict
+            # and taking it in (not the caller's work while the generator is suspended, nor the launch
+            # of a cycle queued before this one was read, which is that cycle's)
             if queued.chosen:
+                seconds = None if queued.seconds is None else queued.seconds + time.perf_counter() - waited
                 policy.observe(queued.block_size, accepted if stop is None else None, seconds)
             committed += len(tokens)
             position += len(tokens)

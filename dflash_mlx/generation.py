@@ -155,11 +155,11 @@ def stream_generate(
             block_size = 1
         else:
             largest = max_block_size or default_block_size(model, draft)
-            # the calibrated curve alone: the loop's cycle times mix in the caller's per-token work and,
-            # with pipelined plain steps, the next step's launch (see dflash_mlx.policy.adaptive)
             # greedy runs carry the drafter's acceptance history from one call to the next (their
-            # output cannot change); sampled runs start from the prior, so a seed reproduces them
-            block_size = adaptive_policy(target, proposer, largest, carry=settings.greedy)
+            # output cannot change); sampled runs start from the prior, and a seeded one keeps to the
+            # curve this process started with, so no timing changes its blocks and the seed reproduces it
+            block_size = adaptive_policy(target, proposer, largest, carry=settings.greedy, kv=kv,
+                                         sampled=not settings.greedy, frozen=not settings.greedy and seed is not None)
     elif max_block_size is not None:
         raise ValueError("max_block_size is for the adaptive block (block_size=None), not a fixed one.")
     elif isinstance(block_size, str) or (not hasattr(block_size, "choose") and not isinstance(block_size, int)):

@@ -15,6 +15,11 @@
            each with its prompt cache and without: time to first token and latency per turn
   batch    `dflash_mlx.batch_generate` against mlx-lm's `batch_generate` at several batch widths
   sharded  the same job in one process and as 2 ring ranks on this machine (`mlx.launch`)
+  load     the adaptive block as the machine's load changes: the curve cached while CPU-bound processes ran,
+           then `dflash-mlx bench` quiet (against the fixed block and mlx-lm, the cached curve against a quiet
+           calibration's); and a quiet curve, then load during a run of generations, then quiet again, per
+           window of prompts; `--scenario timing`: the cycle cost the engine reports against the wall time
+           between cycles and a calibration
 
 `legs --response-format F` (json_object, or a JSON Schema / OpenAI response_format, inline or in a file)
 runs every leg under that grammar: mlx-lm with `dflash_mlx.structured.GrammarLogitsProcessor`, dflash-mlx
@@ -332,14 +337,16 @@ class Units:
 
 def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
     from dflash_mlx.models.block_size import default_block_size
-    from dflash_mlx.policy.calibration import cost_curve
+    from dflash_mlx.policy.calibration import cost_model
     from dflash_mlx.session import make_session
 
     session = make_session(model, draft)  # calibrated afresh: a curve cached at another time does not decide
     tic = time.perf_counter()
-    curve = cost_curve(session.target, session.proposer, default_block_size(model, draft), force=True)
-    calibration = {"seconds": round(time.perf_counter() - tic, 3), "grid": curve.grid,
-                   "ms": [round(1000 * t, 3) for t in curve.seconds]}  # fmt: skip
+    cost = cost_model(session.target, session.proposer, default_block_size(model, draft),
+                      sampled=args.temperature > 0, force=True)  # fmt: skip
+    calibration = {"seconds": round(time.perf_counter() - tic, 3), "grid": list(cost.table.blocks),
+                   "ms": [round(1000 * t, 3) for t in cost.table.line()],
+                   "instability": cost.notes.get("instability")}  # fmt: skip
     compared = args.legs.split(",")
     legs = make_legs(model, tokenizer, draft, compared, args.max_tokens, args.temperature, args.response_format)
     for leg in legs.values():  # two warm-ups of each leg
@@ -746,6 +753,225 @@ def sharded(args) -> None:
                       f"| {speedups} |", flush=True)
 
 
+# --------------------------------------------------------------------------------------------- load
+
+
+def busy_processes(count: int) -> list[subprocess.Popen]:
+    """`count` CPU-bound processes (another job on the machine's cores), stopped with `stop_busy`."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+            for _ in range(count)]  # fmt: skip
+
+
+def stop_busy(processes: list[subprocess.Popen]) -> None:
+    for proc in processes:
+        proc.terminate()
+    for proc in processes:
+        proc.wait()
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def shape_of(cost) -> list[float]:
+    line = cost.table.line() if hasattr(cost, "table") else cost
+    return [round(t / line[0], 3) for t in line]
+
+
+def dflash_command(args: list[str], cache: Path, timeout: float = 1800) -> dict:
+    """`dflash-mlx ARGS --json`-like run with the calibration cache in `cache`; its last line of JSON."""
+    env = dict(os.environ, DFLASH_MLX_CACHE_DIR=str(cache))
+    done = subprocess.run([shutil.which("dflash-mlx"), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"dflash-mlx {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1]) if "--json" in args else {}
+
+
+def load_calibration(args) -> dict:
+    """The issue's scenario: the cached curve measured while `--busy` CPU-bound processes ran, then
+    `dflash-mlx bench` in the first quiet process; the cached curve's shape against a quiet calibration's."""
+    from dflash_mlx.models.block_size import default_block_size
+    from dflash_mlx.policy import calibration
+    from dflash_mlx.policy.cost import CostTable
+    from dflash_mlx.session import make_session
+
+    import dflash_mlx
+
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-load-") as tmp:
+        cache, quiet_cache = Path(tmp) / "cache", Path(tmp) / "quiet"
+        print(f"calibrating with {args.busy} CPU-bound processes running (load {load_average()})", flush=True)
+        hogs = busy_processes(args.busy)
+        try:
+            time.sleep(2)  # (the load settles)
+            busy = dflash_command(["calibrate", "--force", "--json"], cache)
+        finally:
+            stop_busy(hogs)
+        rows = busy["curve"]
+        print(f"  busy curve T(b)/T(1): {[r['break_even_tokens_per_cycle'] for r in rows]} "
+              f"(rounds disagree by {busy['instability']:.0%}; cached: {busy['written']})", flush=True)
+        if not busy["written"]:  # the scenario is a busy curve in the cache: put the one measured there
+            os.environ["DFLASH_MLX_CACHE_DIR"] = str(cache)
+            model, _, draft = dflash_mlx.load("demo")
+            session = make_session(model, draft)
+            key = calibration.calibration_key(session.target, session.proposer, default_block_size(model, draft))
+            calibration.write_table(key, CostTable.curve([r["block"] for r in rows],
+                                                         [r["ms_per_cycle"] / 1000 for r in rows]),
+                                    {"source": "measured", "instability": busy["instability"]})  # fmt: skip
+            print("  (not cached, as its rounds disagree: written to the cache for this scenario)", flush=True)
+        time.sleep(args.settle)
+        print(f"dflash-mlx bench, the first quiet process (load {load_average()})", flush=True)
+        report = Path(tmp) / "bench.json"
+        dflash_command(["bench", "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens),
+                        "--out", str(report)], cache)  # fmt: skip
+        doc = json.loads(report.read_text())
+        learnt = json.loads(next((cache / "calibration").glob("*.json")).read_text())
+        quiet = dflash_command(["calibrate", "--force", "--json"], quiet_cache)
+    auto, fixed = doc["runs"][0], doc["runs"][1]
+    result = {"load_after": load_average(), "busy_shape": [r["break_even_tokens_per_cycle"] for r in rows],
+              "auto_tps": auto["dflash_tps"], "fixed_tps": fixed["dflash_tps"], "mlx_lm_tps": auto["baseline_tps"],
+              "auto_blocks": auto["block_sizes"], "greedy_matches": auto["greedy_matches"] and fixed["greedy_matches"],
+              "cached_shape": shape_of(learnt["seconds"][0]), "cached_source": learnt.get("source"),
+              "quiet_shape": [r["break_even_tokens_per_cycle"] for r in quiet["curve"]],
+              "quiet_instability": quiet["instability"]}  # fmt: skip
+    result["auto_over_fixed"] = round(result["auto_tps"] / result["fixed_tps"], 3)
+    result["auto_over_mlx_lm"] = round(result["auto_tps"] / result["mlx_lm_tps"], 3)
+    result["shape_gap"] = round(max(abs(a / b - 1) for a, b in zip(result["cached_shape"], result["quiet_shape"])), 3)
+    per_prompt = [(p["tps"], q["tps"], p["baseline_tps"]) for p, q in zip(auto["prompts"], fixed["prompts"])]
+    print("| prompt | auto tok/s | fixed tok/s | mlx-lm tok/s | auto / fixed |\n|---:|---:|---:|---:|---:|")
+    for i, (a, f, m) in enumerate(per_prompt):
+        print(f"| {i + 1} | {a:.1f} | {f:.1f} | {m:.1f} | {a / f:.3f} |")
+    print(f"\nauto / {fixed['block_size']} = {result['auto_over_fixed']} (>= 0.93), auto / mlx-lm = "
+          f"{result['auto_over_mlx_lm']} (>= 1.6); cached shape {result['cached_shape']} ({result['cached_source']}) "
+          f"against a quiet calibration's {result['quiet_shape']}: largest gap {result['shape_gap']:.1%} (<= 15%); "
+          f"greedy output equal: {result['greedy_matches']}; load {result['load_after']}", flush=True)
+    return result
+
+
+def load_run(args) -> dict:
+    """A curve measured quiet, then `--busy` CPU-bound processes during a run of generations, then quiet
+    again: legs alternated prompt by prompt in one process, per window of `--window` prompts."""
+    from dflash_mlx.datasets import sample
+    from dflash_mlx.models.block_size import default_block_size
+    from dflash_mlx.policy.calibration import cost_model
+    from dflash_mlx.session import make_session
+
+    import dflash_mlx
+
+    os.environ["DFLASH_MLX_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-bench-load-")
+    model, tokenizer, draft = dflash_mlx.load("demo")
+    session = make_session(model, draft)
+    block = default_block_size(model, draft)
+    cost = cost_model(session.target, session.proposer, block, force=True)
+    print(f"quiet calibration: T(b)/T(1) {shape_of(cost)} (load {load_average()})", flush=True)
+    conversations = [c[0] for c in sample("gsm8k", args.window * sum(args.phases))]
+    prompts = chat_prompts(tokenizer, conversations)
+    legs = make_legs(model, tokenizer, draft, ["adaptive", f"b{block}"], args.max_tokens, 0.0)
+    for leg in legs.values():
+        leg(prompts[0], 0)
+    phases = ["quiet"] * args.phases[0] + ["busy"] * args.phases[1] + ["quiet"] * args.phases[2]
+    shuffle, windows, hogs = random.Random(1).shuffle, [], []
+    print("| window | machine | load | mlx-lm tok/s | adaptive tok/s | b{0} tok/s | adaptive / better of mlx-lm and "
+          "b{0} | blocks | curve T(b)/T(1) |\n|---:|---|---|---:|---:|---:|---:|---|---|".format(block), flush=True)
+    try:
+        for w, phase in enumerate(phases):
+            if phase == "busy" and not hogs:
+                hogs = busy_processes(args.busy)
+            elif phase == "quiet" and hogs:
+                stop_busy(hogs)
+                hogs = []
+            tokens, seconds, blocks, mismatches = Counter(), Counter(), Counter(), 0
+            for i, prompt in enumerate(prompts[w * args.window : (w + 1) * args.window]):
+                order = list(legs)
+                shuffle(order)
+                unit = {k: legs[k](prompt, i) for k in order}
+                for k, (toks, _, _, total, used) in unit.items():
+                    tokens[k] += len(toks)
+                    seconds[k] += total
+                    if k == "adaptive":
+                        blocks.update(used)
+                mismatches += sum(v[0] != unit["mlx-lm"][0] for v in unit.values())
+            tps = {k: tokens[k] / seconds[k] for k in legs}
+            better = max(tps["mlx-lm"], tps[f"b{block}"])
+            windows.append({"window": w + 1, "machine": phase, "load": load_average(), "tps": tps,
+                            "adaptive_over_better": tps["adaptive"] / better, "blocks": dict(sorted(blocks.items())),
+                            "shape": shape_of(cost), "greedy_mismatches": mismatches})  # fmt: skip
+            x = windows[-1]
+            print(f"| {w + 1} | {phase} | {x['load']} | {tps['mlx-lm']:.1f} | {tps['adaptive']:.1f} "
+                  f"| {tps[f'b{block}']:.1f} | {x['adaptive_over_better']:.3f} "
+                  f"| {' '.join(f'{b}:{n}' for b, n in x['blocks'].items())} | {x['shape']} |", flush=True)
+    finally:
+        stop_busy(hogs)
+    return {"windows": windows, "replaced": cost.replaced}
+
+
+def load_timing(args) -> dict:
+    """What the engine charges a cycle (its launch, the wait for its verdict, taking it in) against the wall
+    time between two cycles (the old measure: it holds the caller's per-token work, here `--consumer-ms`
+    of busy work per token), per grid block, against a fresh calibration: stretches of each block in
+    turn on GSM8K replies, a stretch's first cycle left out."""
+    from dflash_mlx.datasets import sample
+    from dflash_mlx.generation import stream_generate
+    from dflash_mlx.policy.calibration import cost_model
+    from dflash_mlx.session import make_session
+
+    import dflash_mlx
+
+    os.environ["DFLASH_MLX_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-bench-load-")
+    model, tokenizer, draft = dflash_mlx.load("demo")
+    session = make_session(model, draft)
+    table = cost_model(session.target, session.proposer, 8, force=True).table
+    prompts = chat_prompts(tokenizer, [c[0] for c in sample("gsm8k", args.window)])
+
+    class Stretches:  # the engine's BlockPolicy shape: each grid block for 3 cycles in turn, from `start`
+        max_block = 8
+
+        def __init__(self, start: int):
+            self.i, self.log = 3 * start, []
+
+        def choose(self, limit):
+            self.i += 1
+            return min(limit, table.blocks[(self.i - 1) // 3 % len(table.blocks)])
+
+        def observe(self, b, accepted, seconds):
+            self.log.append((b, seconds, time.perf_counter()))
+
+    engine, wall = {b: [] for b in table.blocks}, {b: [] for b in table.blocks}
+    for _ in range(args.rounds):
+        for i, prompt in enumerate(prompts):
+            policy = Stretches(i)  # (replies end early: each starts at another block)
+            for _ in stream_generate(model, draft, tokenizer, prompt, max_tokens=args.max_tokens, block_size=policy):
+                end = time.perf_counter() + args.consumer_ms / 1000
+                while time.perf_counter() < end:  # the caller's per-token work
+                    pass
+            for (b0, _, t0), (b, seconds, t) in zip(policy.log, policy.log[1:]):
+                if b == b0 and seconds is not None:
+                    engine[b].append(seconds)
+                    wall[b].append(t - t0)
+    shapes = {}
+    for name, samples in (("engine", engine), ("wall", wall)):
+        first = statistics.median(samples[1])
+        shapes[name] = [round(statistics.median(samples[b]) / first, 3) if samples[b] else None for b in table.blocks]
+    shapes["calibration"] = shape_of(table.line())
+    print(f"consumer {args.consumer_ms} ms per token; T(b)/T(1) at b = {list(table.blocks)} (load {load_average()})")
+    for name, shape in shapes.items():
+        print(f"  {name:>11}: {shape}")
+    print(f"  cycles timed per block: {[len(engine[b]) for b in table.blocks]}", flush=True)
+    return shapes
+
+
+def load(args) -> None:
+    report = {}
+    if args.scenario == "timing":
+        report["timing"] = load_timing(args)
+    if args.scenario in ("calibration", "both"):
+        report["calibration"] = load_calibration(args)
+    if args.scenario in ("run", "both"):
+        report["run"] = load_run(args)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
 # --------------------------------------------------------------------------------------------- main
 
 
@@ -808,6 +1034,22 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--blocks", default="auto,8", help="DFlash legs: auto and/or fixed blocks, comma-separated")
 
+    p = sub.add_parser("load", help="the adaptive block when the machine's load changes (calibration, run)")
+    p.add_argument("--scenario", choices=["calibration", "run", "both", "timing"], default="both",
+                   help="calibration: the curve cached under load, then `dflash-mlx bench` quiet; run: a quiet "
+                        "curve, then load during a run of generations, then quiet again; timing: what the engine "
+                        "charges a cycle against the wall time between cycles and a calibration")
+    p.add_argument("--consumer-ms", type=float, default=2.0, help="timing: the caller's busy work per token")
+    p.add_argument("--rounds", type=int, default=2, help="timing: rounds over the prompts")
+    p.add_argument("--busy", type=int, default=2, help="CPU-bound processes started as the load")
+    p.add_argument("--num-prompts", type=int, default=10, help="calibration: `dflash-mlx bench --num-prompts`")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--window", type=int, default=10, help="run: prompts per window")
+    p.add_argument("--phases", type=int, nargs=3, default=[1, 2, 2], metavar=("QUIET", "BUSY", "QUIET"),
+                   help="run: windows before, during and after the load")
+    p.add_argument("--settle", type=float, default=2.0, help="seconds between stopping the load and measuring")
+    p.add_argument("--out", type=Path)
+
     p = sub.add_parser("rank-job")  # internal: one rank of `sharded`
     p.add_argument("job", type=Path)
 
@@ -815,8 +1057,8 @@ def main() -> None:
     if args.leg == "rank-job":
         rank_job(args.job)
     else:
-        {"engine": engine, "legs": legs, "serving": serving, "agent": agent, "batch": batch,
-         "sharded": sharded}[args.leg](args)  # fmt: skip
+        {"engine": engine, "legs": legs, "serving": serving, "agent": agent, "batch": batch, "sharded": sharded,
+         "load": load}[args.leg](args)  # fmt: skip
 
 
 if __name__ == "__main__":

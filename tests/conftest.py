@@ -147,14 +147,13 @@ def constant_pair_dirs(qwen3_target, tmp_path_factory):
 @pytest.fixture
 def calibration_cache(tmp_path, monkeypatch):
     """A private, empty calibration cache for one test (`<tmp>/calibration`, yielded), with this process's
-    in-memory curves and batch tables forgotten before and after."""
-    from dflash_mlx.batch.calibration import forget_costs
-    from dflash_mlx.policy.calibration import forget_curve
+    cost models forgotten before and after."""
+    from dflash_mlx.policy.calibration import forget
 
     monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))
-    forget_curve(), forget_costs()
+    forget()
     yield tmp_path / "calibration"
-    forget_curve(), forget_costs()
+    forget()
 
 
 def pytest_configure(config):

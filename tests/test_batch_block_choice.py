@@ -13,19 +13,20 @@ different blocks in one batch keep their own blocks and their greedy output.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 import mlx.core as mx
-import pytest
 
 import dflash_mlx
 from dflash_mlx.acceptance import Acceptor
 from dflash_mlx.batch import calibration
 from dflash_mlx.batch.block_choice import PROBE_TAX, BatchBlockChoice
-from dflash_mlx.batch.calibration import BatchCost, batch_cost
+from dflash_mlx.batch.calibration import batch_cost_model
 from dflash_mlx.batch.engine import BatchDecoder
 from dflash_mlx.policy.adaptive import PROBE_GAP
+from dflash_mlx.policy.cost import CostTable
 from dflash_mlx.policy.estimate import AcceptanceEstimate
 from dflash_mlx.sampling import SamplingSettings
 from dflash_mlx.session import make_session
@@ -38,9 +39,9 @@ class Row:
     estimate: AcceptanceEstimate
 
 
-def compute_bound(rows, blocks) -> BatchCost:
+def compute_bound(rows, blocks) -> CostTable:
     """A CPU-like table: 10 ms plus 1 ms per verified token."""
-    return BatchCost(rows, blocks, [[0.010 + 0.001 * n * b for b in blocks] for n in rows])
+    return CostTable(blocks, [[0.010 + 0.001 * n * b for b in blocks] for n in rows], rows)
 
 
 def row(good: bool, max_block: int = 8) -> Row:
@@ -49,15 +50,6 @@ def row(good: bool, max_block: int = 8) -> Row:
     for _ in range(60):
         r.estimate.observe(max_block - 1, max_block - 1 if good else 0)
     return r
-
-
-def test_the_table_interpolates_and_extrapolates():
-    cost = BatchCost([1, 2, 4], [1, 4], [[1.0, 4.0], [2.0, 8.0], [4.0, 16.0]])
-    assert cost(1, 1) == 1.0 and cost(4, 4) == 16.0
-    assert cost(3, 1) == pytest.approx(3.0) and cost(1, 2) == pytest.approx(2.0)
-    assert cost(8, 4) == pytest.approx(32.0)  # past the last rows: the last two rows' slope
-    with pytest.raises(ValueError, match="one time per"):
-        BatchCost([1, 2], [1], [[1.0]])
 
 
 def test_the_choice_weighs_blocks_against_plain_batched_decoding():
@@ -88,21 +80,26 @@ def test_probes_at_plain_decoding_back_off_and_restart():
 
 
 def test_the_table_is_measured_once_and_cached(calibration_cache, tiny_pair, monkeypatch):
+    from dflash_mlx.policy import calibration as shared
+
+    monkeypatch.setattr(shared, "STABLE", float("inf"))  # cached whatever this machine's load
     model, tokenizer, draft = tiny_pair("qwen3")
     session = make_session(model, draft)
     calls = []
     real = calibration.measure
     monkeypatch.setattr(calibration, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
-    first = batch_cost(session, 4)
-    assert calls == [1] and first.rows == list(calibration.ROWS) and first.blocks == [1, 2, 3, 4]
-    assert all(line == sorted(line) for line in first.seconds)  # each row count's line fitted non-decreasing
-    (written,) = calibration_cache.glob("batch-*.json")
-    calibration.forget_costs()
-    again = batch_cost(session, 4)  # from the file
-    assert calls == [1] and again.seconds == first.seconds
+    first = batch_cost_model(session, 4)
+    assert calls == [1] and first.table.rows == calibration.ROWS and first.table.blocks == (1, 2, 3, 4)
+    assert all(list(line) == sorted(line) for line in first.table.seconds)  # each row count's line non-decreasing
+    (written,) = calibration_cache.glob("*.json")
+    doc = json.loads(written.read_text())
+    assert doc["key"]["decoder"] == "batch" and doc["rows"] == list(calibration.ROWS)  # the single curve's format
+    shared.forget()
+    again = batch_cost_model(session, 4)  # from the file
+    assert calls == [1] and again.table == first.table
     written.write_text("{ half")
-    calibration.forget_costs()
-    batch_cost(session, 4)  # corrupt: measured again and rewritten
+    shared.forget()
+    batch_cost_model(session, 4)  # corrupt: measured again and rewritten
     assert calls == [1, 1] and "seconds" in written.read_text()
 
 

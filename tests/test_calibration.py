@@ -1,7 +1,8 @@
-"""The cost-curve calibration: measured once, cached on disk, reused, rewritten when unusable.
+"""The cost-curve calibration: measured at first use (again while its rounds disagree), cached on disk,
+reused, rewritten when unusable or when the loop's own cycles contradict it.
 
 Every test points DFLASH_MLX_CACHE_DIR at its own directory and forgets the
-in-memory curves, so what is on disk decides.
+process's cost models, so what is on disk decides.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -16,11 +18,11 @@ from dflash_mlx import make_session, stream_generate
 from dflash_mlx.policy import calibration
 from dflash_mlx.policy.base import ScheduledBlocks
 from dflash_mlx.policy.calibration import (
-    GRID, cached_curve, calibration_file, calibration_key, clear_calibrations, cost_curve, grid_for,
+    GRID, calibration_key, clear_calibrations, cost_model, file_for, grid_for, read_table,
 )
-from dflash_mlx.policy.fit import (
-    affine_past_one, draft_floor, fitted_curve, non_decreasing, plausible, polished, with_floor,
-)
+from dflash_mlx.policy.cost import CostTable, CycleTimer
+from dflash_mlx.policy.fit import affine_past_one, fitted_curve, instability, non_decreasing, polished
+from dflash_mlx.targets.quantized_kv import KVQuantization
 from helpers import prompt_ids, without_eos
 
 
@@ -31,74 +33,90 @@ def setup(tiny_pair):
     return model, tokenizer, draft, session.target, session.proposer
 
 
-def test_first_use_measures_and_writes_the_curve(calibration_cache, setup):
+def key_of(target, proposer, max_block, kv=None):
+    return calibration_key(target, proposer, max_block, kv)
+
+
+@pytest.fixture
+def stable(monkeypatch):
+    """Calibrations count as stable whatever this machine's load (their rounds' agreement is tested apart)."""
+    monkeypatch.setattr(calibration, "STABLE", float("inf"))
+
+
+def test_first_use_measures_and_writes_the_curve(calibration_cache, setup, stable):
     model, tokenizer, draft, target, proposer = setup
     with without_eos(tokenizer) as tok:
         out = list(stream_generate(model, draft, tok, prompt_ids(8), max_tokens=10))  # adaptive: calibrates
     assert len(out) == 10
     files = list(calibration_cache.glob("*.json"))
-    assert len(files) == 1 and files[0] == calibration_file(target, proposer, draft.config.block_size)
+    assert len(files) == 1 and files[0] == file_for(key_of(target, proposer, draft.config.block_size))
     doc = json.loads(files[0].read_text())
-    assert doc["grid"] == grid_for(draft.config.block_size) == [b for b in GRID if b < 16] + [16]
-    assert all(t > 0 for t in doc["seconds"]) and doc["calibration_seconds"] > 0
-    assert doc["seconds"] == sorted(doc["seconds"])  # fitted non-decreasing
+    assert doc["blocks"] == grid_for(draft.config.block_size) == [b for b in GRID if b < 16] + [16]
+    assert doc["rows"] == [1] and len(doc["seconds"]) == 1
+    line = doc["seconds"][0]
+    assert all(t > 0 for t in line) and doc["calibration_seconds"] > 0 and doc["source"] == "measured"
+    assert line == sorted(line)  # fitted non-decreasing
+    assert doc["instability"] >= 0 and doc["stable"] and doc["attempts"] == 1
     assert doc["key"]["mlx"] and doc["key"]["target"]["parameters"] > 0 and doc["key"]["draft"]["block_size"] == 16
+    assert doc["key"]["decoder"] == "single" and doc["key"]["kv"] is None
 
 
-def test_a_cached_curve_is_reused_without_measuring(calibration_cache, setup, monkeypatch):
+def test_a_cached_curve_is_reused_without_measuring(calibration_cache, setup, stable, monkeypatch):
     _, _, draft, target, proposer = setup
-    first = cost_curve(target, proposer, 8)
-    calibration.forget_curve()
+    first = cost_model(target, proposer, 8)
+    calibration.forget()
 
     def refuse(*args, **kwargs):
         raise AssertionError("measured again")
 
     monkeypatch.setattr(calibration, "measure", refuse)
-    again = cost_curve(target, proposer, 8)
-    assert again.seconds == first.seconds and again.grid == first.grid == grid_for(8)
-    assert cached_curve(target, proposer, 8).seconds == first.seconds
+    again = cost_model(target, proposer, 8)
+    assert again.table == first.table and again.table.blocks == tuple(grid_for(8)) and again.notes["read"]
+    assert cost_model(target, proposer, 8) is again  # this process's model of it
 
 
-def test_a_curve_in_memory_is_used_until_forgotten(calibration_cache, setup, monkeypatch):
+def write(target, proposer, max_block, seconds, **notes):
+    key = key_of(target, proposer, max_block)
+    path = file_for(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": json.loads(json.dumps(key, default=str)), "rows": [1],
+                                "blocks": grid_for(max_block), "seconds": [seconds], **notes}))  # fmt: skip
+    return path
+
+
+def test_a_model_in_memory_is_used_until_forgotten(calibration_cache, setup, monkeypatch):
     _, _, _, target, proposer = setup
     monkeypatch.setattr(calibration, "measure", lambda *a, **k: pytest.fail("measured"))
-    path = calibration_file(target, proposer, 4)
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(seconds):
-        path.write_text(json.dumps({"key": json.loads(json.dumps(calibration_key(target, proposer, 4), default=str)),
-                                    "grid": grid_for(4), "seconds": seconds}))  # fmt: skip
-
-    write([0.01, 0.02, 0.03, 0.04])
-    assert cost_curve(target, proposer, 4).seconds == [0.01, 0.02, 0.03, 0.04]
-    write([0.01, 0.011, 0.012, 0.013])
-    assert cost_curve(target, proposer, 4).seconds == [0.01, 0.02, 0.03, 0.04]  # the process's copy
-    calibration.forget_curve("not-this-one")
-    assert cost_curve(target, proposer, 4).seconds == [0.01, 0.02, 0.03, 0.04]
-    calibration.forget_curve(path.stem)
-    assert cost_curve(target, proposer, 4).seconds == [0.01, 0.011, 0.012, 0.013]
+    path = write(target, proposer, 4, [0.01, 0.02, 0.03, 0.04])
+    assert cost_model(target, proposer, 4).table.line() == (0.01, 0.02, 0.03, 0.04)
+    write(target, proposer, 4, [0.01, 0.011, 0.012, 0.013])
+    assert cost_model(target, proposer, 4).table.line() == (0.01, 0.02, 0.03, 0.04)  # the process's model
+    calibration.forget("not-this-one")
+    assert cost_model(target, proposer, 4).table.line() == (0.01, 0.02, 0.03, 0.04)
+    calibration.forget(path.stem)
+    assert cost_model(target, proposer, 4).table.line() == (0.01, 0.011, 0.012, 0.013)
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "other key", "bad numbers", "empty"])
-def test_a_corrupt_or_stale_file_is_ignored_and_rewritten(calibration_cache, setup, damage):
+def test_a_corrupt_or_stale_file_is_ignored_and_rewritten(calibration_cache, setup, stable, damage):
     _, _, _, target, proposer = setup
-    path = calibration_file(target, proposer, 4)
+    key = key_of(target, proposer, 4)
+    path = file_for(key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    key = calibration_key(target, proposer, 4)
-    good = {"key": key, "grid": grid_for(4), "seconds": [0.01, 0.02, 0.03, 0.04]}
+    good = {"key": key, "rows": [1], "blocks": grid_for(4), "seconds": [[0.01, 0.02, 0.03, 0.04]]}
     text = {
         "garbage": "not json at all {",
         "truncated": json.dumps(good)[:40],
         "other key": json.dumps(dict(good, key=dict(key, mlx="0.0.1"))),
-        "bad numbers": json.dumps(dict(good, seconds=[0.01, -1, 0.03, 0.04])),
+        "bad numbers": json.dumps(dict(good, seconds=[[0.01, -1, 0.03, 0.04]])),
         "empty": "",
     }[damage]
     path.write_text(text)
-    assert cached_curve(target, proposer, 4) is None
-    curve = cost_curve(target, proposer, 4)  # measured, not fatal
-    assert curve.seconds != good["seconds"]
+    assert read_table(key) is None
+    model = cost_model(target, proposer, 4)  # measured, not fatal
+    assert model.table.line() != tuple(good["seconds"][0])
     doc = json.loads(path.read_text())  # rewritten, whole
-    assert doc["key"] == json.loads(json.dumps(key)) and doc["seconds"] == curve.seconds
+    assert doc["key"] == json.loads(json.dumps(key)) and doc["seconds"] == [list(model.table.line())]
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temporary file left
 
 
@@ -106,29 +124,105 @@ def test_the_key_tells_setups_apart(setup, tiny_pair):
     _, _, _, target, proposer = setup
     bf16, _, bf16_draft = tiny_pair("qwen3", dtype="bfloat16")
     other = make_session(bf16, bf16_draft)
-    keys = [calibration_key(target, proposer, 8), calibration_key(target, proposer, 16),
-            calibration_key(other.target, other.proposer, 8), calibration_key(target, None, 8)]  # fmt: skip
-    assert len({json.dumps(k, sort_keys=True, default=str) for k in keys}) == 4
-    assert {"device", "chip", "mlx", "blas", "format"} <= set(keys[0])
+    kv4, kv8 = KVQuantization(4), KVQuantization(8, 64, 0)
+    keys = [key_of(target, proposer, 8), key_of(target, proposer, 16), key_of(other.target, other.proposer, 8),
+            key_of(target, None, 8), key_of(target, proposer, 8, kv4), key_of(target, proposer, 8, kv8),
+            calibration_key(target, proposer, 8, decoder="batch"),
+            calibration_key(target, proposer, 8, sampled=True)]  # fmt: skip
+    assert len({json.dumps(k, sort_keys=True, default=str) for k in keys}) == len(keys)
+    assert {"device", "chip", "mlx", "blas", "format", "kv", "decoder", "sampling"} <= set(keys[0])
 
 
-def test_clear_and_force(calibration_cache, setup, monkeypatch):
+def test_clear_and_force(calibration_cache, setup, stable, monkeypatch):
     _, _, _, target, proposer = setup
-    cost_curve(target, proposer, 4)
+    cost_model(target, proposer, 4)
     assert clear_calibrations() == 1 and not list(calibration_cache.glob("*.json"))
     calls = []
     real = calibration.measure
     monkeypatch.setattr(calibration, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(calibration, "draft_seconds", lambda t, p, blocks: [0.0] * len(blocks))  # no re-measuring
-    cost_curve(target, proposer, 4)
-    cost_curve(target, proposer, 4)
-    cost_curve(target, proposer, 4, force=True)
+    cost_model(target, proposer, 4)
+    cost_model(target, proposer, 4)
+    cost_model(target, proposer, 4, force=True)
     assert len(calls) == 2
+
+
+QUIET_ROUNDS = [[0.005, 0.0095, 0.0098, 0.010], [0.0052, 0.0097, 0.0101, 0.0103], [0.0049, 0.0094, 0.0096, 0.0099],
+                [0.0050, 0.0096, 0.0099, 0.0102]]
+STALLED_ROUNDS = [row[:] for row in QUIET_ROUNDS]
+STALLED_ROUNDS[1][2] *= 3  # a moment's stall in one round: the medians ignore it
+BUSY_ROUNDS = [[0.005, 0.010, 0.011, 0.012], [0.009, 0.010, 0.011, 0.012], [0.005, 0.019, 0.020, 0.021],
+               [0.007, 0.030, 0.031, 0.032]]  # the shape changes from round to round
+
+
+def test_how_far_the_rounds_disagree():
+    grid = grid_for(4)
+    assert instability(grid, QUIET_ROUNDS) < 0.05 and instability(grid, STALLED_ROUNDS) < 0.05
+    assert instability(grid, BUSY_ROUNDS) > calibration.STABLE
+    assert instability(grid, QUIET_ROUNDS[:1]) == 0 and instability([1], QUIET_ROUNDS) == 0
+    assert instability([1, 2], [[1.0, 2.0], [2.0, 4.0]]) == pytest.approx(0)  # slower, the same shape
+
+
+def test_rounds_that_disagree_are_measured_again_and_cached_once_stable_or_confirmed(calibration_cache, setup,
+                                                                                    monkeypatch):
+    """A busy machine's rounds disagree on T(b) / T(1): the calibration measures again, keeps the most
+    stable and caches it only once stable; an unstable one is used, and cached once the loop confirms it."""
+    _, _, _, target, proposer = setup
+    tables = [BUSY_ROUNDS, QUIET_ROUNDS]
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: tables.pop(0))
+    model = cost_model(target, proposer, 4)
+    assert not tables and model.notes["attempts"] == 2 and model.notes["stable"]
+    path = file_for(key_of(target, proposer, 4))
+    doc = json.loads(path.read_text())
+    assert doc["seconds"] == [pytest.approx(fitted_curve(grid_for(4), QUIET_ROUNDS))]
+    assert doc["instability"] == pytest.approx(instability(grid_for(4), QUIET_ROUNDS), abs=1e-4)
+
+    tables[:] = [BUSY_ROUNDS] * calibration.ATTEMPTS
+    busy = cost_model(target, proposer, 4, force=True)
+    assert not tables and not busy.notes["stable"] and busy.notes["attempts"] == calibration.ATTEMPTS
+    assert json.loads(path.read_text()) == doc  # the cached one stands
+    assert busy.table.line() == pytest.approx(fitted_curve(grid_for(4), BUSY_ROUNDS))  # used, in this process
+    timer = CycleTimer(busy)
+    for _ in range(4):  # the loop's cycles agree with it: it is cached
+        for b in (4, 4, 4, 4, 1, 1, 4):
+            timer.observe(b, busy.table(b))
+    assert busy.replaced == 0 and json.loads(path.read_text())["seconds"] == [list(busy.table.line())]
+
+
+def test_the_loop_rewrites_a_curve_it_contradicts_and_the_next_process_starts_from_it(calibration_cache, setup,
+                                                                                     monkeypatch):
+    """A cached curve from a busy machine (blocks look dear): the loop's cycles on a quiet one replace it
+    and the file is rewritten (atomically) with what they measured; a new process reads that."""
+    _, _, _, target, proposer = setup
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: pytest.fail("measured"))
+    busy = [0.0075, 0.0187, 0.0210, 0.0232]
+    quiet = CostTable.curve(grid_for(4), [0.0050, 0.0095, 0.00975, 0.0100])
+    path = write(target, proposer, 4, busy, source="measured")
+    model = cost_model(target, proposer, 4)
+    timer = CycleTimer(model)
+    for _ in range(6):  # runs of block 4 with plain steps among them, as re-timing makes them
+        for b in (4, 4, 4, 4, 1, 1, 4):
+            timer.observe(b, quiet(b))
+    assert model.replaced >= 1
+    doc = json.loads(path.read_text())
+    assert doc["source"] == "learnt" and doc["cycles"] > 0
+    assert doc["seconds"][0][-1] / doc["seconds"][0][0] == pytest.approx(2.0, rel=0.05)
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]
+    calibration.forget()
+    again = cost_model(target, proposer, 4)
+    assert again.table.line() == tuple(doc["seconds"][0]) and again.notes["source"] == "learnt"
+
+
+def test_a_pinned_curve_does_not_learn(calibration_cache, setup, monkeypatch):
+    _, _, _, target, proposer = setup
+    write(target, proposer, 4, [0.0075, 0.0187, 0.0210, 0.0232], learns=False)
+    model = cost_model(target, proposer, 4)
+    assert not model.learns and model.timer() is None
 
 
 @pytest.mark.slow
 def test_the_calibrate_command_on_the_bundled_pair(tmp_path):
-    """The real console script: measure, then read from the cache, then clear."""
+    """The real console script: measure (saying how far its rounds agreed), then read from the cache (or,
+    on a machine too busy to cache it, measure again), then clear."""
     env_dir = tmp_path / "cache"
     import os
 
@@ -140,12 +234,17 @@ def test_the_calibrate_command_on_the_bundled_pair(tmp_path):
     doc = json.loads(first.stdout.strip().splitlines()[-1])
     assert doc["model"] == "demo" and doc["cached"] is False and doc["max_block_size"] == 8
     assert [r["block"] for r in doc["curve"]] == grid_for(8) and doc["curve"][0]["break_even_tokens_per_cycle"] == 1
+    assert doc["source"] == "measured" and doc["stable"] == (doc["instability"] <= calibration.STABLE)
+    assert doc["written"] == doc["stable"] == (env_dir / "calibration" / Path(doc["file"]).name).exists()
     table = subprocess.run([exe, "calibrate"], capture_output=True, text=True, env=env, timeout=600,
                            stdin=subprocess.DEVNULL)  # fmt: skip
-    assert table.returncode == 0 and "read from the cache" in table.stdout and "tokens/cycle to beat" in table.stdout
+    said = " ".join(table.stdout.split())
+    assert table.returncode == 0 and "tokens/cycle to beat" in said and "rounds agree on T(b) / T(1) within" in said
+    assert ("read from the cache" in said) if doc["written"] else ("not cached" in said or "measured in" in said)
+    files = len(list((env_dir / "calibration").glob("*.json")))
     cleared = subprocess.run([exe, "calibrate", "--clear"], capture_output=True, text=True, env=env, timeout=600,
                              stdin=subprocess.DEVNULL)  # fmt: skip
-    assert cleared.returncode == 0 and "Removed 1 cached calibration" in " ".join(cleared.stdout.split())
+    assert cleared.returncode == 0 and f"Removed {files} cached calibration" in " ".join(cleared.stdout.split())
     assert not list((env_dir / "calibration").glob("*.json"))
     bad = subprocess.run([exe, "calibrate", "--clear", "--force"], capture_output=True, text=True, env=env,
                          timeout=600, stdin=subprocess.DEVNULL)  # fmt: skip
@@ -234,100 +333,3 @@ def test_a_schedule_asks_for_its_rest_once_it_runs_out():
         policy.observe(picks[-1], 0, 0.5)
     assert picks == [1, 4, 2, 4, 1] and asked == [[(1, 0.5), (4, 0.5)]]  # capped at the given maximum
     assert policy.done
-
-
-def test_the_drafters_floor_tells_a_busy_machines_curve():
-    grid = [1, 2, 3, 4, 6, 8]
-    floor = draft_floor(grid, [2, 8], [1.2, 1.8])
-    assert floor == pytest.approx([0.0, 1.2, 1.3, 1.4, 1.6, 1.8])
-    assert draft_floor([1, 2, 4], [2], [1.0]) == [0.0, 1.0, 1.0] and draft_floor([1], [], []) == [0.0]
-    quiet = [4.5, 6.8, 7.0, 7.3, 7.8, 8.3]  # the demo pair here: T(2) - T(1) = 2.3 ms, its drafter 1.2 ms
-    busy = [7.2, 7.4, 7.5, 7.6, 7.8, 9.2]  # half a core taken 30 ms at a time: blocks look almost free
-    assert plausible(quiet, floor) and with_floor(quiet, floor) == quiet
-    assert not plausible(busy, floor)
-    lifted = with_floor(busy, floor)
-    assert lifted == pytest.approx([7.2, 8.4, 8.5, 8.6, 8.8, 9.2]) and lifted == sorted(lifted)
-    assert plausible(lifted, floor)
-    assert with_floor([5.0, 6.0, 6.1, 6.2], [0.0, 4.4, 1.0, 2.0]) == pytest.approx([5.0, 9.4, 9.4, 9.4])  # monotone
-
-
-def test_a_curve_under_the_drafters_floor_is_measured_again_and_kept_on_it(calibration_cache, setup, monkeypatch):
-    _, _, _, target, proposer = setup
-    grid = grid_for(4)
-    busy = [[0.0072, 0.0073, 0.0074, 0.0075]] * 4  # blocks that look free over a plain step
-    quiet = [[0.0045, 0.0068, 0.0070, 0.0073]] * 4
-    tables = [busy, quiet]
-    monkeypatch.setattr(calibration, "measure", lambda *a, **k: tables.pop(0))
-    monkeypatch.setattr(calibration, "draft_seconds", lambda t, p, blocks: [0.0012 if b == 2 else 0.0016
-                                                                              for b in blocks])
-    curve = cost_curve(target, proposer, 4)
-    assert not tables  # measured twice
-    doc = json.loads(calibration_file(target, proposer, 4).read_text())
-    assert doc["remeasured"] and doc["rounds"] == 8 and doc["draft_seconds"] == {"2": 0.0012, "4": 0.0016}
-    floor = draft_floor(grid, [2, 4], [0.0012, 0.0016])
-    assert all(t >= curve.seconds[0] + d - 1e-12 for t, d in zip(curve.seconds, floor))
-    assert doc["seconds"] == curve.seconds and doc["plausible"] == plausible(curve.seconds, floor)
-
-    calibration.forget_curve()  # busy every time: measured twice, lifted onto the floor, cached
-    tables[:] = [busy, busy]
-    curve = cost_curve(target, proposer, 4, force=True)
-    doc = json.loads(calibration_file(target, proposer, 4).read_text())
-    assert not tables and doc["remeasured"] and not doc["plausible"]
-    assert curve.seconds == pytest.approx([0.0072, 0.0072 + 0.0012, 0.0072 + 0.0014, 0.0072 + 0.0016])
-
-    tables[:] = [quiet, busy]  # a plausible curve is measured once
-    curve = cost_curve(target, proposer, 4, force=True)
-    assert tables == [busy] and curve.seconds == pytest.approx(fitted_curve(grid, quiet))
-    assert not json.loads(calibration_file(target, proposer, 4).read_text())["remeasured"]
-
-
-def test_the_drafter_is_timed_alone_on_a_private_copy(setup):
-    model, tokenizer, draft, target, proposer = setup
-    session = make_session(model, draft)
-    with without_eos(tokenizer) as tok:
-        before = [r.token for r in stream_generate(model, draft, tok, prompt_ids(8), max_tokens=12, block_size=4,
-                                                   session=session)]  # fmt: skip
-        state = [a.tolist() for c in session.proposer.cache for a in c.state]
-        seconds = calibration.draft_seconds(session.target, session.proposer, [2, 16])
-        assert len(seconds) == 2 and 0 < seconds[0] <= seconds[1]
-        assert [a.tolist() for c in session.proposer.cache for a in c.state] == state  # the session's drafter untouched
-        again = [r.token for r in stream_generate(model, draft, tok, prompt_ids(8), max_tokens=12, block_size=4,
-                                                  session=session)]  # fmt: skip
-    assert again == before and session.reused > 0
-
-    class NoFork:
-        layer_ids = ()
-
-    assert calibration.draft_seconds(target, NoFork(), [2, 8]) == [0.0, 0.0]
-
-
-def test_a_setup_seen_before_skips_the_key_until_a_model_changes_in_place(calibration_cache, tiny_pair_dirs,
-                                                                          monkeypatch):
-    """The process remembers which curve a (target, drafter) pair maps to while their facts stand; a target
-    quantized in place is a new setup (its own key and file), not the old curve."""
-    import mlx.nn as nn
-    from mlx_lm import load
-
-    from dflash_mlx import load_draft
-
-    target_dir, draft_dir = tiny_pair_dirs("qwen3")
-    model, _ = load(str(target_dir))  # a private copy: it is changed below
-    session = make_session(model, load_draft(draft_dir, model))
-    target, proposer = session.target, session.proposer
-    first = cost_curve(target, proposer, 4)
-    monkeypatch.setattr(calibration, "calibration_key", lambda *a: pytest.fail("the key was built again"))
-    assert cost_curve(target, proposer, 4) is first
-    monkeypatch.undo()
-    old_file = calibration_file(target, proposer, 4)
-    nn.quantize(model, group_size=32, bits=4)
-    measured = []
-    real = calibration.measure
-    monkeypatch.setattr(calibration, "measure", lambda *a, **k: measured.append(1) or real(*a, **k))
-    second = cost_curve(target, proposer, 4)
-    assert measured and second is not first
-    assert calibration_key(target, proposer, 4)["target"]["bits"] == 4
-    assert calibration_file(target, proposer, 4) != old_file and calibration_file(target, proposer, 4).exists()
-    calibration.forget_curve()  # (clear_calibrations and forget_curve drop it: the next lookup builds the key)
-    monkeypatch.setattr(calibration, "calibration_key", lambda *a: pytest.fail("the key was built again"))
-    with pytest.raises(pytest.fail.Exception):
-        cost_curve(target, proposer, 4)

@@ -26,6 +26,7 @@ draft a run of tokens a row's grammar forces (`structured`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -34,7 +35,7 @@ from ..acceptance import Acceptor
 from ..engine import speculative_cycles
 from ..models.block_size import check_block_size
 from ..policy.adaptive import AdaptiveBlock, adaptive_policy
-from ..policy.calibration import cost_curve
+from ..policy.calibration import cost_model
 from ..policy.estimate import AcceptanceEstimate
 from ..sampling import log_softmax
 from ..session import Session
@@ -92,7 +93,7 @@ class BatchDecoder:
         self.rows: list[BatchRow] = []
         self._cache: list | None = None  # the batch's caches while rows are in it
         self._next_uid = 0
-        self._curves: dict = {}  # max block -> the single-request cost curve of this setup
+        self._costs: dict = {}  # (max block, sampled) -> the single-request cost model of this setup
 
     # -- rows joining and leaving ---------------------------------------------------------------
 
@@ -160,10 +161,11 @@ class BatchDecoder:
         fixed = max_block is not None or self.choice is None
         policy = None
         if not fixed and cap > 1:  # alone, a row chooses as `stream_generate` does (greedy: carrying history)
-            if cap not in self._curves:  # (looking a curve up hashes the models' facts)
-                self._curves[cap] = cost_curve(self.target, session.proposer, cap)
-            policy = adaptive_policy(self.target, session.proposer, cap, carry=acceptor.settings.greedy,
-                                     curve=self._curves[cap])  # fmt: skip
+            sampled = not acceptor.settings.greedy
+            if (cap, sampled) not in self._costs:  # (looking a model up reads the models' facts)
+                self._costs[cap, sampled] = cost_model(self.target, session.proposer, cap, sampled=sampled)
+            policy = adaptive_policy(self.target, session.proposer, cap, carry=not sampled,
+                                     cost=self._costs[cap, sampled], frozen=acceptor.seeded)  # fmt: skip
         row = BatchRow(self._next_uid, session, acceptor, max_tokens, frozenset(stop_tokens), cap, fixed,
                        policy.estimate if policy else AcceptanceEstimate(max(cap - 1, 0)), policy,
                        anchor=tokens[0], position=prompt.size, committed=1)  # fmt: skip
@@ -203,6 +205,7 @@ class BatchDecoder:
         `block_size` forces this step's block (the batch calibration times each)."""
         if not self.rows:
             return []
+        tic = time.perf_counter()
         single = len(self.rows) == 1 and self._cache is None  # one row: its own caches, as served alone
         if block_size is not None:
             b = block_size
@@ -250,10 +253,10 @@ class BatchDecoder:
             row.finish = finish
             out.append(RowTokens(row.uid, tokens, log_softmax(rows[i][: len(tokens)]), min(accepted, len(tokens)),
                                  min(b, row.max_block), finish))  # fmt: skip
-        if b == chosen and single and self.rows[0].policy is not None:  # (policies learn from their own blocks)
-            self.rows[0].policy.observe(b, accepts[0], 0.0)
-        elif b == chosen and self.choice is not None:
-            self.choice.observe(self.rows, b, accepts)
+        if b == chosen and single and self.rows[0].policy is not None:  # (not timed: plain steps not pipelined here)
+            self.rows[0].policy.observe(b, accepts[0], None)
+        elif b == chosen and self.choice is not None:  # (policies learn from their own blocks)
+            self.choice.observe(self.rows, b, accepts, None if block_size is not None else time.perf_counter() - tic)
         if single:
             rollback(cache, record, keep[0])
         else:

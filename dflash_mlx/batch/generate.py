@@ -29,7 +29,7 @@ from ..sampling import SamplingSettings
 from ..session import make_session
 from ..structured import Grammar
 from .block_choice import BatchBlockChoice
-from .calibration import batch_cost
+from .calibration import batch_cost_model
 from .engine import BatchDecoder
 
 ROW_KEYS = {"temperature", "top_p", "top_k", "min_p", "seed", "logits_processors", "max_tokens", "response_format"}
@@ -96,7 +96,7 @@ def batch_decoder(session, block_size: int | str | None) -> BatchDecoder:
         return BatchDecoder(session.target, 1)
     if block_size is None or block_size == "auto":
         largest = default_block_size(session.model, session.draft)
-        return BatchDecoder(session.target, largest, BatchBlockChoice(batch_cost(session, largest), largest))
+        return BatchDecoder(session.target, largest, BatchBlockChoice(batch_cost_model(session, largest), largest))
     if isinstance(block_size, str):
         raise ValueError(f"block_size must be an integer >= 1, None or 'auto', got {block_size!r}.")
     check_block_size(block_size, proposer)

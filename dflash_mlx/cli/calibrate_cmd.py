@@ -1,8 +1,10 @@
 """`dflash-mlx calibrate`: measure (or show) the cost curve the adaptive block size uses.
 
 Shows, per block b, the seconds of one draft/verify cycle on this machine and
-the tokens per cycle a block must commit to beat plain decoding (T(b) / T(1)).
-`--force` measures again; `--clear` deletes every cached calibration.
+the tokens per cycle a block must commit to beat plain decoding (T(b) / T(1)),
+where the curve came from (a calibration, or the loop that corrected it), and
+how far the calibration's rounds agreed (a busy machine's disagree, and are
+not cached). `--force` measures again; `--clear` deletes every cached curve.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ from rich import box
 from rich.table import Table
 
 from ..models.resolve import choose_block_size
-from ..policy.calibration import cached_curve, calibration_dir, calibration_file, clear_calibrations, cost_curve
+from ..policy.calibration import STABLE, calibration_dir, calibration_key, clear_calibrations, cost_model, file_for
 from ..session import make_session
-from .common import DraftOpt, ModelOpt, console, fail, load_models, user_errors
+from ..targets.quantized_kv import kv_quantization
+from .common import (
+    KV_DEFAULTS, DraftOpt, KVBitsOpt, KVGroupSizeOpt, ModelOpt, QuantizedKVStartOpt, console, fail, kv_settings,
+    load_models, user_errors,
+)
 
 
 def calibrate(
@@ -28,6 +34,11 @@ def calibrate(
     force: Annotated[bool, typer.Option("--force", help="Measure again, replacing the cached curve.")] = False,
     clear: Annotated[bool, typer.Option("--clear", help="Delete every cached calibration, then exit.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    sampled: Annotated[bool, typer.Option("--sampled", help="The curve of sampled decoding (temperature > 0), "
+                                          "whose verify is dearer per row than greedy decoding's.")] = False,
+    kv_bits: KVBitsOpt = KV_DEFAULTS["kv_bits"],
+    kv_group_size: KVGroupSizeOpt = KV_DEFAULTS["kv_group_size"],
+    quantized_kv_start: QuantizedKVStartOpt = KV_DEFAULTS["quantized_kv_start"],
 ) -> None:
     """Measure this machine's draft/verify cost per block size (the adaptive block's curve)."""
     if clear:
@@ -39,29 +50,47 @@ def calibrate(
     choice, model_, _, drafter = load_models(model, draft)
     if drafter is None:
         fail(f"{choice.label} has no drafter to calibrate (pass --draft).")
+    kv = kv_quantization(**kv_settings(model_, kv_bits, kv_group_size, quantized_kv_start) or {"kv_bits": None})
     with user_errors():
         largest = choose_block_size(None, choice.entry, model_, drafter).size
     session = make_session(model_, drafter)
     target, proposer = session.target, session.proposer
-    was_cached = not force and cached_curve(target, proposer, largest) is not None
+    path = file_for(calibration_key(target, proposer, largest, kv, sampled=sampled))
     tic = time.perf_counter()
     with console.status("Calibrating…", spinner="dots") if not as_json else nullcontext():
-        curve = cost_curve(target, proposer, largest, force=force)
+        cost = cost_model(target, proposer, largest, kv=kv, sampled=sampled, force=force)
     took = time.perf_counter() - tic
-    path = calibration_file(target, proposer, largest)
+    notes = cost.notes
+    measured = notes.get("measured_at") is not None and not notes.get("read")
+    curve = cost.table
     rows = [{"block": b, "ms_per_cycle": round(1000 * t, 3),
-             "break_even_tokens_per_cycle": round(t / curve.seconds[0], 3)}
-            for b, t in zip(curve.grid, curve.seconds)]  # fmt: skip
+             "break_even_tokens_per_cycle": round(t / curve.line()[0], 3)}
+            for b, t in zip(curve.blocks, curve.line())]  # fmt: skip
+    instability = notes.get("instability")
+    summary = {"model": choice.label, "max_block_size": largest, "sampled": sampled, "cached": not measured,
+               "seconds": round(took, 3), "file": str(path), "source": notes.get("source", "measured"),
+               "instability": instability, "stable": instability is None or instability <= STABLE,
+               "written": path.exists() and (not measured or bool(notes.get("stable"))), "curve": rows}  # fmt: skip
     if as_json:
-        typer.echo(json.dumps({"model": choice.label, "max_block_size": largest, "cached": was_cached,
-                               "seconds": round(took, 3), "file": str(path), "curve": rows}))  # fmt: skip
+        typer.echo(json.dumps(summary))
         return
-    table = Table(title=f"{choice.label}: one draft/verify cycle per block", box=box.SIMPLE_HEAD)
+    title = f"{choice.label}: one {'sampled' if sampled else 'greedy'} draft/verify cycle per block"
+    table = Table(title=title, box=box.SIMPLE_HEAD)
     for col in ("block", "ms / cycle", "tokens/cycle to beat plain"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(str(r["block"]), f"{r['ms_per_cycle']:.2f}", f"{r['break_even_tokens_per_cycle']:.2f}")
     console.print(table)
-    how = "read from the cache" if was_cached else f"measured in {took:.2f} s"
-    console.print(f"[dim]{how}: {path}[/]")
-
+    if instability is not None:
+        agree = (f"its rounds agree on T(b) / T(1) within {instability:.0%} "
+                 f"(a calibration is cached within {STABLE:.0%})")
+    else:
+        agree = "its rounds' agreement was not recorded"
+    if not measured:
+        source = "corrected by the loop's own cycles" if summary["source"] == "learnt" else "as calibrated"
+        console.print(f"[dim]read from the cache ({source}; {agree}): {path}[/]")
+    elif summary["written"]:
+        console.print(f"[dim]measured in {took:.2f} s, {agree}: {path}[/]")
+    else:
+        console.print(f"[yellow]measured in {took:.2f} s, but not cached: {agree}; the machine looks busy. "
+                      "The loop corrects the curve as it runs; or run this again when the machine is quiet.[/]")

@@ -3,8 +3,10 @@
 Before each draft/verify the engine calls `choose(limit)` (limit: the most
 rows allowed, e.g. by max_tokens) and after the cycle's host sync
 `observe(block_size, accepted, seconds)`: the drafts the target accepted (None
-when a stop token cut the cycle) and the seconds since the previous cycle's
-sync (the cycle's cost as the loop sees it). b = 1 is plain decoding.
+when a stop token cut the cycle) and the cycle's cost on the engine's side:
+building and queueing it, waiting for its verdict and taking it in, not the
+caller's work between cycles (None where it is not the cycle's alone, e.g.
+the first cycle, queued with the prefill). b = 1 is plain decoding.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ class BlockPolicy(Protocol):
 
     def choose(self, limit: int) -> int: ...  # 1 <= b <= min(limit, max_block)
 
-    def observe(self, block_size: int, accepted: int | None, seconds: float) -> None: ...
+    def observe(self, block_size: int, accepted: int | None, seconds: float | None) -> None: ...
 
 
 class FixedBlock:
@@ -32,7 +34,7 @@ class FixedBlock:
     def choose(self, limit: int) -> int:
         return max(1, min(self.max_block, limit))
 
-    def observe(self, block_size: int, accepted: int | None, seconds: float) -> None:
+    def observe(self, block_size: int, accepted: int | None, seconds: float | None) -> None:
         pass
 
 
@@ -41,10 +43,10 @@ class ScheduledBlocks:
     given, is asked once for the rest of the schedule when the given one runs out (it sees the
     seconds recorded so far; its blocks must not exceed the given ones)."""
 
-    def __init__(self, schedule: list[int], then: Callable[[list[tuple[int, float]]], list[int]] | None = None):
+    def __init__(self, schedule: list[int], then: Callable[[list[tuple[int, float | None]]], list[int]] | None = None):
         self.schedule = list(schedule)
         self.max_block = max(self.schedule)
-        self.seconds: list[tuple[int, float]] = []  # (block, seconds) in cycle order
+        self.seconds: list[tuple[int, float | None]] = []  # (block, seconds) in cycle order
         self._next = 0
         self._then = then
 
@@ -60,5 +62,5 @@ class ScheduledBlocks:
         self._next += 1
         return max(1, min(b, limit))
 
-    def observe(self, block_size: int, accepted: int | None, seconds: float) -> None:
+    def observe(self, block_size: int, accepted: int | None, seconds: float | None) -> None:
         self.seconds.append((block_size, seconds))

@@ -1,16 +1,22 @@
-"""Measuring the cost curve T(b) on this machine, once, and caching it on disk.
+"""Measuring a setup's cost table on this machine, caching it on disk, and the process's model of it.
 
-`cost_curve(target, proposer, max_block)` returns the curve for this setup
-(the models, their dtypes and quantization, the device, the software): from
-memory, else from `<cache>/calibration/<key>.json`, else measured by running
-the real loop (`engine.speculative_cycles`) on private caches and a private
-copy of the proposer, in timed stretches of each grid block, fitted by `fit`
-and checked against the drafter's own forward. Sharded ranks all take rank 0's
-curve. The design, the cache's location and why each rule: docs/adaptive.md.
+`cost_model(target, proposer, max_block, kv=...)` returns one request's
+`CostModel` for this setup (the models, their dtypes and quantization, the KV
+cache's quantization, the device, the software): this process's, else one
+made from `<cache>/calibration/<key>.json`, else measured by running the real
+loop (`engine.speculative_cycles`) on private caches and a private copy of
+the proposer, in timed stretches of each grid block, fitted by `fit`. The
+batch decoder's table (`batch.calibration`) goes through the same `model_for`:
+the same key (with the decoder), file format, checks and model. A measurement
+whose rounds disagree on the shape (a busy machine) is measured again, and
+one that stays unstable is used but not cached. The model rewrites the file
+when the loop replaces a line. Sharded ranks all take rank 0's curve, which
+does not learn (they must choose the same blocks). Why: docs/adaptive.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -20,22 +26,23 @@ import statistics
 import threading
 import time
 import warnings
-from operator import is_
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from ..models.facts import model_config, model_facts, read_facts
+from ..acceptance import Acceptor
+from ..models.facts import model_facts
 from ..proposers.base import Proposal
+from ..sampling import SamplingSettings
 from ..sharding.group import broadcast_floats
 from ..utils.io import write_json_atomic
 from ..utils.machine import chip, loaded_blas
 from .base import ScheduledBlocks
-from .cost import CostCurve
-from .fit import draft_floor, fitted_curve, plausible, with_floor
+from .cost import CostModel, CostTable
+from .fit import fitted_curve, instability
 
-FORMAT = 7  # bump when what is measured changes (older files are then measured again)
+FORMAT = 8  # bump when what is measured changes (older files are then measured again)
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 ROUNDS = 4  # timed rounds, after a warm-up cycle of each block
 MIN_ROUNDS = 2  # the rounds run whatever the budget
@@ -46,10 +53,10 @@ DRAFT_STRETCH = 3
 SHORT_STRETCH = {1: 6}  # where MIN_ROUNDS rounds of the above would overrun the budget (SHORT_DRAFT_STRETCH)
 SHORT_DRAFT_STRETCH = 2
 PROMPT_TOKENS = 16
-DRAFT_REPEATS = 3  # timed drafter forwards per block, after a warm-up one
+STABLE = 0.25  # rounds whose T(b) / T(1) spread further than this (`fit.instability`) are a busy machine's
+ATTEMPTS = 3  # measurements at most, while they are unstable
 
-_memo: dict[tuple, tuple[str, CostCurve]] = {}  # `_frozen(key)` -> (its digest, curve): a hit hashes no JSON
-_known_setups: dict[tuple, tuple] = {}  # `_setup`'s identity -> (what it was made of, `_frozen(key)`): no key built
+_models: dict[str, CostModel] = {}  # key digest -> this process's model of it
 _lock = threading.Lock()
 
 
@@ -62,9 +69,8 @@ def calibration_dir() -> Path:
 
 
 def clear_calibrations() -> int:
-    """Delete every cached calibration (and forget the in-memory ones); return how many files went."""
-    with _lock:
-        _memo.clear()
+    """Delete every cached calibration (and forget this process's models); return how many files went."""
+    forget()
     removed = 0
     folder = calibration_dir()
     if folder.is_dir():
@@ -74,44 +80,36 @@ def clear_calibrations() -> int:
     return removed
 
 
-def forget_curve(digest: str | None = None) -> None:
-    """Drop this process's copy of the curve cached as `<digest>.json` (None: of every curve): the next
+def forget(digest: str | None = None) -> None:
+    """Drop this process's model of the table cached as `<digest>.json` (None: of every table): the next
     lookup reads the file."""
     with _lock:
-        for memo_key in [k for k, (d, _) in _memo.items() if digest is None or d == digest]:
-            del _memo[memo_key]
+        for key in [k for k in _models if digest is None or k == digest]:
+            del _models[key]
 
 
-def grid_for(max_block: int) -> list[int]:
-    return sorted({b for b in GRID if b < max_block} | {max_block})
+def grid_for(max_block: int, grid=GRID) -> list[int]:
+    return sorted({b for b in grid if b < max_block} | {max_block})
 
 
-def calibration_key(target, proposer, max_block: int) -> dict:
-    """Everything T(b) depends on: the models, the device, the software."""
+def calibration_key(target, proposer, max_block: int, kv=None, decoder: str = "single", sampled: bool = False) -> dict:
+    """Everything the cost table depends on: the models, the KV cache's quantization, the device, the
+    software, the decoder measured (one request's loop, or the batch decoder), and whether cycles sample
+    (a sampled verify's acceptance works on full distributions, row by row: dearer with every row)."""
     group = _group(target)
     return {
         "format": FORMAT,
+        "decoder": decoder,
+        "sampling": "sampled" if sampled else "greedy",
         "target": model_facts(target.model),
         "draft": model_facts(getattr(proposer, "drafter", proposer)) if proposer is not None else None,
         "proposer": type(proposer).__name__,
         "grid": grid_for(max_block),
+        "kv": dataclasses.asdict(kv) if kv is not None else None,
         "device": str(mx.default_device()),
         **_machine_facts(),
         **({"tensor_ranks": group.size(), "rounds": SHARDED_ROUNDS} if group is not None else {}),
     }
-
-
-def _setup(target, proposer, max_block: int) -> tuple | None:
-    """(what identifies this setup within the process, what it was made of: the models' facts, configs and
-    types, which `read_facts` returns as the same objects while the models are unchanged), or None where the
-    key is always built (a proposer that is not a module, a sharded target)."""
-    drafter = getattr(proposer, "drafter", proposer)
-    model = target.model
-    if not isinstance(model, nn.Module) or not isinstance(drafter, nn.Module) or _group(target) is not None:
-        return None
-    made_of = (read_facts(model), read_facts(drafter), model_config(model), model_config(drafter), type(model),
-               type(drafter))
-    return (id(model), id(drafter), type(proposer).__name__, max_block, str(mx.default_device())), made_of
 
 
 def _group(target):
@@ -122,61 +120,142 @@ def _group(target):
 
 @functools.lru_cache(maxsize=1)
 def _machine_facts() -> dict:
-    """What cannot change within a process (read once: every adaptive generation builds a key)."""
+    """What cannot change within a process (read once)."""
     return {"machine": platform.machine(), "system": platform.system(), "chip": chip(),
             "cpu_count": os.cpu_count(), "blas": loaded_blas(), "mlx": mx.__version__}  # fmt: skip
 
 
-def _frozen(value):
-    """`value` (a calibration key) made hashable: dicts and lists as tuples, in their order."""
-    if isinstance(value, dict):
-        return tuple((k, _frozen(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
-    return value
-
-
-def _digest(key: dict) -> str:
+def digest(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def _read(path: Path, key: dict) -> CostCurve | None:
-    """The cached curve, or None when the file is missing, unreadable, or for another key."""
+def file_for(key: dict) -> Path:
+    return calibration_dir() / f"{digest(key)}.json"
+
+
+def read_table(key: dict) -> tuple[CostTable, dict] | None:
+    """The cached table for `key` and its file's document, or None when the file is missing, unreadable,
+    or for another key."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(file_for(key).read_text(encoding="utf-8"))
         if doc.get("key") != json.loads(json.dumps(key, default=str)):
             return None
-        return CostCurve([int(b) for b in doc["grid"]], [float(t) for t in doc["seconds"]])
+        return CostTable(doc["blocks"], doc["seconds"], doc["rows"]), doc
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-class _DummyDrafts:
-    """Free drafts (zeros) for timing a proposer that cannot be forked: the verify's cost only."""
-
-    layer_ids: tuple[int, ...] = ()
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-
-    def start(self, *args, **kwargs) -> None:  # (target, prompt, reused): nothing to ingest, as add_context
-        pass
-
-    add_context = start
-
-    def state(self) -> list:
-        return []
-
-    def propose(self, anchor, position, count, *, sampling=None, key=None) -> Proposal:
-        return Proposal(tokens=mx.zeros((count,), mx.int32))
+def write_table(key: dict, table: CostTable, notes: dict) -> bool:
+    """Cache `table` for `key` (atomically), with `notes`; False (and a warning) where it cannot be written."""
+    path = file_for(key)
+    doc = {**notes, "key": key, "rows": list(table.rows), "blocks": list(table.blocks),
+           "seconds": [list(line) for line in table.seconds]}  # fmt: skip
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, json.loads(json.dumps(doc, default=str)))
+        return True
+    except OSError as e:  # e.g. a read-only cache directory: keep the table for this process only
+        warnings.warn(f"Cannot cache the block-size calibration in {path.parent}: {e}", stacklevel=3)
+        return False
 
 
-def measure(target, proposer, grid: list[int], rounds: int = ROUNDS,
-            budget: float | None = BUDGET_SECONDS) -> list[list[float]]:  # fmt: skip
+def model_for(key: dict, measure: Callable[[], tuple[CostTable, dict]], *, force: bool = False,
+              group=None) -> CostModel:  # fmt: skip
+    """This process's model of `key`'s table: made from the cached file, else from `measure()` (its table
+    and notes, `instability` among them; measured again while unstable, ATTEMPTS at most, and cached
+    only once stable). `force`: measure again. `group`: sharded ranks, which take rank 0's table."""
+    name = digest(key)
+    with _lock:
+        if name in _models and not force:
+            return _models[name]
+        leader = group is None or group.rank() == 0
+        found = None if force or not leader else read_table(key)
+        if group is not None:
+            model = _follow_the_leader(key, group, found, measure)
+        elif found is not None:
+            table, doc = found
+            model = _learning(key, table, learns=doc.get("learns", True) is not False,
+                              confirmed=doc.get("source") == "learnt")  # fmt: skip
+            model.notes = {**{k: v for k, v in doc.items() if k not in ("key", "rows", "blocks", "seconds")},
+                           "read": True}  # fmt: skip
+        else:
+            table, notes = _measured(measure)
+            if notes["stable"]:
+                write_table(key, table, notes)
+            model = _learning(key, table)  # (an unstable one is cached once the loop confirms it)
+            model.notes = notes
+        _models[name] = model
+        return model
+
+
+def _measured(measure) -> tuple[CostTable, dict]:
+    """The most stable of up to ATTEMPTS measurements (stopping at the first stable one)."""
+    tic, best = time.perf_counter(), None
+    for attempt in range(1, ATTEMPTS + 1):
+        table, notes = measure()
+        if best is None or notes["instability"] < best[1]["instability"]:
+            best = (table, notes)
+        if notes["instability"] <= STABLE:
+            break
+    table, notes = best
+    return table, {**notes, "stable": notes["instability"] <= STABLE, "attempts": attempt,
+                   "calibration_seconds": round(time.perf_counter() - tic, 3), "measured_at": time.time(),
+                   "source": "measured"}  # fmt: skip
+
+
+def _learning(key: dict, table: CostTable, learns: bool = True, confirmed: bool = False) -> CostModel:
+    """A model of `key`'s table that rewrites its file when the loop replaces a line or first confirms it
+    (unless `confirmed`: the file is a loop's already)."""
+    writing = threading.Lock()
+
+    def rewrite(replaced: CostTable, notes: dict) -> None:
+        with writing:
+            write_table(key, replaced, {"source": "learnt", "learnt_at": time.time(), **notes})
+
+    return CostModel(table, learns=learns, on_replace=rewrite, confirmed=confirmed)
+
+
+def _follow_the_leader(key: dict, group, found, measure) -> CostModel:
+    """Sharded ranks: rank 0's cached table, or the one they all measure (rank 0's fit), which never learns
+    (every rank must choose the same blocks)."""
+    leader = group.rank() == 0
+    blocks = key["grid"]
+    if broadcast_floats(group, [float(found is not None)] if leader else None, 1)[0] > 0:
+        seconds = broadcast_floats(group, list(found[0].line()) if leader else None, len(blocks))
+        return CostModel(CostTable.curve(blocks, seconds), learns=False)
+    table, notes = measure()
+    seconds = broadcast_floats(group, list(table.line()) if leader else None, len(blocks))
+    table = CostTable.curve(blocks, seconds)
+    if leader:
+        write_table(key, table, {**notes, "source": "measured", "measured_at": time.time()})
+    return CostModel(table, learns=False)
+
+
+# ------------------------------------------------------------------ one request's curve, by the engine
+
+
+def cost_model(target, proposer, max_block: int, *, kv=None, sampled: bool = False, force: bool = False) -> CostModel:
+    """This setup's model of T(b) up to `max_block` for greedy or `sampled` cycles (measured at first use,
+    then cached; `force`: measure again, replacing the cached one once stable)."""
+    key = calibration_key(target, proposer, max_block, kv, sampled=sampled)
+    group = _group(target)
+
+    def measure_curve() -> tuple[CostTable, dict]:
+        table = measure(target, proposer, key["grid"], rounds=SHARDED_ROUNDS if group else ROUNDS,
+                        budget=None if group else BUDGET_SECONDS, kv=kv, sampled=sampled)  # fmt: skip
+        return CostTable.curve(key["grid"], fitted_curve(key["grid"], table)), {
+            "rounds": len(table), "instability": round(instability(key["grid"], table), 4)}
+
+    return model_for(key, measure_curve, force=force, group=group)
+
+
+def measure(target, proposer, grid: list[int], rounds: int = ROUNDS, budget: float | None = BUDGET_SECONDS,
+            kv=None, sampled: bool = False) -> list[list[float]]:  # fmt: skip
     """Seconds per cycle at each grid block, one row per round (after a warm-up cycle of each block),
     measured by the loop itself on private state. Once MIN_ROUNDS rounds are done, no round starts
     that would end after `budget` seconds (`another_round`; None: all `rounds`, as sharded ranks must
-    run the same cycles)."""
+    run the same cycles). `kv`: the KV cache quantized as from the first position on; `sampled`: cycles
+    sampling at temperature 1 (drafts sampled too)."""
     from ..engine import speculative_cycles  # the engine imports this package
     from ..session import Session
 
@@ -185,14 +264,17 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS,
     began = time.perf_counter()
     one_round: list[int] = []
 
-    def after_warm_up(seconds: list[tuple[int, float]]) -> list[int]:
+    def after_warm_up(seconds: list[tuple[int, float | None]]) -> list[int]:
         stretch = stretches(grid, [t for _, t in seconds], budget, time.perf_counter() - began)
         one_round.extend(b for b in grid for _ in range(stretch[b]))
         return one_round * rounds
 
     policy = ScheduledBlocks(list(grid), then=after_warm_up)
-    cycles = speculative_cycles(target, _prompt(target), private, max_tokens=-1, block_size=policy,
-                                session=Session(target, private))  # fmt: skip
+    prompt = _prompt(target)
+    acceptor = Acceptor(SamplingSettings(temperature=1.0 if sampled else 0.0), prompt, seed=0 if sampled else None)
+    cycles = speculative_cycles(target, prompt, private, max_tokens=-1, block_size=policy, acceptor=acceptor,
+                                session=Session(target, private),
+                                kv=dataclasses.replace(kv, start=0) if kv is not None else None)  # fmt: skip
     last_end = began  # when the warm-up or the last round ended (each cycle is handed out once)
     try:
         for _ in cycles:
@@ -217,22 +299,24 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS,
         samples: dict[int, list[float]] = {b: [] for b in grid}
         start = len(grid) + r * per_round
         for (b, seconds), t in zip(policy.seconds[start : start + per_round], timed):
-            if t:
+            if t and seconds is not None:
                 samples[b].append(seconds)
         table.append([statistics.median(samples[b]) for b in grid])
     return table
 
 
-def stretches(grid: list[int], warm_up: list[float], budget: float | None, elapsed: float) -> dict[int, int]:
+def stretches(grid: list[int], warm_up: list, budget: float | None, elapsed: float) -> dict[int, int]:
     """Cycles per stretch at each grid block: STRETCH and DRAFT_STRETCH, or the shorter SHORT_STRETCH and
     SHORT_DRAFT_STRETCH where MIN_ROUNDS rounds of the longer ones, judged by the warm-up cycle of each
-    block (`warm_up`, seconds in grid order), would end after `budget` (a large model, a slow machine:
-    its cycles are long, so a moment's jitter weighs less in each). None: the longer ones (sharded ranks
-    must run the same cycles)."""
+    block (`warm_up`, seconds in grid order; None where untimed), would end after `budget` (a large model,
+    a slow machine: its cycles are long, so a moment's jitter weighs less in each). None: the longer ones
+    (sharded ranks must run the same cycles)."""
     long = {b: STRETCH.get(b, DRAFT_STRETCH) for b in grid}
-    if budget is None or len(warm_up) < len(grid):
+    known = [(b, t) for b, t in zip(grid, warm_up) if t is not None]
+    if budget is None or len(warm_up) < len(grid) or not known:
         return long
-    if elapsed + MIN_ROUNDS * sum(long[b] * t for b, t in zip(grid, warm_up)) <= budget:
+    typical = statistics.median(t for _, t in known)
+    if elapsed + MIN_ROUNDS * sum(long[b] * (t if t is not None else typical) for b, t in zip(grid, warm_up)) <= budget:
         return long
     return {b: SHORT_STRETCH.get(b, SHORT_DRAFT_STRETCH) for b in grid}
 
@@ -248,104 +332,21 @@ def _prompt(target) -> mx.array:
     return mx.array([(7919 * i + 13) % vocab for i in range(PROMPT_TOKENS)], mx.int32)
 
 
-def draft_seconds(target, proposer, blocks: list[int]) -> list[float]:
-    """Seconds of one drafter forward at each block in `blocks` (ascending; proposing b - 1 tokens),
-    timed alone on a private fork holding a short context: the least of DRAFT_REPEATS after a warm-up
-    (a floor wants what the forward costs, not what a busy moment adds), never more than a larger
-    block's. Zeros for a proposer that cannot be forked."""
-    from ..engine import speculative_cycles
-    from ..session import Session
+class _DummyDrafts:
+    """Free drafts (zeros) for timing a proposer that cannot be forked: the verify's cost only."""
 
-    fork = getattr(proposer, "fork", None)
-    if not callable(fork):
-        return [0.0] * len(blocks)
-    private = fork()
-    session = Session(target, private)
-    for _ in speculative_cycles(target, _prompt(target), private, max_tokens=2, block_size=max(blocks),
-                                session=session):  # fmt: skip
-        pass  # the prompt and one cycle: the drafter's context ends where the caches do
-    position, anchor = len(session.tokens), mx.array([session.tokens[-1]], mx.int32)
-    out = []
-    for b in blocks:
-        times = []
-        for _ in range(DRAFT_REPEATS + 1):
-            tic = time.perf_counter()
-            mx.eval(private.propose(anchor, position, b - 1).tokens)
-            times.append(time.perf_counter() - tic)
-        out.append(min(times[1:]))
-    return [min(out[i:]) for i in range(len(out))]
+    layer_ids: tuple[int, ...] = ()
 
+    def __init__(self, block_size: int):
+        self.block_size = block_size
 
-def calibration_file(target, proposer, max_block: int) -> Path:
-    """Where this setup's calibration is cached."""
-    return calibration_dir() / f"{_digest(calibration_key(target, proposer, max_block))}.json"
+    def start(self, *args, **kwargs) -> None:  # (target, prompt, reused): nothing to ingest, as add_context
+        pass
 
+    add_context = start
 
-def cached_curve(target, proposer, max_block: int) -> CostCurve | None:
-    """This setup's valid cached calibration, or None (nothing is measured)."""
-    return _read(calibration_file(target, proposer, max_block), calibration_key(target, proposer, max_block))
+    def state(self) -> list:
+        return []
 
-
-def _checked(target, proposer, grid: list[int], table: list[list[float]]) -> tuple[list[float], dict]:
-    """The fitted curve of `table`, measured again (rounds pooled) when it breaks the drafter's floor
-    and kept on the floor; and what the cache file records about it."""
-    timed = sorted({min(2, grid[-1]), grid[-1]} - {1})
-    drafts = draft_seconds(target, proposer, timed) if timed else []
-    floor = draft_floor(grid, timed, drafts)
-    seconds = fitted_curve(grid, table)
-    first_plausible = plausible(seconds, floor)
-    if not first_plausible:
-        table = table + measure(target, proposer, grid)
-        seconds = fitted_curve(grid, table)
-    notes = {"rounds": len(table), "draft_seconds": dict(zip(map(str, timed), drafts)),
-             "remeasured": not first_plausible, "plausible": plausible(seconds, floor)}  # fmt: skip
-    return with_floor(seconds, floor), notes
-
-
-def cost_curve(target, proposer, max_block: int, *, force: bool = False) -> CostCurve:
-    """This setup's calibrated curve up to `max_block` (measured at first use, then cached;
-    `force`: measure again and replace the cached one)."""
-    setup = _setup(target, proposer, max_block)
-    known = _known_setups.get(setup[0]) if setup is not None and not force else None
-    if known is not None and all(map(is_, known[0], setup[1])):  # (held there: no id is reused)
-        found = _memo.get(known[1])  # (gone after clear_calibrations or forget_curve)
-        if found is not None:
-            return found[1]
-    key = calibration_key(target, proposer, max_block)
-    memo_key = _frozen(key)
-    with _lock:
-        if setup is not None:
-            _known_setups[setup[0]] = (setup[1], memo_key)
-        if memo_key in _memo and not force:
-            return _memo[memo_key][1]
-        digest = _digest(key)
-        path = calibration_dir() / f"{digest}.json"
-        group = _group(target)
-        leader = group is None or group.rank() == 0
-        curve = None if force or not leader else _read(path, key)
-        if group is not None:  # the ranks follow rank 0: its cached curve, or one they all measure
-            found = broadcast_floats(group, [float(curve is not None)] if leader else None, 1)[0] > 0
-            if found:
-                curve = CostCurve(list(key["grid"]), broadcast_floats(group, curve.seconds if leader else None,
-                                                                      len(key["grid"])))  # fmt: skip
-        if curve is None:
-            tic = time.perf_counter()
-            grid = key["grid"]
-            if group is None:
-                table = measure(target, proposer, grid)
-                seconds, checked = _checked(target, proposer, grid, table)
-            else:
-                table = measure(target, proposer, grid, rounds=SHARDED_ROUNDS, budget=None)
-                seconds = broadcast_floats(group, fitted_curve(grid, table) if leader else None, len(grid))
-                checked = {"rounds": len(table)}
-            curve = CostCurve(list(grid), seconds)
-            doc = {"key": key, "grid": curve.grid, "seconds": curve.seconds, **checked,
-                   "calibration_seconds": round(time.perf_counter() - tic, 3), "measured_at": time.time()}  # fmt: skip
-            try:
-                if leader:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    write_json_atomic(path, json.loads(json.dumps(doc, default=str)))
-            except OSError as e:  # e.g. a read-only cache directory: keep the curve for this process only
-                warnings.warn(f"Cannot cache the block-size calibration in {path.parent}: {e}", stacklevel=2)
-        _memo[memo_key] = (digest, curve)
-        return curve
+    def propose(self, anchor, position, count, *, sampling=None, key=None) -> Proposal:
+        return Proposal(tokens=mx.zeros((count,), mx.int32))

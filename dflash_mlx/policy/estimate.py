@@ -3,11 +3,14 @@
 Draft position k is accepted with probability a_k given that drafts 0..k-1
 were; each position keeps exponentially discounted counts plus a prior, weak
 and optimistic without a history (PRIOR_RATE), else the drafter's long-run
-rates (`learnt`). E(b) = 1 + sum_{k=1}^{b-1} prod_{j<k} a_j is what a cycle at
-block b is expected to commit. Why the priors are what they are: docs/adaptive.md.
+rates (`priors`, from `adaptive.DrafterHistory`). E(b) = 1 + sum_{k=1}^{b-1}
+prod_{j<k} a_j is what a cycle at block b is expected to commit. Why the
+priors are what they are: docs/adaptive.md.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 PRIOR_RATE = 0.8  # DFlash drafters accept ~5 of 15 drafts in distribution: optimistic, quickly corrected
 PRIOR_WEIGHT = 0.5  # pseudo-observations behind the prior (a useless drafter's floor: 0.4 / 20.5, 2%)
@@ -19,22 +22,19 @@ LEARNT_PRIOR_WEIGHT = 2.0  # pseudo-observations behind the history's own prior 
 
 class AcceptanceEstimate:
     def __init__(self, positions: int, prior: float = PRIOR_RATE, weight: float = PRIOR_WEIGHT,
-                 discount: float = DISCOUNT, learnt: AcceptanceEstimate | None = None):  # fmt: skip
-        """`learnt`: the drafter's long-run estimate (`learnt_estimate`): its rates are this
-        estimate's priors (weighing LEARNT_WEIGHT cycles) and it observes what this one observes."""
+                 discount: float = DISCOUNT, priors: list[float] | None = None,
+                 record: Callable[[int, int], None] | None = None):  # fmt: skip
+        """`priors`: per position, the drafter's long-run rates (`DrafterHistory`), each weighing
+        LEARNT_WEIGHT cycles, instead of the fixed prior; `record(drafted, accepted)` is told every
+        observation (the history's)."""
         if positions < 0:
             raise ValueError(f"positions must be >= 0, got {positions}.")
         self.prior, self.weight, self.discount = prior, weight, discount
         self.accepted = [0.0] * positions  # discounted successes per position
-        self.version = 0  # counts the changes to the rates (observations, softening, growth)
         self.seen = [0.0] * positions  # discounted observations per position
-        self.learnt = learnt
-        self._priors: list[float] | None = None  # per position: the history's rates when this one began
-        self._prior_weights: list[float] = []  # theirs, discounted like observations of the position
-        if learnt is not None:
-            learnt.grow(positions)
-            self._priors = learnt.rates()
-            self._prior_weights = [LEARNT_WEIGHT] * positions
+        self.record = record
+        self._priors = list(priors[:positions]) + [prior] * (positions - len(priors)) if priors is not None else None
+        self._prior_weights = [LEARNT_WEIGHT] * positions if priors is not None else []
 
     @property
     def positions(self) -> int:
@@ -42,28 +42,28 @@ class AcceptanceEstimate:
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A cycle offered `drafted` drafts and the target accepted the first `accepted`."""
-        self.version += 1
         for k in range(min(drafted, accepted + 1, self.positions)):
             self.seen[k] = self.seen[k] * self.discount + 1.0
             self.accepted[k] = self.accepted[k] * self.discount + (1.0 if k < accepted else 0.0)
             if self._priors is not None:
                 self._prior_weights[k] *= self.discount
-        if self.learnt is not None:
-            self.learnt.observe(drafted, accepted)
+        if self.record is not None:
+            self.record(drafted, accepted)
 
     def grow(self, positions: int) -> None:
         """Make room for `positions` positions (new ones unobserved)."""
         extra = positions - self.positions
         if extra > 0:
-            self.version += 1
             self.accepted += [0.0] * extra
             self.seen += [0.0] * extra
+            if self._priors is not None:
+                self._priors += [self.prior] * extra
+                self._prior_weights += [LEARNT_WEIGHT] * extra
 
     def soften(self, factor: float) -> None:
         """Weigh the whole history by `factor` (before a probe, after a long pause): the observed
         positions' priors from the drafter's history too, so the rates stand and only their weight
         falls (the next observations count more; a rate does not drift back to its prior)."""
-        self.version += 1
         for k in range(self.positions):
             self.seen[k] *= factor
             self.accepted[k] *= factor
@@ -97,5 +97,5 @@ class AcceptanceEstimate:
 
 
 def learnt_estimate(positions: int) -> AcceptanceEstimate:
-    """A drafter's long-run history (the `learnt` of its generations' estimates)."""
+    """A drafter's long-run acceptance (the `priors` of its generations' estimates)."""
     return AcceptanceEstimate(positions, weight=LEARNT_PRIOR_WEIGHT, discount=LEARNT_DISCOUNT)

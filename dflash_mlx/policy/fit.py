@@ -1,11 +1,11 @@
 """Turning noisy cycle times into a cost curve T(b): robust levels, monotone, affine past b = 1.
 
-`fitted_curve` takes the calibration's rounds x blocks table: a median polish
-of its logarithms (`polished`: a round's drift cancels), made non-decreasing
-(`non_decreasing`), a least-squares line from b = 2 on unless it misses a
-point by more than AFFINE_TOLERANCE (`affine_past_one`). `plausible` and
-`with_floor` hold the curve to the physical floor T(b) >= T(1) + D(b), D(b)
-the drafter forward timed alone (a busy machine breaks it). Why: docs/adaptive.md.
+`fitted_curve` takes a calibration's rounds x blocks table (one line of a
+cost table): a median polish of its logarithms (`polished`: a round's drift
+cancels), made non-decreasing (`non_decreasing`), a least-squares line from
+b = 2 on unless it misses a point by more than AFFINE_TOLERANCE
+(`affine_past_one`). `instability` says how much the shape rests on any one
+round (a busy machine's rounds disagree). Why: docs/adaptive.md.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import math
 import statistics
 
 POLISH_SWEEPS = 6
-FLOOR_MARGIN = 0.5  # share of a drafter forward a block must cost over a plain step to be plausible
 AFFINE_TOLERANCE = 0.2  # largest relative miss of the line before the measured shape is kept
 
 
@@ -70,33 +69,15 @@ def fitted_curve(grid: list[int], table: list[list[float]]) -> list[float]:
     return non_decreasing(affine_past_one(grid, non_decreasing(polished(table))))
 
 
-def draft_floor(grid: list[int], blocks: list[int], seconds: list[float]) -> list[float]:
-    """D(b) at every grid block from drafter forwards timed at `blocks` (ascending, >= 2): 0 at b = 1,
-    linear in b between the timed blocks (a forward's rows grow with b), flat beyond them."""
-    out = []
-    for b in grid:
-        if b < 2 or not blocks:
-            out.append(0.0)
-            continue
-        b = min(max(b, blocks[0]), blocks[-1])
-        i = next(i for i, timed in enumerate(blocks) if b <= timed)
-        if i == 0:
-            out.append(seconds[0])
-        else:
-            lo, hi = blocks[i - 1], blocks[i]
-            out.append(seconds[i - 1] + (seconds[i] - seconds[i - 1]) * (b - lo) / (hi - lo))
-    return out
-
-
-def plausible(seconds: list[float], floor: list[float]) -> bool:
-    """Whether every block costs at least FLOOR_MARGIN of its drafter forward more than a plain step."""
-    return all(t - seconds[0] >= FLOOR_MARGIN * d for t, d in zip(seconds[1:], floor[1:]))
-
-
-def with_floor(seconds: list[float], floor: list[float]) -> list[float]:
-    """`seconds` lifted to T(1) + D(b) where below it, and to the largest smaller block's time (a noisy
-    D must not make a larger block look cheaper)."""
-    out = [seconds[0]]
-    for t, d in zip(seconds[1:], floor[1:]):
-        out.append(max(t, seconds[0] + d, out[-1]))
-    return out
+def instability(grid: list[int], table: list[list[float]]) -> float:
+    """How much the fitted curve's shape rests on any one round of a rounds x blocks table: the largest
+    change of a block's T(b) / T(1) when one round is left out (a busy machine's rounds disagree, and a
+    moment's stall in one round does not count, as the fit's medians ignore it). 0 for one round."""
+    if len(table) < 2 or len(grid) < 2:
+        return 0.0
+    whole = fitted_curve(grid, table)
+    worst = 0.0
+    for r in range(len(table)):
+        part = fitted_curve(grid, table[:r] + table[r + 1 :])
+        worst = max(worst, max(abs(math.log(p / part[0]) - math.log(w / whole[0])) for p, w in zip(part, whole)))
+    return math.exp(worst) - 1.0

@@ -4,9 +4,10 @@ On this CPU the bundled pair in bfloat16 (as mlx-lm's loader leaves it) costs
 T(8) ~ 5 T(1): no block beats plain decoding, so the adaptive block rightly
 never drafts. Tests that show the plugin drafting write the curve of a machine
 where verifying a block costs little more than one token (a Mac's shape) with
-the calibration's own key, so the curve is what the policy reads. The tiny
-test pairs' drafting likewise depends on how this machine's calibration turns
-out under load; tests whose point is that drafts are accepted use this curve.
+the calibration's own key and `"learns": false`, so the curve is what the
+policy reads and the loop's own timing does not correct it. The tiny test
+pairs' drafting likewise depends on how this machine's calibration turns out
+under load; tests whose point is that drafts are accepted use this curve.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from dflash_mlx.models.block_size import default_block_size
 from dflash_mlx.policy import calibration
-from dflash_mlx.policy.calibration import calibration_file, calibration_key, grid_for
+from dflash_mlx.policy.calibration import calibration_key, file_for, grid_for
 from dflash_mlx.session import make_session
 from dflash_mlx.utils.io import write_json_atomic
 
@@ -28,10 +29,10 @@ def write_cheap_blocks_curve(model, draft, per_token: float = 0.02) -> str:
     max_block = default_block_size(model, draft)
     grid = grid_for(max_block)
     key = calibration_key(session.target, session.proposer, max_block)
-    path = calibration_file(session.target, session.proposer, max_block)
+    path = file_for(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     seconds = [0.005 * (1 + per_token * (b - 1)) for b in grid]
-    doc = {"key": key, "grid": grid, "seconds": seconds, "calibration_seconds": 0.0, "measured_at": 0.0}
+    doc = {"key": key, "rows": [1], "blocks": grid, "seconds": [seconds], "learns": False, "source": "measured"}
     write_json_atomic(path, json.loads(json.dumps(doc, default=str)))  # (as the calibration writes its own)
     forget_curve(path)
     return str(path)
@@ -40,4 +41,4 @@ def write_cheap_blocks_curve(model, draft, per_token: float = 0.02) -> str:
 def forget_curve(path) -> None:
     """Drop this process's in-memory copy of the curve cached at `path` (its name is the key's digest),
     so the next lookup reads the file: before a test that wrote one, and after it."""
-    calibration.forget_curve(Path(path).stem)
+    calibration.forget(Path(path).stem)
