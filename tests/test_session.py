@@ -274,6 +274,8 @@ def test_the_draft_sampling_choice_belongs_to_its_call(tiny_pair):
 
     spy = Spy(draft)
     session = make_session(model, spy)
+    # the first sampled call measures the sampled cost curve, with sampled drafts from a fork of the spy
+    list(stream_generate(model, spy, tokenizer, "the cat", max_tokens=2, temperature=0.8, seed=1, session=session))
     for choice, sampled in (("argmax", False), (None, True), ("sample", True), ("argmax", False), (None, True)):
         seen.clear()
         list(stream_generate(model, spy, tokenizer, "the cat", max_tokens=12, temperature=0.8, seed=1,

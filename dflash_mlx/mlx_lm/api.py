@@ -252,8 +252,11 @@ def _dflash(model, tokenizer, prompt, max_tokens, draft, *, sampler=None, logits
     if logits_processors and earlier:
         # mlx-lm's processors see the tokens of this call only, not the cached ones.
         logits_processors = [_skipping(p, len(earlier)) for p in logits_processors]
+    # mlx-lm's sampling draws from MLX's global generator, which a script seeds for reproducible output:
+    # the seed is taken from it here, so the run counts as seeded (its blocks follow no timing)
+    seed = None if settings.greedy else int(mx.random.randint(0, 2**31 - 1, ()).item())
     responses = dflash_stream_generate(
-        model, draft, tokenizer, earlier + ids, max_tokens=max_tokens,
+        model, draft, tokenizer, earlier + ids, max_tokens=max_tokens, seed=seed,
         block_size=None if num_draft_tokens is None else num_draft_tokens + 1,
         temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p,
         logits_processors=logits_processors, prefill_step_size=prefill_step_size,
