@@ -234,14 +234,15 @@ def test_bench_report_is_consistent(pair_dirs, tmp_path):
 
 def test_bench_multi_turn_dataset_and_errors(pair_dirs, tmp_path):
     target, draft = pair_dirs
-    out = tmp_path / "mt.json"
-    r = invoke("bench", "--model", target, "--draft", draft, "--dataset", "mt-bench", "--num-prompts", 1,
-               "--max-tokens", 6, "--out", out)  # fmt: skip
-    assert r.exit_code == 0, r.output
-    doc = json.loads(out.read_text())
-    assert doc["prompts"][0]["turns"] == 2 and len(doc["prompts"][0]["text"]) == 2
+    for dataset, turns in (("mt-bench", 2), ("edit", 3)):
+        out = tmp_path / f"{dataset}.json"
+        r = invoke("bench", "--model", target, "--draft", draft, "--dataset", dataset, "--num-prompts", 1,
+                   "--max-tokens", 6, "--out", out)  # fmt: skip
+        assert r.exit_code == 0, r.output
+        doc = json.loads(out.read_text())
+        assert doc["prompts"][0]["turns"] == turns and len(doc["prompts"][0]["text"]) == turns
     bad = invoke("bench", "--model", target, "--draft", draft, "--dataset", "mmlu")
-    assert bad.exit_code == 2 and "--dataset: expected one of gsm8k, humaneval, mt-bench" in bad.stderr
+    assert bad.exit_code == 2 and "--dataset: expected one of gsm8k, humaneval, mt-bench, edit" in bad.stderr
     bad = invoke("bench", "--model", target, "--draft", draft, "--baseline", "mlx-lm-draft")
     assert bad.exit_code == 2 and "--draft-model" in bad.stderr
 

@@ -71,3 +71,26 @@ def test_long_gsm8k_conversations_reach_their_length(demo):
         assert 1600 <= len(tokenizer.encode(text)) < 2048  # within the demo target's context
         assert [m["role"] for m in chat] == ["user", "assistant"] * (len(chat) // 2) + ["user"]
         assert all("\\boxed{" in m["content"] for m in chat if m["role"] == "assistant")
+
+
+def test_the_edit_workload_repeats_its_context(demo):
+    """`--dataset edit`: a question, that question with a number changed, then that one again; with the
+    leg's own replies fed back, the demo target's later replies re-emit much of their context."""
+    from dflash_mlx.datasets import with_a_number_changed
+    from dflash_mlx.proposers.lookup import LookupIndex
+
+    model, tokenizer, _ = demo
+    conversation = sample("edit", 1)[0]
+    assert len(conversation) == 3 and conversation[1] == conversation[2] == with_a_number_changed(conversation[0])
+    assert conversation[1] != conversation[0]
+    messages, found = [], 0
+    for turn in conversation:
+        messages.append({"role": "user", "content": turn})
+        prompt = render(tokenizer, messages)
+        reply = [r.token for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=64)]
+        index = LookupIndex(tokenizer.encode(prompt))
+        for token in reply:  # tokens a lookup in the context so far proposes first
+            found += index.propose(1) == [token]
+            index.extend([token])
+        messages.append({"role": "assistant", "content": tokenizer.decode(reply)})
+    assert found >= 0.4 * 3 * 64

@@ -1,10 +1,13 @@
-"""Benchmark prompts packaged with dflash-mlx (GSM8K test, HumanEval, MT-Bench), and long GSM8K conversations.
+"""Benchmark prompts packaged with dflash-mlx (GSM8K test, HumanEval, MT-Bench, edit), and long GSM8K conversations.
 
 The files are copies of the public datasets with their licences alongside
 (LICENSE.*). Prompt formats follow upstream DFlash's benchmarks: GSM8K asks for
 step-by-step reasoning and a boxed answer, HumanEval for a solution that passes
 the tests, MT-Bench is multi-turn (each later turn sees the model's own earlier
-replies). Samples are shuffled with a fixed seed (42) so every run and every
+replies). `edit` is a workload whose replies repeat their context, built from
+GSM8K: a question, the same question with one number changed, then that one
+again (a regenerated answer), so the later replies re-emit much of the
+earlier ones (what copy-aware drafting is for). Samples are shuffled with a fixed seed (42) so every run and every
 machine benchmarks the same prompts.
 """
 
@@ -16,7 +19,7 @@ import random
 import re
 from importlib import resources
 
-DATASETS = ("gsm8k", "humaneval", "mt-bench")
+DATASETS = ("gsm8k", "humaneval", "mt-bench", "edit")
 SEED = 42
 GSM8K_FORMAT = "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 HUMANEVAL_FORMAT = (
@@ -40,7 +43,15 @@ def conversations(dataset: str) -> list[list[str]]:
         return [[HUMANEVAL_FORMAT.format(prompt=row["prompt"].strip())] for row in _lines("HumanEval.jsonl.gz")]
     if dataset == "mt-bench":
         return [list(row["turns"]) for row in _lines("mt_bench_questions.jsonl")]
+    if dataset == "edit":
+        questions = [GSM8K_FORMAT.format(question=row["question"]) for row in _lines("gsm8k_test.jsonl")]
+        return [[q, changed, changed] for q in questions if (changed := with_a_number_changed(q)) != q]
     raise ValueError(f"--dataset: expected one of {', '.join(DATASETS)}, got {dataset!r}.")
+
+
+def with_a_number_changed(text: str) -> str:
+    """`text` with its first number one larger (unchanged when it has none)."""
+    return re.sub(r"\d+", lambda m: str(int(m.group()) + 1), text, count=1)
 
 
 def sample(dataset: str, num_prompts: int, seed: int = SEED) -> list[list[str]]:
