@@ -5,7 +5,9 @@ a few changes, a quoted tool result, a JSON object echoed with one field
 changed). `LookupIndex` holds the token sequence so far (prompt, conversation,
 output) and proposes what followed the longest suffix of it (at least
 `min_match` tokens) where that suffix occurred before: most recent occurrence
-first, cut at `limit` tokens. It is incremental: each token appended indexes
+first, cut at `limit` tokens; a continuation that reaches the end of the
+sequence goes on copying what it has just proposed (a repeating span repeats,
+as LZ77 copies overlap). It is incremental: each token appended indexes
 the n-grams ending just before it (`min_match`..`max_match` tokens), so a
 proposal costs a few dictionary lookups and nothing is rescanned. A lookup
 draft is a point mass (q one-hot): the acceptor verifies it like any
@@ -25,6 +27,7 @@ class LookupIndex:
         self.min_match, self.max_match = min_match, max_match
         self.tokens: list[int] = []
         self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest indexed occurrence ends
+        self._heads: set[tuple[int, ...]] = set()  # the first min_match - 1 tokens of every indexed min_match-gram
         self.extend(tokens or [])
 
     def __len__(self) -> int:
@@ -38,13 +41,15 @@ class LookupIndex:
             end = len(seq) - 1  # the last token before this one
             for n in range(self.min_match, min(self.max_match, end + 1) + 1):
                 ends[tuple(seq[end - n + 1 : end + 1])] = end
+            if end + 1 >= self.min_match:
+                self._heads.add(tuple(seq[end - self.min_match + 1 : end]))
             seq.append(int(token))
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens (a session cut back to a common prefix): rebuilt."""
         if length < len(self.tokens):
             kept = self.tokens[:length]
-            self.tokens, self._ends = [], {}
+            self.tokens, self._ends, self._heads = [], {}, set()
             self.extend(kept)
 
     def match(self) -> tuple[int, int]:
@@ -62,4 +67,18 @@ class LookupIndex:
         n, end = self.match()
         if n == 0 or limit < 1:
             return []
-        return self.tokens[end + 1 : end + 1 + limit]
+        seq, out = self.tokens, self.tokens[end + 1 : end + 1 + limit]
+        while len(out) < limit:  # the occurrence runs into the suffix itself: copy on from what is proposed
+            out.append(out[end + 1 + len(out) - len(seq)])
+        return out
+
+    def may_match_next(self) -> bool:
+        """Whether some next token could give a match: the last min_match - 1 tokens occurred before with a
+        token after them (else no suffix can match after one more token, whichever it is; the engine then
+        builds the next cycle without reading the token first)."""
+        seq, m = self.tokens, self.min_match
+        if len(seq) < m - 1:
+            return False
+        tail = tuple(seq[len(seq) - m + 1 :])
+        # (the min_match-gram ending at the last token is indexed when the next one comes)
+        return tail in self._heads or (len(seq) >= m and tuple(seq[len(seq) - m : -1]) == tail)
