@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import make_session, stream_generate
+from dflash_mlx import make_session, stream_batch_generate, stream_generate
 from dflash_mlx.policy.adaptive import AdaptiveBlock
 from dflash_mlx.policy.cost import CostTable
 from dflash_mlx.proposers.lookup import LookupIndex
@@ -185,3 +185,21 @@ def test_sampled_tokens_follow_the_target_where_the_lookup_proposes_point_masses
         small = probs * runs < 5
         c, p = np.append(counts[~small], counts[small].sum()), np.append(probs[~small], probs[small].sum())
         assert chi_square_p(c, p) > 1e-3
+
+
+def test_batched_rows_with_lookup_spans_equal_the_rows_served_alone(tiny_pair):
+    """Rows of one batch, some verifying lookup spans (their replies repeat), some drafting: each row's
+    output is mlx-lm's greedy stream; a row without lookup takes none."""
+    model, tokenizer, draft = tiny_pair("qwen3")
+    prompts = [prompt_ids(20, seed=0), prompt_ids(20, seed=3), prompt_ids(20, seed=5)]
+    with without_eos(tokenizer) as tok:
+        want = [[r.token for r in reference(model, tok, p, 60)] for p in prompts]
+        for block_size in (None, 4):
+            for lookup in (True, False):
+                got, kinds_of = [[] for _ in prompts], Counter()
+                for i, r in stream_batch_generate(model, draft, tok, prompts, max_tokens=60, block_size=block_size,
+                                                  max_batch=3, lookup=lookup):  # fmt: skip
+                    got[i].append(r.token)
+                    kinds_of[r.source] += 1
+                assert got == want, (block_size, lookup)
+                assert (kinds_of["lookup"] > 0) == lookup, kinds_of
