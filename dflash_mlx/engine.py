@@ -160,7 +160,8 @@ def speculative_cycles(
     context = _DrafterContext(proposer)
     looks_up = lookup and proposer is not None and acceptor.constraint is None
     index = session.lookup_index(prompt_ids) if looks_up else None
-    sources = LookupDrafting(policy, index, learns=not acceptor.seeded) if index is not None else None
+    sources = None if index is None else LookupDrafting(policy, index, learns=acceptor.settings.greedy,
+                                                        shared=not acceptor.seeded)  # fmt: skip
 
     def room(committed: int, position: int) -> int:
         """The widest block the next cycle may verify."""

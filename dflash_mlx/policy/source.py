@@ -14,7 +14,12 @@ b = 1). With an adaptive policy the choice is by expected tokens per second:
   included) and `ratio` learned online from the lookup cycles the engine times
   (their seconds over T(w), a discounted mean of the logs), starting at 1 (a
   lookup cycle cannot cost more than a DFlash one of its width: an upper bound,
-  corrected by the first timed lookup cycles). No calibration of its own.
+  corrected by the first timed lookup cycles). No calibration of its own: the
+  ratio is kept beside the cost model (`VerifyRatio`, one per model, shared by
+  its generations); greedy generations learn it (their choices cannot change
+  their output), sampled ones read it as it is when they start, seeded ones
+  keep to the prior (their choices decide their random draws, as the policy's
+  frozen curve does).
 - the policy's is E(b) / T(b) at its best block (`AdaptiveBlock.best`, plain
   decoding included); the lookup runs where its best width beats it, the
   policy is not asked that cycle (its probes and re-timings wait), and its
@@ -25,15 +30,16 @@ b = 1). With an adaptive policy the choice is by expected tokens per second:
 
 With a fixed block (the user's `block_size=N`, a calibration's schedule) there
 is no rate to compare: a lookup span fills the block the policy chose (width
-<= N) whenever the context has a match, the drafter drafts otherwise. A seeded
-sampled request learns no ratio (its choices must not follow timing; the
-acceptance it learns follows its own draws). The width is bounded by the
+<= N) whenever the context has a match, the drafter drafts otherwise. The
+width is bounded by the
 policy's largest block: the widest verify its cost model prices.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 
 from ..proposers.lookup import LookupIndex
 from .estimate import AcceptanceEstimate
@@ -47,24 +53,52 @@ PROBE_SOFTEN = 0.5
 RESOLUTION = 0.05  # widths whose rates are this close are not told apart: the widest is taken
 
 
+class VerifyRatio:
+    """T_v(w) / T(w) for one cost model: a discounted mean of timed lookup cycles' log(seconds / T(w))."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._log_sum, self._weight = 0.0, RATIO_PRIOR_WEIGHT
+
+    @property
+    def value(self) -> float:
+        with self._lock:
+            return min(MAX_RATIO, max(MIN_RATIO, math.exp(self._log_sum / self._weight)))
+
+    def observe(self, log_ratio: float) -> None:
+        with self._lock:
+            self._log_sum = RATIO_DISCOUNT * self._log_sum + log_ratio
+            self._weight = RATIO_DISCOUNT * self._weight + 1.0
+
+
+_ratios: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cost model -> its VerifyRatio
+_ratios_lock = threading.Lock()
+
+
+def verify_ratio(cost) -> VerifyRatio:
+    """The ratio kept beside `cost` (a cost model), made at first use and dropped with it."""
+    with _ratios_lock:
+        if cost not in _ratios:
+            _ratios[cost] = VerifyRatio()
+        return _ratios[cost]
+
+
 class LookupDrafting:
-    def __init__(self, policy, index: LookupIndex, *, learns: bool = True):
+    def __init__(self, policy, index: LookupIndex, *, learns: bool = False, shared: bool = True):
         """`policy`: the generation's block policy; `index`: the session's, in step with the committed
-        tokens (the engine extends it); `learns`: the ratio follows the timed lookup cycles."""
+        tokens (the engine extends it); `learns`: the timed lookup cycles teach the cost model's ratio
+        (greedy generations); `shared`: start from that ratio (else from the prior, which stays)."""
         self.policy = policy
         self.index = index
         self.max_width = policy.max_block
         self.adaptive = callable(getattr(policy, "best", None)) and callable(getattr(policy, "rate", None))
-        self.timer = getattr(policy, "timer", None) if self.adaptive else None
-        self.learns = learns and self.timer is not None
+        timer = getattr(policy, "timer", None) if self.adaptive else None
+        self._timer = timer
+        self._shared = verify_ratio(policy.cost) if self.adaptive and shared else None
+        self.learns = learns and timer is not None and self._shared is not None
+        self.ratio = self._shared.value if self._shared is not None else 1.0  # T_v(w) / T(w)
         self.estimate = AcceptanceEstimate(max(0, self.max_width - 1))
-        self._log_sum, self._weight = 0.0, RATIO_PRIOR_WEIGHT  # discounted sum of log(seconds / T(w))
         self.gap, self._lost, self._probing = PROBE_GAP, 0, False
-
-    @property
-    def ratio(self) -> float:
-        """T_v(w) / T(w): a lookup cycle's cost against a DFlash cycle's of the same width."""
-        return min(MAX_RATIO, max(MIN_RATIO, math.exp(self._log_sum / self._weight)))
 
     def may_fire(self) -> bool:
         """Whether the next cycle could be a lookup one (the engine reads the next token first if so)."""
@@ -103,8 +137,8 @@ class LookupDrafting:
     def observe(self, width: int, accepted: int | None, seconds: float | None) -> None:
         """A lookup cycle of `width` rows committed `accepted` drafts (None: cut by a stop token) in
         `seconds` on the engine's side (None: not its own)."""
-        if self.timer is not None:
-            self.timer.break_run()  # the next policy cycle takes in this one's context rows: not a run's
+        if self._timer is not None:
+            self._timer.break_run()  # the next policy cycle takes in this one's context rows: not a run's
         if accepted is not None:
             self.estimate.observe(width - 1, accepted)
             if self._probing:
@@ -113,6 +147,5 @@ class LookupDrafting:
                 self.gap = PROBE_GAP
             self._probing = False
         if self.learns and seconds is not None and seconds > 0:
-            x = math.log(seconds / self.policy.cost(width))
-            self._log_sum = RATIO_DISCOUNT * self._log_sum + x
-            self._weight = RATIO_DISCOUNT * self._weight + 1.0
+            self._shared.observe(math.log(seconds / self.policy.cost(width)))
+            self.ratio = self._shared.value
