@@ -101,8 +101,17 @@ class LookupDrafting:
         self.gap, self._lost, self._probing = PROBE_GAP, 0, False
 
     def may_fire(self) -> bool:
-        """Whether the next cycle could be a lookup one (the engine reads the next token first if so)."""
-        return self.max_width > 1 and self.index.may_match_next()
+        """Whether the cycle after the next token is worth reading that token first for (plain steps are
+        otherwise built on the token unread, pipelined): the sequence's end matches earlier context (a
+        copy may be under way), and a span would be run (the lookup's best rate beats the policy's, or a
+        probe is due). Outside a match, a copy starting is found at most two tokens late."""
+        if self.max_width < 2 or not self.index.match()[0]:
+            return False
+        widest = self.max_width
+        if not self.adaptive or self._best_width(widest)[1] > self.policy.rate(self.policy.best(widest)):
+            return True
+        self._lost += 1  # (a match passed by: towards the next probe, which reads the token)
+        return self._lost + 1 >= self.gap
 
     def choose(self, limit: int) -> tuple[int, list[int] | None]:
         """(block, span) for the next cycle with at most `limit` rows: a lookup span of block - 1 tokens,
