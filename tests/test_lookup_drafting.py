@@ -46,8 +46,8 @@ class KnowingIndex(LookupIndex):
         self.spans += 1
         return span
 
-    def may_match_next(self) -> bool:
-        return True
+    def match(self) -> tuple[int, int]:
+        return self.max_match, len(self.tokens) - 2  # (always in a copy: plain steps read their token first)
 
 
 def kinds(responses) -> list[str]:

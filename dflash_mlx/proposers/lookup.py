@@ -27,7 +27,6 @@ class LookupIndex:
         self.min_match, self.max_match = min_match, max_match
         self.tokens: list[int] = []
         self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest indexed occurrence ends
-        self._heads: set[tuple[int, ...]] = set()  # the first min_match - 1 tokens of every indexed min_match-gram
         self.extend(tokens or [])
 
     def __len__(self) -> int:
@@ -41,15 +40,13 @@ class LookupIndex:
             end = len(seq) - 1  # the last token before this one
             for n in range(self.min_match, min(self.max_match, end + 1) + 1):
                 ends[tuple(seq[end - n + 1 : end + 1])] = end
-            if end + 1 >= self.min_match:
-                self._heads.add(tuple(seq[end - self.min_match + 1 : end]))
             seq.append(int(token))
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens (a session cut back to a common prefix): rebuilt."""
         if length < len(self.tokens):
             kept = self.tokens[:length]
-            self.tokens, self._ends, self._heads = [], {}, set()
+            self.tokens, self._ends = [], {}
             self.extend(kept)
 
     def match(self) -> tuple[int, int]:
@@ -71,14 +68,3 @@ class LookupIndex:
         while len(out) < limit:  # the occurrence runs into the suffix itself: copy on from what is proposed
             out.append(out[end + 1 + len(out) - len(seq)])
         return out
-
-    def may_match_next(self) -> bool:
-        """Whether some next token could give a match: the last min_match - 1 tokens occurred before with a
-        token after them (else no suffix can match after one more token, whichever it is; the engine then
-        builds the next cycle without reading the token first)."""
-        seq, m = self.tokens, self.min_match
-        if len(seq) < m - 1:
-            return False
-        tail = tuple(seq[len(seq) - m + 1 :])
-        # (the min_match-gram ending at the last token is indexed when the next one comes)
-        return tail in self._heads or (len(seq) >= m and tuple(seq[len(seq) - m : -1]) == tail)
