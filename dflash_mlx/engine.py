@@ -10,7 +10,11 @@ block-size policy (`policy.base`) chooses each cycle's block; b = 1 is plain
 decoding, and the cycle after a b = 1 cycle or after the prefill (of any
 block) is pipelined like mlx-lm's `generate_step` (built on the lazy token
 before that token is read) where the caches can undo it whole should the
-token be a stop token. At b = 1 the drafter's context still receives every
+token be a stop token. With `lookup` a cycle may instead verify a span copied
+from the context (`policy.source` chooses; the session keeps the index in step
+with the committed tokens), its rows' features held for the drafter as b = 1
+rows are; a run of plain steps then reads its token first where a span may
+follow it. At b = 1 the drafter's context still receives every
 committed position, batched and left lazy until a larger block needs it (the
 prompt's too, when the first cycle is plain). What a verify commits (greedy
 or exact sampling, logits processors) is the `Acceptor`'s. The policy is told
