@@ -138,39 +138,58 @@ def test_the_session_keeps_its_index_in_step_with_the_conversation(tiny_pair):
         assert session._lookup.tokens == LookupIndex(session._lookup.tokens).tokens
 
 
-def _copying_prompt(model, settings: SamplingSettings, rounds: int = 2) -> list[int]:
-    """A prompt after which every likely first token x was seen before after the prompt's last two tokens,
-    followed by the target's greedy pick after prompt + [x]: the lookup proposes a span for the second
-    token whatever the first, right where the target agrees."""
-    tail = [7, 11]
-    follow = {x: (3 * x + 1) % TINY_VOCAB for x in range(TINY_VOCAB)}
-    for _ in range(rounds):
-        prompt = [t for x in range(2, TINY_VOCAB) for t in (*tail, x, follow[x])] + tail
+def _copying_prompt(model, settings: SamplingSettings) -> list[int]:
+    """A short prompt after which every likely first token x was seen before after the prompt's last two
+    tokens, followed by the target's greedy pick after prompt + [x]: the lookup proposes a span for the
+    second token whatever the first, right where the target agrees. Built to a fixed point (the likely
+    tokens and their picks depend on the prompt); it ends inside a match (its first chunk again), so the
+    first cycle reads its anchor before choosing."""
+    tail, covered, follow = [7, 11], [2], {}
+    for _ in range(12):
+        prompt = [t for x in covered + covered[:1] for t in (*tail, x, follow.get(x, 3))] + tail
         p1 = np.array(distribution(model(mx.array(prompt)[None])[0, -1:], settings)[0])
         likely = [int(x) for x in np.nonzero(p1 > 1e-9)[0]]
         rows = model(mx.array([prompt + [x] for x in likely]))[:, -1]
-        follow.update({x: int(t) for x, t in zip(likely, mx.argmax(rows, axis=-1).tolist())})
-    return prompt
+        picks = dict(zip(likely, mx.argmax(rows, axis=-1).tolist()))
+        if set(likely) <= set(covered) and all(follow.get(x) == t for x, t in picks.items()):
+            return prompt
+        covered += [x for x in likely if x not in covered]
+        follow.update(picks)
+    raise AssertionError("no copying prompt found")
 
 
-@pytest.mark.slow
+def _two_token_distributions(model, prompt, s: SamplingSettings):
+    """The target's exact distributions of the first token and of the second (the first marginalised)."""
+    p1 = np.array(distribution(model(mx.array(prompt)[None])[0, -1:], s)[0], dtype=np.float64)
+    support = np.nonzero(p1 > 1e-9)[0]
+    rows = model(mx.array([prompt + [int(t)] for t in support]))[:, -1]
+    return p1, (p1[support, None] * np.array(distribution(rows, s), dtype=np.float64)).sum(axis=0)
+
+
+def _check_follows(tokens: list[int], probs: np.ndarray) -> None:
+    counts = np.bincount(tokens, minlength=probs.size)
+    assert counts[probs <= 1e-9].sum() == 0
+    probs = probs / probs.sum()
+    small = probs * len(tokens) < 5  # bins expected fewer than 5 times are pooled into one
+    c, p = np.append(counts[~small], counts[small].sum()), np.append(probs[~small], probs[small].sum())
+    assert chi_square_p(c, p) > 1e-3
+
+
+SAMPLED = dict(temperature=1.0, top_k=4)
+
+
 def test_sampled_tokens_follow_the_target_where_the_lookup_proposes_point_masses(tiny_pair):
     """Over many seeds, the first two sampled tokens follow the target's exact distributions while the
     second comes from a cycle verifying a lookup span (q one-hot), accepted in some runs, not in others."""
     model, tokenizer, draft = tiny_pair("qwen3")
-    settings = dict(temperature=1.0, top_k=4)
-    s = SamplingSettings(**settings)
-    prompt = _copying_prompt(model, s)
-    p1 = np.array(distribution(model(mx.array(prompt)[None])[0, -1:], s)[0], dtype=np.float64)
-    support = np.nonzero(p1 > 1e-9)[0]
-    rows = model(mx.array([prompt + [int(t)] for t in support]))[:, -1]
-    p2 = (p1[support, None] * np.array(distribution(rows, s), dtype=np.float64)).sum(axis=0)
+    prompt = _copying_prompt(model, SamplingSettings(**SAMPLED))
+    p1, p2 = _two_token_distributions(model, prompt, SamplingSettings(**SAMPLED))
     firsts, seconds, accepted, runs = [], [], 0, 600
     session = make_session(model, draft)  # (the prompt is prefilled once; its index kept)
     with without_eos(tokenizer) as tok:
         for seed in range(runs):
             out = list(stream_generate(model, draft, tok, prompt, max_tokens=3, block_size=3, seed=seed,
-                                       session=session, **settings))  # fmt: skip
+                                       session=session, **SAMPLED))  # fmt: skip
             # the second token's cycle verified the anchor and a span of 1 (room for 2 tokens)
             assert [r.cycle_block_size for r in out if r.cycle_block_size][0] == 2
             assert kinds(out)[0] in ("lookup", "miss")
@@ -178,13 +197,25 @@ def test_sampled_tokens_follow_the_target_where_the_lookup_proposes_point_masses
             seconds.append(out[1].token)
             accepted += out[1].source == "lookup"
     assert 0.05 * runs < accepted < 0.95 * runs
-    for tokens, probs in ((firsts, p1), (seconds, p2)):
-        counts = np.bincount(tokens, minlength=probs.size)
-        assert counts[probs <= 1e-9].sum() == 0
-        probs = probs / probs.sum()
-        small = probs * runs < 5
-        c, p = np.append(counts[~small], counts[small].sum()), np.append(probs[~small], probs[small].sum())
-        assert chi_square_p(c, p) > 1e-3
+    _check_follows(firsts, p1)
+    _check_follows(seconds, p2)
+
+
+def test_batched_sampled_rows_with_lookup_spans_follow_the_target(tiny_pair):
+    """The same in a batch: every row verifies a lookup span (with slots past its cap) at a fixed block."""
+    model, tokenizer, draft = tiny_pair("qwen3")
+    prompt = _copying_prompt(model, SamplingSettings(**SAMPLED))
+    p1, p2 = _two_token_distributions(model, prompt, SamplingSettings(**SAMPLED))
+    runs = 480
+    got: dict[int, list] = {}
+    with without_eos(tokenizer) as tok:
+        for i, r in stream_batch_generate(model, draft, tok, [prompt] * runs, max_tokens=2, block_size=4,
+                                          max_batch=8, seed=0, **SAMPLED):  # fmt: skip
+            got.setdefault(i, []).append(r)
+    assert all(len(out) == 2 for out in got.values()) and len(got) == runs
+    assert 0.05 * runs < sum(out[1].source == "lookup" for out in got.values()) < 0.95 * runs
+    _check_follows([out[0].token for out in got.values()], p1)
+    _check_follows([out[1].token for out in got.values()], p2)
 
 
 def test_batched_rows_with_lookup_spans_equal_the_rows_served_alone(tiny_pair):
