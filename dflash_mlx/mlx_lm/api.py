@@ -198,10 +198,10 @@ def stream_generate(
     max_tokens: int = 256,
     draft_model=None,
     stream=generation_stream,
-    lookup: bool = True,
     **kwargs,
 ):
     """``mlx_lm.stream_generate`` with DFlash drafting (see the module docstring)."""
+    lookup = kwargs.pop("lookup", True)  # (mlx-lm's signature stays as it is: a keyword it lacks, popped)
     unknown = sorted(set(kwargs) - OPTIONS)
     if unknown:
         raise TypeError(
