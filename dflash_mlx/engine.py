@@ -258,8 +258,9 @@ def speculative_cycles(
         # (logits processors read the history, a grammar follows it, a lookup may draft after it) and the
         # caches can undo a step past a stop token.
         chains = acceptor.raw_logits and all(undoes_single_row(c) for c in cache)
+        early = chainable()  # (asked once: a lookup counts the matches it passes by)
         planned = None  # the first cycle's (block, span) when chosen before its anchor is read
-        if committed != max_tokens and (sources is None or chainable()):
+        if committed != max_tokens and (sources is None or early):
             planned = (choose(committed, position), None)
         mx.async_eval(anchor, context.state() if planned and planned[0] > 1 else [])  # log-probabilities stay lazy
         session.prefilled(prompt_ids)  # before a verify updates the caches (its checkpoint copies the state)
@@ -267,7 +268,7 @@ def speculative_cycles(
         # The first cycle is queued before the first token is handed out, as mlx-lm queues its second
         # step, and built on the lazy token (its graph built while the prompt's last row computes) when
         # the caches can undo it should that token be a stop token.
-        if chainable() and planned:
+        if early and planned:
             queue.append(launch(anchor, position, committed, *planned))
         anchor_id = anchor.item()
         progress(total, total)
