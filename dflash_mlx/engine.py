@@ -10,7 +10,11 @@ block-size policy (`policy.base`) chooses each cycle's block; b = 1 is plain
 decoding, and the cycle after a b = 1 cycle or after the prefill (of any
 block) is pipelined like mlx-lm's `generate_step` (built on the lazy token
 before that token is read) where the caches can undo it whole should the
-token be a stop token. At b = 1 the drafter's context still receives every
+token be a stop token. With `lookup` a cycle may instead verify a span copied
+from the context (`policy.source` chooses; the session keeps the index in step
+with the committed tokens), its rows' features held for the drafter as b = 1
+rows are; a run of plain steps then reads its token first where a span may
+follow it. At b = 1 the drafter's context still receives every
 committed position, batched and left lazy until a larger block needs it (the
 prompt's too, when the first cycle is plain). What a verify commits (greedy
 or exact sampling, logits processors) is the `Acceptor`'s. The policy is told
@@ -36,6 +40,7 @@ import mlx.core as mx
 
 from .acceptance import Acceptor
 from .policy.base import BlockPolicy, FixedBlock
+from .policy.source import LookupDrafting
 from .proposers.base import Proposer
 from .sampling import SamplingSettings, log_softmax
 from .session import Session
@@ -59,6 +64,7 @@ class Cycle:
     drafted: int  # how many leading tokens were proposals the target accepted
     block_size: int  # block verified (0 for the prefill's first token)
     stopped: bool = False  # the last token is a stop token: generation ends here
+    source: str = "target"  # what drafted it: "lookup" (the context), "dflash" (the proposer), "target" (none)
 
     @property
     def from_prefill(self) -> bool:
@@ -79,6 +85,7 @@ class _Pending:
     record: VerifyRecord
     seconds: float | None  # building and queueing it (None: not its own cost, the prefill's too)
     chosen: bool = True  # the policy chose this block (not widened for a run the grammar forces)
+    source: str = "target"  # "lookup", "dflash" or "target" (b = 1)
 
 
 class _DrafterContext:
@@ -125,6 +132,7 @@ def speculative_cycles(
     stop_tokens: Collection[int] = (),
     session: Session | None = None,
     kv: KVQuantization | None = None,
+    lookup: bool = False,
 ) -> Iterator[Cycle]:
     """Yield cycles until `max_tokens` tokens are committed (-1: no limit) or a stop token.
 
@@ -134,8 +142,10 @@ def speculative_cycles(
     containing one of `stop_tokens` ends there (the tokens after it are
     dropped and never reach the caches). `session` (made with this target and
     proposer) keeps the caches for the next call; only the prompt tokens it
-    does not hold are prefilled. `kv` quantizes the KV caches as mlx-lm's `kv_bits` does
-    (`targets.quantized_kv`: when mlx-lm would, and no verify crosses that point unquantized).
+    does not hold are prefilled. `lookup`: a cycle may verify a span copied from the context instead
+    of the proposer's block (`policy.source`; with a proposer, not under a grammar). `kv` quantizes the
+    KV caches as mlx-lm's `kv_bits` does (`targets.quantized_kv`: when mlx-lm would, and no verify
+    crosses that point unquantized).
     """
     # duck-typed: isinstance() against a runtime-checkable Protocol is slow, and this runs every call
     policy = block_size if hasattr(block_size, "choose") else FixedBlock(block_size)
@@ -152,6 +162,10 @@ def speculative_cycles(
     done = session.begin(prompt_ids)
     cache = session.cache
     context = _DrafterContext(proposer)
+    looks_up = lookup and proposer is not None and acceptor.constraint is None
+    index = session.lookup_index(prompt_ids) if looks_up else None
+    sources = None if index is None else LookupDrafting(policy, index, learns=acceptor.settings.greedy,
+                                                        shared=not acceptor.seeded)  # fmt: skip
 
     def room(committed: int, position: int) -> int:
         """The widest block the next cycle may verify."""
@@ -163,17 +177,36 @@ def speculative_cycles(
     def choose(committed: int, position: int) -> int:
         return 1 if proposer is None else policy.choose(room(committed, position))
 
+    def plan(committed: int, position: int) -> tuple[int, list[int] | None]:
+        """The next cycle's block and lookup span (None: the proposer's block, or b = 1)."""
+        if sources is None:
+            return choose(committed, position), None
+        return sources.choose(room(committed, position))
+
+    def chainable() -> bool:
+        """Whether the next cycle may be built before its anchor is read: not where a lookup may fire."""
+        return chains and (sources is None or not sources.may_fire())
+
+    def commit(tokens: list[int]) -> None:
+        acceptor.commit(tokens)
+        if index is not None:
+            index.extend(tokens)
+
     queue: deque[_Pending] = deque()
     total = prompt.size
 
-    def launch(anchor: mx.array, position: int, committed: int, b: int) -> _Pending:
-        """Queue one draft + verify of block b (wider where a grammar forces a longer run: free drafts)."""
+    def launch(anchor: mx.array, position: int, committed: int, b: int, span: list[int] | None = None) -> _Pending:
+        """Queue one draft + verify of block b (wider where a grammar forces a longer run: free drafts), the
+        drafts `span` when given (a lookup's: a point mass, q one-hot)."""
         began = time.perf_counter()
         drafts = draft_probs = None
         chosen = b
         if proposer is not None and acceptor.constraint is not None:
             b = max(b, acceptor.constraint.forced_block(room(committed, position)))
-        if b > 1:
+        if span:
+            drafts = mx.array(span, mx.int32)
+            verify_ids = mx.concatenate([anchor.reshape(1), drafts])
+        elif b > 1:
             context.flush()
             proposal = acceptor.propose(proposer, anchor, position, b - 1)
             drafts, draft_probs = proposal.tokens, proposal.probs
@@ -186,7 +219,8 @@ def speculative_cycles(
         rows = acceptor.process(logits[0], drafts)
         verdict = acceptor.verdict(rows, drafts, draft_probs) if b > 1 else acceptor.next_token(rows)
         mx.async_eval(verdict)
-        return _Pending(b, verdict, rows, features, record, time.perf_counter() - began, chosen=b == chosen)
+        source = "lookup" if span else "dflash" if b > 1 else "target"
+        return _Pending(b, verdict, rows, features, record, time.perf_counter() - began, b == chosen, source)
 
     settled = False
 
@@ -220,27 +254,30 @@ def speculative_cycles(
         # The prefill leaves the drafter's ingestion of the prompt lazy (`Proposer.state`): it runs with the
         # prompt's last row when the first cycle drafts, and waits for a block that needs it when that
         # cycle is a plain step (a drafter at b = 1 through the whole reply never runs it).
-        first_block = choose(committed, position) if committed != max_tokens else 1
-        mx.async_eval(anchor, context.state() if first_block > 1 else [])  # log-probabilities stay lazy
-        session.prefilled(prompt_ids)  # before a verify updates the caches (its checkpoint copies the state)
         # b = 1 steps are chained on the lazy token when nothing needs it on the host first
-        # (logits processors read the history, a grammar follows it) and the caches can undo a step
-        # past a stop token.
+        # (logits processors read the history, a grammar follows it, a lookup may draft after it) and the
+        # caches can undo a step past a stop token.
         chains = acceptor.raw_logits and all(undoes_single_row(c) for c in cache)
+        early = chainable()  # (asked once: a lookup counts the matches it passes by)
+        planned = None  # the first cycle's (block, span) when chosen before its anchor is read
+        if committed != max_tokens and (sources is None or early):
+            planned = (choose(committed, position), None)
+        mx.async_eval(anchor, context.state() if planned and planned[0] > 1 else [])  # log-probabilities stay lazy
+        session.prefilled(prompt_ids)  # before a verify updates the caches (its checkpoint copies the state)
 
         # The first cycle is queued before the first token is handed out, as mlx-lm queues its second
         # step, and built on the lazy token (its graph built while the prompt's last row computes) when
         # the caches can undo it should that token be a stop token.
-        if chains and committed != max_tokens:
-            queue.append(launch(anchor, position, committed, first_block))
+        if early and planned:
+            queue.append(launch(anchor, position, committed, *planned))
         anchor_id = anchor.item()
         progress(total, total)
-        acceptor.commit([anchor_id])
+        commit([anchor_id])
         stopped = anchor_id in stop_tokens
         if stopped:
             undo_chained()
         elif not queue and committed != max_tokens:
-            queue.append(launch(anchor, position, committed, first_block))
+            queue.append(launch(anchor, position, committed, *(planned or plan(committed, position))))
         if queue:  # (its cost is not the block's alone: chained, its queueing waited for the prefill)
             queue[0].seconds = None
         first = Cycle(tokens=[anchor_id], logprobs=logprobs, drafted=0, block_size=0, stopped=stopped)
@@ -252,7 +289,7 @@ def speculative_cycles(
             if queued.block_size == 1:
                 context.add(queued.features, wait=True)  # its one row is the anchor, committed
             remaining = max_tokens < 0 or committed + 1 < max_tokens
-            if chains and queued.block_size == 1 and remaining and not queue:
+            if queued.block_size == 1 and remaining and not queue and chainable():
                 # a b = 1 cycle commits exactly one token: the next cycle (any block) can be built on it unread
                 queue.append(launch(queued.verdict, position + 1, committed + 1, choose(committed + 1, position + 1)))
             waited = time.perf_counter()
@@ -267,26 +304,29 @@ def speculative_cycles(
                 tokens = tokens[: stop + 1]
                 undo_chained()
             kept = len(tokens)  # rows kept: the anchor and the accepted drafts before the last token
+            lookup_cycle = queued.source == "lookup"
             if queued.block_size > 1:
-                rollback(cache, queued.record, keep=kept)
-                context.add(queued.features[:, :kept] if queued.features is not None else None)
+                rollback(cache, queued.record, keep=kept)  # (a lookup cycle's rows wait, as plain steps' do)
+                context.add(queued.features[:, :kept] if queued.features is not None else None, wait=lookup_cycle)
             session.fed([anchor_id] + tokens[:-1])
-            acceptor.commit(tokens)
+            commit(tokens)
             # the cycle's cost on the engine's side: building and queueing it, waiting for its verdict
             # and taking it in (not the caller's work while the generator is suspended, nor the launch
             # of a cycle queued before this one was read, which is that cycle's)
-            if queued.chosen:
-                seconds = None if queued.seconds is None else queued.seconds + time.perf_counter() - waited
+            seconds = None if queued.seconds is None else queued.seconds + time.perf_counter() - waited
+            if lookup_cycle:
+                sources.observe(queued.block_size, accepted if stop is None else None, seconds)
+            elif queued.chosen:
                 policy.observe(queued.block_size, accepted if stop is None else None, seconds)
             committed += len(tokens)
             position += len(tokens)
             anchor_id = tokens[-1]
             if not queue and stop is None and (committed < max_tokens or max_tokens < 0):
-                queue.append(launch(mx.array([anchor_id], mx.int32), position, committed, choose(committed, position)))
+                queue.append(launch(mx.array([anchor_id], mx.int32), position, committed, *plan(committed, position)))
             # Log-probabilities stay lazy: only a caller that reads them pays for them.
             logprobs = log_softmax(queued.rows[:kept])
             yield Cycle(tokens=tokens, logprobs=logprobs, drafted=min(accepted, kept), block_size=queued.block_size,
-                        stopped=stop is not None)  # fmt: skip
+                        stopped=stop is not None, source=queued.source)  # fmt: skip
             if settled:
                 raise RuntimeError(SUPERSEDED)
     except GeneratorExit:  # the consumer stopped early (below)

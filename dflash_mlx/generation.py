@@ -5,8 +5,11 @@ with its BOS rule, one response per token, an EOS ends the stream as the final
 response with finish_reason "stop" and no text, max_tokens ends it with
 "length"), and adds `cycle_tokens` and `cycle_block_size`: how many tokens the
 draft-verify cycle that produced this token committed and how many rows it
-verified, set on the last token of each cycle. The block is adaptive unless
-the caller fixes it (`dflash_mlx.policy`).
+verified, set on the last token of each cycle, and `source`: what proposed the
+token ("lookup": copied from the context, "dflash": the drafter, "target": the
+target's own pick). The block is adaptive unless the caller fixes it
+(`dflash_mlx.policy`); `lookup` (on by default) lets a cycle verify a span
+copied from the context instead (`policy.source`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class DFlashResponse(GenerationResponse):
 
     cycle_tokens: Optional[int] = None
     cycle_block_size: Optional[int] = None
+    source: Optional[str] = None  # "lookup" / "dflash": an accepted draft of that source; "target": the target's
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
@@ -75,6 +79,7 @@ def stream_generate(
     kv_group_size: int = 64,
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     response_format=None,
+    lookup: bool = True,
 ) -> Iterator[DFlashResponse]:
     """Generate from `model`, drafting with `draft` (a DFlash drafter, a Proposer or None).
 
@@ -111,7 +116,13 @@ def stream_generate(
     the drafts are chosen under it too. The output is what plain decoding under the same grammar
     gives (`structured.GrammarLogitsProcessor` in mlx-lm); a format llguidance cannot compile is
     a ValueError.
+    `lookup=True` (the default): a cycle may verify, instead of the drafter's block, the tokens that
+    followed the longest earlier occurrence of the sequence's end in the prompt or the output (a point
+    mass: exact under sampling too), where that is expected to commit more per second (`policy.source`;
+    with a drafter, not under a `response_format`). The output does not change.
     """
+    if not isinstance(lookup, bool):
+        raise ValueError(f"lookup must be True or False, got {lookup!r}.")
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     if max_tokens == 0:
@@ -172,7 +183,7 @@ def stream_generate(
             xtc=(xtc_probability, xtc_threshold, sorted(tokenizer.eos_token_ids)) if xtc_probability else None,
             sample_drafts=draft_sampling == "sample", constraint=grammar.constraint() if grammar else None,
         ),
-        kv,
+        kv, lookup,
     )
     group = getattr(target, "group", None)
     if group is None or group.size() == 1:
@@ -191,7 +202,7 @@ def stream_generate(
 
 
 def _responses(session, prompt, tokenizer, max_tokens, block_size, prefill_step_size, prompt_progress,
-               acceptor, kv=None) -> Iterator[DFlashResponse]:  # fmt: skip
+               acceptor, kv=None, lookup=False) -> Iterator[DFlashResponse]:  # fmt: skip
     """The responses of one generation (`stream_generate` has checked its arguments)."""
     proposer, target = session.proposer, session.target
     model = session.model
@@ -205,7 +216,7 @@ def _responses(session, prompt, tokenizer, max_tokens, block_size, prefill_step_
             target, prompt, proposer,
             max_tokens=max_tokens, block_size=block_size,
             prefill_step_size=prefill_step_size, prompt_progress=prompt_progress,
-            acceptor=acceptor, stop_tokens=eos, session=session, kv=kv,
+            acceptor=acceptor, stop_tokens=eos, session=session, kv=kv, lookup=lookup,
         )
         n = 0
         with mx.stream(generation_stream):
@@ -231,6 +242,7 @@ def _responses(session, prompt, tokenizer, max_tokens, block_size, prefill_step_
                         token=token,
                         logprobs=cycle.logprobs[i],
                         from_draft=i < cycle.drafted,
+                        source=cycle.source if i < cycle.drafted else "target",
                         prompt_tokens=prompt.size,
                         prompt_tps=prompt_tps,
                         generation_tokens=n,

@@ -4,7 +4,8 @@
 as they arrive and keeps what the terminal app and the benchmark report:
 tokens, draft/verify cycles, the histogram of tokens committed per cycle
 (1..block size), the blocks verified (chosen per cycle when adaptive),
-per-position acceptance, timing with the prefill excluded,
+per-position acceptance, the tokens from each source (an accepted lookup
+draft, an accepted drafter draft, the target's own pick), timing with the prefill excluded,
 prefill speed and peak memory. Times come from the caller's clock so that the
 baseline (mlx-lm's own decoding) and DFlash are measured the same way.
 """
@@ -28,6 +29,7 @@ class RunStats:
     histogram: Counter = field(default_factory=Counter)  # tokens per cycle -> cycles
     accepted_at: Counter = field(default_factory=Counter)  # draft position (0-based) -> cycles accepting it
     blocks: Counter = field(default_factory=Counter)  # block verified -> cycles
+    sources: Counter = field(default_factory=Counter)  # "lookup" / "dflash" / "target" -> tokens
     prefill_time: float = 0.0
     decode_time: float = 0.0
     peak_memory_gb: float = 0.0
@@ -55,6 +57,9 @@ class RunStats:
         self.tokens += 1
         self.peak_memory_gb = max(self.peak_memory_gb, response.peak_memory)
         from_draft = bool(getattr(response, "from_draft", False))
+        source = getattr(response, "source", None)
+        if source is not None:
+            self.sources[source] += 1
         self.drafted += from_draft
         self._drafted_in_cycle += from_draft
         size = getattr(response, "cycle_tokens", None)
@@ -77,6 +82,7 @@ class RunStats:
         self.histogram.update(other.histogram)
         self.accepted_at.update(other.accepted_at)
         self.blocks.update(other.blocks)
+        self.sources.update(other.sources)
         self.prefill_time += other.prefill_time
         self.decode_time += other.decode_time
         self.peak_memory_gb = max(self.peak_memory_gb, other.peak_memory_gb)
@@ -98,6 +104,15 @@ class RunStats:
         """Mean rows verified per cycle (None before the first cycle)."""
         n = sum(self.blocks.values())
         return sum(k * v for k, v in self.blocks.items()) / n if n else None
+
+    def sources_dict(self) -> dict[str, int]:
+        """Tokens per source: "lookup" (copied from the context), "dflash" (the drafter's), "target"."""
+        return {k: self.sources.get(k, 0) for k in ("lookup", "dflash", "target")} if self.sources else {}
+
+    def sources_line(self) -> str:
+        """The sources' shares, e.g. "lookup 41%, dflash 22%, target 37%" ("" without sources)."""
+        total = sum(self.sources.values())
+        return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in self.sources_dict().items()) if total else ""
 
     def blocks_dict(self) -> dict[str, int]:
         """Cycles per block verified, ascending (the blocks an adaptive run chose)."""

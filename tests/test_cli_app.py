@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,6 +48,35 @@ def test_generate_json_has_the_text_and_the_statistics(pair_dirs):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}], tokenize=False,
                                            add_generation_prompt=True)  # fmt: skip
     assert out["text"] == dflash_generate(model, None, tokenizer, prompt, max_tokens=24)
+
+
+def test_generate_lookup_on_and_off(pair_dirs):
+    """--lookup off: no token from a lookup span, the same text; a bad value names the flag."""
+    target, draft = pair_dirs
+    runs = {}
+    for flag in ("on", "off"):
+        r = invoke("generate", "hello there", "--model", target, "--draft", draft, "-n", 48, "--json", "--raw",
+                   "--lookup", flag)  # fmt: skip
+        assert r.exit_code == 0, r.output
+        runs[flag] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert runs["on"]["text"] == runs["off"]["text"]
+    assert runs["off"]["sources"]["lookup"] == 0 and sum(runs["off"]["sources"].values()) == runs["off"]["tokens"]
+    assert runs["on"]["sources"]["lookup"] > 0  # (this reply repeats itself)
+    bad = invoke("generate", "hi", "--model", target, "--draft", draft, "--lookup", "maybe")
+    assert bad.exit_code == 2 and "--lookup: expected on or off, got 'maybe'" in bad.stderr
+
+
+@pytest.mark.slow
+def test_the_console_script_takes_lookup_off(pair_dirs):
+    target, draft = pair_dirs
+    script = shutil.which("dflash-mlx")
+    if script is None:
+        pytest.skip("the dflash-mlx console script is not installed (pip install -e .)")
+    r = subprocess.run([script, "generate", "hello there", "--model", str(target), "--draft", str(draft), "-n", "24",
+                        "--raw", "--lookup", "off", "--json"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["sources"]["lookup"] == 0 and out["tokens"] == 24
 
 
 def test_generate_raw_streams_the_plain_continuation(pair_dirs):
@@ -174,7 +204,7 @@ def test_chat_commands_and_history(pair_dirs):
                      "/block: expected auto or an integer from 1 to 16 (the drafter's block), got x",
                      "got 1000000", "Adaptive block, at most 16.",
                      "blocks chosen", "mean block", "System prompt set.", "Conversation cleared.",
-                     "Unknown command /nonsense", "tokens per cycle", "mean acceptance"):  # fmt: skip
+                     "Unknown command /nonsense", "tokens per cycle", "mean acceptance", "tokens from"):  # fmt: skip
         assert expected in out, expected
     assert out.count("cached)") == 3
     assert "(0 cached)" in out  # the first turn prefills everything
@@ -200,6 +230,21 @@ def test_bench_default_legs_are_adaptive_then_the_drafters_block(pair_dirs, tmp_
     assert adaptive["mean_block_size"] is not None and list(fixed["block_sizes"]) <= [str(b) for b in range(1, 17)]
     assert all(run["greedy_matches"] for run in doc["runs"])
     assert "DFlash auto" in r.stdout and "DFlash b=16" in r.stdout and "blocks" in r.stdout
+    assert all(sum(run["sources"].values()) == run["dflash_tokens"] and run["lookup"] for run in doc["runs"])
+
+
+def test_bench_lookup_both_runs_each_leg_with_and_without(pair_dirs, tmp_path):
+    target, draft = pair_dirs
+    out = tmp_path / "report.json"
+    r = invoke("bench", "--model", target, "--draft", draft, "--num-prompts", 1, "--max-tokens", 12, "-b", 4,
+               "--lookup", "both", "--out", out)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    assert [(run["block_size"], run["lookup"]) for run in doc["runs"]] == [(4, True), (4, False)]
+    assert doc["runs"][1]["sources"]["lookup"] == 0 and all(run["greedy_matches"] for run in doc["runs"])
+    assert "lookup off" in r.stdout and "tokens from" in r.stdout
+    bad = invoke("bench", "--model", target, "--draft", draft, "--lookup", "sometimes")
+    assert bad.exit_code == 2 and "--lookup: expected on, off or both" in bad.stderr
 
 
 def test_bench_report_is_consistent(pair_dirs, tmp_path):

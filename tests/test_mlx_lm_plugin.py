@@ -125,6 +125,21 @@ def test_num_draft_tokens_sets_the_block(loaded, n):
         assert max(cycles) == n + 1  # the target repeats the drafted token for long runs
 
 
+def test_lookup_passes_through_the_drop_in(loaded):
+    """`lookup` (the one keyword mlx-lm lacks): on by default, off on request; dropped where mlx-lm decodes."""
+    model, tokenizer = loaded
+    want = tokens(mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=60))
+    on = list(plugin.stream_generate(model, tokenizer, PROMPT, max_tokens=60))
+    off = list(plugin.stream_generate(model, tokenizer, PROMPT, max_tokens=60, lookup=False))
+    assert tokens(on) == tokens(off) == want
+    assert any(r.source == "lookup" for r in on) and not any(r.source == "lookup" for r in off)
+    assert plugin.generate(model, tokenizer, PROMPT, max_tokens=60, lookup=False) == "".join(r.text for r in off)
+    with pytest.warns(UserWarning, match="falling back"):
+        plain = list(plugin.stream_generate(model, tokenizer, PROMPT, max_tokens=8, lookup=False,
+                                            sampler=lambda logits: mx.argmax(logits, axis=-1)))  # fmt: skip
+    assert tokens(plain) == want[:8]
+
+
 def test_explicit_draft_model_wins(dirs, loaded):
     model, tokenizer = loaded
     calls = []

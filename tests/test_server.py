@@ -9,6 +9,8 @@ SIGINT.
 
 from __future__ import annotations
 
+import contextlib
+
 import http.client
 import json
 import os
@@ -229,6 +231,26 @@ def test_num_draft_tokens_sets_the_block(server, expected):
     assert sum(stats["block_sizes"].values()) == stats["cycles"] > 0
 
 
+@pytest.mark.parametrize("alone", [False, True])
+def test_lookup_false_turns_copy_aware_drafting_off(server, pair, expected, alone):
+    """A prompt whose reply repeats itself: lookup spans by default, none with "lookup": false, the same
+    text; in the batched loop and served one at a time (`alone`: decode_concurrency 1); a server started
+    with lookup off takes a request's "lookup": true."""
+    _, (model, tokenizer, draft) = pair
+    body = {"prompt": PROMPT, "max_tokens": 40}
+    with contextlib.ExitStack() as stack:
+        if alone:
+            server = stack.enter_context(make_server(model, tokenizer, draft, port=0, decode_concurrency=1,
+                                                     lookup=False).start())  # fmt: skip
+            body["lookup"] = True
+        status, on = request(server, "POST", "/v1/completions", body)
+        assert status == 200 and on["choices"][0]["text"] == expected["text0"][0]
+        status, off = request(server, "POST", "/v1/completions", {**body, "lookup": False})
+    assert status == 200 and off["choices"][0]["text"] == expected["text0"][0]
+    assert on["dflash"]["tokens_by_source"]["lookup"] > 0 and off["dflash"]["tokens_by_source"]["lookup"] == 0
+    assert sum(off["dflash"]["tokens_by_source"].values()) == sum(on["dflash"]["tokens_by_source"].values())
+
+
 def test_seeded_sampling_is_reproducible(server):
     body = {"prompt": PROMPT, "max_tokens": 30, "temperature": 3.0, "top_p": 0.95, "top_k": 50, "min_p": 0.01}
     texts = [request(server, "POST", "/v1/completions", {**body, "seed": s})[1]["choices"][0]["text"]
@@ -273,6 +295,8 @@ def test_seeded_sampling_is_reproducible(server):
         ("/v1/chat/completions", {"adapters": "lora"}, "adapters"),
         ("/v1/chat/completions", {"role_mapping": {"user": "U: "}}, "role_mapping"),
         ("/v1/chat/completions", {"num_draft_tokens": -1}, "num_draft_tokens"),
+        ("/v1/chat/completions", {"lookup": "no"}, "lookup"),
+        ("/v1/completions", {"lookup": 0}, "lookup"),
         ("/v1/completions", {"prompt": ""}, "prompt"),
         ("/v1/completions", {"prompt": [1, 99999]}, "prompt"),
         ("/v1/completions", {"echo": True}, "echo"),

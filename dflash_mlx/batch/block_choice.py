@@ -81,7 +81,7 @@ class BatchBlockChoice:
 
     def observe(self, rows: list, b: int, accepted: list[int], seconds: float | None = None) -> None:
         """A step at block b that took `seconds` (None: not timed): row i accepted `accepted[i]` of its
-        drafts."""
+        drafts (None: they were not its drafter's, a lookup span)."""
         if self.timer is not None:
             self.timer.observe(b, seconds, len(rows))
         if b < 2:
@@ -89,7 +89,7 @@ class BatchBlockChoice:
         any_accepted = False
         for r, n in zip(rows, accepted):
             drafted = min(b, r.max_block) - 1
-            if drafted > 0:
+            if drafted > 0 and n is not None:
                 r.estimate.observe(drafted, n)
                 any_accepted |= n > 0
         self.probes.observed(any_accepted)

@@ -21,7 +21,12 @@ alone in the batch chooses as the single-request policy does (its
 batch). A row may fix its own block (`max_block`): a batch of such rows
 verifies the largest, and a row's drafts past its own block are ignored; a
 row needing fewer tokens takes its cut at acceptance. A step is widened to
-draft a run of tokens a row's grammar forces (`structured`).
+draft a run of tokens a row's grammar forces (`structured`). At a drafting
+step a row with copy-aware drafting (`lookup`) whose context has a match
+verifies its lookup span (`proposers.lookup`, a point mass; up to its block,
+the slots past the span ignored) instead of its drafter's drafts: the batch's
+block and drafter forward stay as chosen (the single-request engine's choice
+between sources is not made per row here).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from ..models.block_size import check_block_size
 from ..policy.adaptive import AdaptiveBlock, adaptive_policy
 from ..policy.calibration import cost_model
 from ..policy.estimate import AcceptanceEstimate
+from ..proposers.lookup import LookupIndex
 from ..sampling import log_softmax
 from ..session import Session
 from ..targets.rollback import rollback
@@ -59,6 +65,7 @@ class BatchRow:
     fixed: bool  # the caller fixed it (`insert(max_block=...)`)
     estimate: AcceptanceEstimate  # its drafts' acceptance (for the block choice)
     policy: AdaptiveBlock | None = None  # its single-request policy (the block while it is alone)
+    lookup: LookupIndex | None = None  # its session's index of what it holds (copy-aware drafting), or None
     anchor: int = 0  # the last committed token, not yet fed
     position: int = 0  # the anchor's position
     committed: int = 0
@@ -75,6 +82,7 @@ class RowTokens:
     drafted: int
     block_size: int
     finish: str | None  # "stop", "length" or None
+    source: str = "dflash"  # what drafted its accepted drafts: "dflash" or "lookup"
 
 
 class BatchDecoder:
@@ -98,12 +106,14 @@ class BatchDecoder:
     # -- rows joining and leaving ---------------------------------------------------------------
 
     def insert(self, session: Session, prompt: mx.array, acceptor: Acceptor, *, max_tokens: int,
-               stop_tokens=(), prefill_step_size: int = 2048, max_block: int | None = None) -> RowTokens:  # fmt: skip
+               stop_tokens=(), prefill_step_size: int = 2048, max_block: int | None = None,
+               lookup: bool = False) -> RowTokens:  # fmt: skip
         """Prefill a request alone and add it to the batch; returns its first token.
 
         `max_block` fixes this row's block (default: the decoder's block, or its choice): a step
         verifies that block when every row fixes one (the largest), else the decoder's choice, and
-        a row's drafts past its own block are ignored."""
+        a row's drafts past its own block are ignored. `lookup`: its drafting steps verify a lookup
+        span where its context has a match (see the module docstring)."""
         if session.model is not self.target.model:
             raise ValueError("The session was made for another target model.")
         self._unbatch()
@@ -113,18 +123,18 @@ class BatchDecoder:
         first = next(cycles)
         cycles.close()
         return self._add_row(session, prompt, acceptor, max_tokens, stop_tokens, first.tokens, first.logprobs,
-                             first.stopped, max_block)  # fmt: skip
+                             first.stopped, max_block, lookup)  # fmt: skip
 
     def insert_many(self, requests: list[tuple], *, stop_tokens=(), prefill_step_size: int = 2048) -> list[RowTokens]:
-        """`insert` for several (session, prompt, acceptor, max_tokens[, max_block]) at once: fresh
+        """`insert` for several (session, prompt, acceptor, max_tokens[, max_block[, lookup]]) at once: fresh
         sessions are prefilled together in one forward (`prefill`), the others alone; results in
         request order."""
-        requests = [tuple(r) + (None,) * (5 - len(r)) for r in requests]
+        requests = [tuple(r) + (None, False)[len(r) - 4 :] for r in requests]
         together = [k for k, (session, prompt, *_) in enumerate(requests)
                     if self.prefills_together(session, prompt.size, prefill_step_size)]  # fmt: skip
         if len(together) < 2:
             return [self.insert(s, p, a, max_tokens=m, stop_tokens=stop_tokens, prefill_step_size=prefill_step_size,
-                                max_block=cap) for s, p, a, m, cap in requests]  # fmt: skip
+                                max_block=cap, lookup=look) for s, p, a, m, cap, look in requests]  # fmt: skip
         for session, *_ in requests:
             if session.model is not self.target.model:
                 raise ValueError("The session was made for another target model.")
@@ -134,13 +144,13 @@ class BatchDecoder:
                                   [r[2] for r in chosen])  # fmt: skip
         results: dict[int, RowTokens] = {}
         for k, (token, logprobs) in zip(together, firsts):
-            session, prompt, acceptor, max_tokens, cap = requests[k]
+            session, prompt, acceptor, max_tokens, cap, look = requests[k]
             results[k] = self._add_row(session, prompt, acceptor, max_tokens, stop_tokens, [token], logprobs,
-                                       token in stop_tokens, cap)  # fmt: skip
-        for k, (session, prompt, acceptor, max_tokens, cap) in enumerate(requests):
+                                       token in stop_tokens, cap, look)  # fmt: skip
+        for k, (session, prompt, acceptor, max_tokens, cap, look) in enumerate(requests):
             if k not in results:
                 results[k] = self.insert(session, prompt, acceptor, max_tokens=max_tokens, stop_tokens=stop_tokens,
-                                         prefill_step_size=prefill_step_size, max_block=cap)  # fmt: skip
+                                         prefill_step_size=prefill_step_size, max_block=cap, lookup=look)  # fmt: skip
         return [results[k] for k in range(len(requests))]
 
     @staticmethod
@@ -150,7 +160,7 @@ class BatchDecoder:
         return not session.tokens and 2 <= prompt_tokens <= prefill_step_size
 
     def _add_row(self, session, prompt, acceptor, max_tokens, stop_tokens, tokens, logprobs, stopped,
-                 max_block=None) -> RowTokens:  # fmt: skip
+                 max_block=None, lookup=False) -> RowTokens:  # fmt: skip
         if session.proposer is not None:
             check_block_size(max_block, session.proposer, "max_block")
         elif max_block is not None and max_block < 1:
@@ -169,6 +179,8 @@ class BatchDecoder:
         row = BatchRow(self._next_uid, session, acceptor, max_tokens, frozenset(stop_tokens), cap, fixed,
                        policy.estimate if policy else AcceptanceEstimate(max(cap - 1, 0)), policy,
                        anchor=tokens[0], position=prompt.size, committed=1)  # fmt: skip
+        if lookup and cap > 1 and acceptor.constraint is None:
+            row.lookup = session.lookup_index(prompt.tolist() + list(tokens))
         self._next_uid += 1
         if not self.rows and self.choice is not None:
             self.choice.reset()
@@ -221,9 +233,15 @@ class BatchDecoder:
                            if r.acceptor.constraint is not None and r.session.proposer is not None])  # fmt: skip
         cache = self.rows[0].session.cache if single else self._batch()
         anchors = [mx.array([row.anchor], mx.int32) for row in self.rows]
+        spans = [0] * len(self.rows)  # lookup spans' lengths (0: the drafter's drafts)
         if b > 1:
             proposals = propose_rows(self.rows, b - 1)
             drafts, probs = [p.tokens for p in proposals], [p.probs for p in proposals]
+            for i, row in enumerate(self.rows):
+                span = row.lookup.propose(min(b, row.max_block) - 1) if row.lookup is not None else []
+                if span:  # a point mass, padded to the batch's block (the slots past it are ignored)
+                    spans[i], probs[i] = len(span), None
+                    drafts[i] = mx.array(span + [0] * (b - 1 - len(span)), mx.int32)
             ids = [mx.concatenate([a, d]) for a, d in zip(anchors, drafts)]
         else:
             drafts = probs = [None] * len(self.rows)
@@ -233,8 +251,10 @@ class BatchDecoder:
         out, keep, accepts = [], [], []
         for i, row in enumerate(self.rows):
             values = verdicts[i]
-            accepted = min(values[0], min(b, row.max_block) - 1)
-            accepts.append(accepted)
+            # (past a lookup span the committed token is the target's: argmax, or a sample of its distribution
+            # whether the padding there was accepted under q one-hot or replaced)
+            accepted = min(values[0], spans[i] or min(b, row.max_block) - 1)
+            accepts.append(None if spans[i] else accepted)
             tokens = values[1 : accepted + 2]
             room = row.max_tokens - row.committed if row.max_tokens >= 0 else len(tokens)
             tokens = tokens[:room]
@@ -247,12 +267,14 @@ class BatchDecoder:
             keep.append(len(tokens))
             row.session.fed([row.anchor] + tokens[:-1])
             row.acceptor.commit(tokens)
+            if row.lookup is not None:
+                row.lookup.extend(tokens)
             row.committed += len(tokens)
             row.position += len(tokens)
             row.anchor = tokens[-1]
             row.finish = finish
             out.append(RowTokens(row.uid, tokens, log_softmax(rows[i][: len(tokens)]), min(accepted, len(tokens)),
-                                 min(b, row.max_block), finish))  # fmt: skip
+                                 min(b, row.max_block), finish, "lookup" if spans[i] else "dflash"))  # fmt: skip
         if b == chosen and single and self.rows[0].policy is not None:  # (not timed: plain steps not pipelined here)
             self.rows[0].policy.observe(b, accepts[0], None)
         elif b == chosen and self.choice is not None:  # (policies learn from their own blocks)

@@ -82,7 +82,8 @@ class RowStream:
             closes = last and step.block_size > 0
             yield DFlashResponse(
                 text=detokenizer.last_segment, token=token, logprobs=step.logprobs[k],
-                from_draft=k < step.drafted, prompt_tokens=self.prompt_tokens, prompt_tps=0.0,
+                from_draft=k < step.drafted, source=step.source if k < step.drafted else "target",
+                prompt_tokens=self.prompt_tokens, prompt_tps=0.0,
                 generation_tokens=self.count, generation_tps=0.0, peak_memory=mx.get_peak_memory() / 1e9,
                 finish_reason=finish, cycle_tokens=len(step.tokens) if closes else None,
                 cycle_block_size=step.block_size if closes else None,
@@ -107,7 +108,7 @@ def stream_batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens:
                           block_size: int | str | None = None, max_batch: int = 8, temperature: float = 0.0,
                           top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                           logits_processors: list | None = None, row_settings: list[dict] | None = None,
-                          prefill_step_size: int = 2048, response_format=None,
+                          prefill_step_size: int = 2048, response_format=None, lookup: bool = True,
                           stats: BatchStats | None = None) -> Iterator[tuple[int, DFlashResponse]]:  # fmt: skip
     """Yield (prompt index, response) for every generated token, rows interleaved as they decode.
 
@@ -115,7 +116,8 @@ def stream_batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens:
     batch (`block_choice`), up to the drafter's block (at most 5 for <= 4-bit models),
     plain batched decoding included; 1 without a drafter. `seed` seeds prompt i with seed + i unless
     its `row_settings` entry gives one. `response_format` (as `stream_generate` takes it) constrains
-    every row, or a row's own entry that row. `stats` (an mlx-lm `BatchStats`) is filled in.
+    every row, or a row's own entry that row. `lookup`: a row's drafting steps verify a span copied from
+    its context where it has a match (`engine`). `stats` (an mlx-lm `BatchStats`) is filled in.
     """
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}.")
@@ -146,7 +148,7 @@ def stream_batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens:
                                                  top_k=row["top_k"], min_p=row["min_p"]),
                                 encoded[i], row["logits_processors"], row["seed"],
                                 constraint=row["grammar"].constraint() if row["grammar"] else None)  # fmt: skip
-            joining.append((i, (sessions[i], encoded[i], acceptor, row["max_tokens"])))
+            joining.append((i, (sessions[i], encoded[i], acceptor, row["max_tokens"], None, lookup)))
         if joining:
             tic = time.perf_counter()
             firsts = decoder.insert_many([r for _, r in joining], stop_tokens=eos, prefill_step_size=prefill_step_size)

@@ -68,8 +68,13 @@ def bench(
     kv_bits: KVBitsOpt = KV_DEFAULTS["kv_bits"],
     kv_group_size: KVGroupSizeOpt = KV_DEFAULTS["kv_group_size"],
     quantized_kv_start: QuantizedKVStartOpt = KV_DEFAULTS["quantized_kv_start"],
+    lookup: Annotated[str, typer.Option("--lookup", metavar="on|off|both", help="Copy-aware drafting in the "
+                                        "DFlash legs (both: each leg with it and without).")] = "on",
 ) -> None:
     """Benchmark DFlash against mlx-lm's plain decoding on the same prompts."""
+    lookups = {"on": (True,), "off": (False,), "both": (True, False)}.get(lookup)
+    if lookups is None:
+        fail(f"--lookup: expected on, off or both, got {lookup!r}.")
     if dataset not in DATASETS:
         fail(f"--dataset: expected one of {', '.join(DATASETS)}, got {dataset!r}.")
     if out is not None and out.is_dir():
@@ -84,6 +89,8 @@ def bench(
                  "runs the drafter and blocks it was started with.")
         if kv_bits is not None:
             fail("--kv-bits is for --backend local (a server quantizes with `serve --kv-bits`).")
+        if lookup != "on":
+            fail("--lookup is for --backend local (a request to a server may send \"lookup\": false).")
         if base_url is None:
             fail("--backend openai needs --base-url URL (the DFlash server).")
         from .bench_openai_cmd import bench_openai
@@ -126,7 +133,7 @@ def bench(
             progress.update(task, completed=i, description=dataset, leg=leg)
 
         legs = run_benchmark(model_, tokenizer, drafter, conversations, blocks, settings,
-                             draft_model=assistant, on_prompt=on_prompt)  # fmt: skip
+                             draft_model=assistant, on_prompt=on_prompt, lookups=lookups)  # fmt: skip
         progress.update(task, completed=len(conversations))
     dtype = dtype_name(target_float_dtype(model_))
     environment = describe(dtype=dtype) | ({"tensor_ranks": group.size()} if group is not None else {})
@@ -154,6 +161,7 @@ def _print_table(doc: dict, legs) -> None:
         name = f"DFlash b={run['block_size']}"
         if run["block_size"] == "auto":
             name = f"DFlash auto (≤{run['max_block_size']}, mean {run['mean_block_size'] or 0:.1f})"
+        name += "" if run["lookup"] else ", lookup off"
         table.add_row(
             name, f"{run['dflash_tps']:.1f}", f"{run['speedup']:.2f}x",
             f"{acc:.2f}" if acc is not None else "-", "yes" if run["greedy_matches"] else "no",
@@ -166,7 +174,9 @@ def _print_table(doc: dict, legs) -> None:
     for run in doc["runs"]:
         tokens = "  ".join(f"{k}:{v}" for k, v in run["histogram"].items())
         blocks = "  ".join(f"{k}:{v}" for k, v in run["block_sizes"].items())
-        console.print(f"[dim]b={run['block_size']}: tokens per cycle {tokens} · blocks {blocks}[/]")
+        sources = "  ".join(f"{k}:{v}" for k, v in run["sources"].items())
+        console.print(f"[dim]b={run['block_size']}{'' if run['lookup'] else ' lookup off'}: tokens per cycle "
+                      f"{tokens} · blocks {blocks} · tokens from {sources}[/]")  # fmt: skip
     if doc["temperature"] == 0 and not all(r["greedy_matches"] for r in doc["runs"]):
         console.print("[yellow]Some greedy DFlash replies differ from the baseline's (see the JSON "
                       "'prompts'): near-tie logits in low precision can flip a token.[/]")  # fmt: skip

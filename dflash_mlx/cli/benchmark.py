@@ -36,6 +36,7 @@ class Leg:
     block: BlockChoice = BlockChoice(None)
     stats: RunStats = field(default_factory=RunStats)
     prompts: list[dict] = field(default_factory=list)
+    lookup: bool = True  # a dflash leg's copy-aware drafting
 
     def __post_init__(self) -> None:
         self.stats.block_size, self.stats.adaptive = self.block.size, self.block.adaptive
@@ -44,7 +45,8 @@ class Leg:
     def label(self) -> str:
         if self.name != "dflash":
             return self.name
-        return f"dflash auto≤{self.block.size}" if self.block.adaptive else f"dflash b={self.block.size}"
+        name = f"dflash auto≤{self.block.size}" if self.block.adaptive else f"dflash b={self.block.size}"
+        return name if self.lookup else f"{name} lookup off"
 
 
 @dataclass
@@ -71,7 +73,7 @@ def _stream(leg: Leg, model, tokenizer, drafter, draft_model, prompt: str, setti
         return stream_generate(
             model, drafter, tokenizer, prompt, max_tokens=max_tokens, **leg.block.generation_kwargs(),
             temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
-            **settings.kv,
+            lookup=leg.lookup, **settings.kv,
         )
     kwargs = {"sampler": make_sampler(settings.temperature, top_p=settings.top_p, top_k=settings.top_k), **settings.kv}
     if settings.temperature > 0:
@@ -111,11 +113,13 @@ def run_benchmark(
     *,
     draft_model=None,
     on_prompt: Callable[[int, str], None] | None = None,
+    lookups: tuple[bool, ...] = (True,),
 ) -> list[Leg]:
-    """Run every leg on every conversation; the baseline leg first in the result."""
+    """Run every leg on every conversation; the baseline leg first in the result. A dflash leg per block
+    and `lookups` setting (copy-aware drafting on, off or both), the legs alternating prompt by prompt."""
     if not conversations:
         raise ValueError("No prompts to benchmark.")
-    legs = [Leg("baseline")] + [Leg("dflash", b) for b in blocks]
+    legs = [Leg("baseline")] + [Leg("dflash", b, lookup=on) for b in blocks for on in lookups]
     if draft_model is not None:
         legs.append(Leg("mlx-lm-draft"))
     for leg in legs:  # warm-up: compile kernels, touch the weights
@@ -155,6 +159,8 @@ def _run_record(baseline: Leg, leg: Leg) -> dict:
     return {
         "block_size": leg.block.flag,
         "max_block_size": leg.block.size,
+        "lookup": leg.lookup,
+        "sources": leg.stats.sources_dict(),
         "block_sizes": leg.stats.blocks_dict(),
         "mean_block_size": leg.stats.mean_block_size,
         "speedup": dflash_tps / baseline_tps if baseline_tps else None,

@@ -27,10 +27,10 @@ from ..models.resolve import BlockChoice, choose_block_size
 from ..session import make_session
 from ..stats import RunStats
 from .common import (
-    BlockOpt, DraftOpt, KVBitsOpt, KVGroupSizeOpt, ModelOpt, QuantizedKVStartOpt, ReasoningOpt, SeedOpt, ShardOpt,
-    SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
+    BlockOpt, DraftOpt, KVBitsOpt, KVGroupSizeOpt, LookupOpt, ModelOpt, QuantizedKVStartOpt, ReasoningOpt, SeedOpt,
+    ShardOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
 )
-from .common import KV_DEFAULTS, console, fail, kv_settings, load_models, sharding_group, user_errors
+from .common import KV_DEFAULTS, console, fail, kv_settings, load_models, lookup_flag, sharding_group, user_errors
 from .live_panel import LiveReply, stats_panel, summary_line
 
 HELP = """[bold]Commands[/]
@@ -74,8 +74,10 @@ def chat(
     kv_bits: KVBitsOpt = KV_DEFAULTS["kv_bits"],
     kv_group_size: KVGroupSizeOpt = KV_DEFAULTS["kv_group_size"],
     quantized_kv_start: QuantizedKVStartOpt = KV_DEFAULTS["quantized_kv_start"],
+    lookup: LookupOpt = "on",
 ) -> None:
     """Chat with a model; replies stream with a live acceptance histogram."""
+    use_lookup = lookup_flag(lookup)
     if max_tokens == 0 or max_tokens < -1:
         fail("--max-tokens: expected a positive integer (or -1 for no limit).")
     group = sharding_group(shard)  # (every rank reads the same stdin: mlx.launch sends it to all)
@@ -115,7 +117,8 @@ def chat(
         try:
             prompt = encode_prompt(tokenizer, render(tokenizer, state.conversation(), template_kwargs))
             reply = _reply(model_, drafter, tokenizer, prompt, session, state,
-                           dict(max_tokens=max_tokens, top_p=top_p, top_k=top_k, seed=seed, **kv))  # fmt: skip
+                           dict(max_tokens=max_tokens, top_p=top_p, top_k=top_k, seed=seed, lookup=use_lookup,
+                                **kv))  # fmt: skip
         except KeyboardInterrupt:  # outside the token loop (which turns Ctrl-C into a flag)
             console.print("\n[yellow](reply interrupted)[/]")
         state.messages.append({"role": "assistant", "content": reply})

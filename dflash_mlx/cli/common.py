@@ -68,6 +68,20 @@ ReasoningOpt = Annotated[
 ]
 
 
+LookupOpt = Annotated[
+    str,
+    typer.Option("--lookup", metavar="on|off", help="Copy-aware drafting: a cycle may verify the tokens that "
+                 "followed the sequence's end where it occurred earlier in the prompt or reply (on by default)."),
+]
+
+
+def lookup_flag(value: str) -> bool:
+    """--lookup's value as a bool (a usage error otherwise)."""
+    if value not in ("on", "off"):
+        fail(f"--lookup: expected on or off, got {value!r}.")
+    return value == "on"
+
+
 KVBitsOpt = Annotated[
     int | None,
     typer.Option("--kv-bits", help="Quantize the target's KV cache to 2, 3, 4, 5, 6 or 8 bits, as mlx-lm's "

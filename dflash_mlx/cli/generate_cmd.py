@@ -13,10 +13,10 @@ from ..generation import stream_generate
 from ..models.resolve import choose_block_size
 from ..stats import RunStats
 from .common import (
-    BlockOpt, DraftOpt, KVBitsOpt, KVGroupSizeOpt, ModelOpt, QuantizedKVStartOpt, ReasoningOpt, SeedOpt, ShardOpt,
-    SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
+    BlockOpt, DraftOpt, KVBitsOpt, KVGroupSizeOpt, LookupOpt, ModelOpt, QuantizedKVStartOpt, ReasoningOpt, SeedOpt,
+    ShardOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
 )
-from .common import KV_DEFAULTS, err_console, fail, kv_settings, load_models, sharding_group, user_errors
+from .common import KV_DEFAULTS, err_console, fail, kv_settings, load_models, lookup_flag, sharding_group, user_errors
 
 
 def generate(
@@ -38,8 +38,10 @@ def generate(
     kv_bits: KVBitsOpt = KV_DEFAULTS["kv_bits"],
     kv_group_size: KVGroupSizeOpt = KV_DEFAULTS["kv_group_size"],
     quantized_kv_start: QuantizedKVStartOpt = KV_DEFAULTS["quantized_kv_start"],
+    lookup: LookupOpt = "on",
 ) -> None:
     """Generate a reply to one prompt (chat-templated unless --raw)."""
+    use_lookup = lookup_flag(lookup)
     if prompt == "-":
         prompt = sys.stdin.read()
     if max_tokens == 0 or max_tokens < -1:
@@ -67,7 +69,7 @@ def generate(
     try:
         for response in stream_generate(
             model_, drafter, tokenizer, text, max_tokens=max_tokens, **b.generation_kwargs(),
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **kv,
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, lookup=use_lookup, **kv,
         ):
             stats.add(response)
             pieces.append(response.text)
@@ -92,6 +94,7 @@ def generate(
             "max_block_size": b.size,
             "block_sizes": stats.blocks_dict(),
             "mean_block_size": stats.mean_block_size,
+            "sources": stats.sources_dict() if drafter is not None else {},
             "model": choice.label,
         }
         sys.stdout.write(json.dumps(out) + "\n")
@@ -100,6 +103,8 @@ def generate(
         accept = f", {stats.acceptance_length:.2f} tokens/cycle" if stats.acceptance_length else ""
         if stats.mean_block_size is not None and b.adaptive:
             accept += f", mean block {stats.mean_block_size:.1f} of {b.size}"
+        if drafter is not None and stats.sources_line():
+            accept += f" ({stats.sources_line()})"
         err_console.print(
             f"[dim]{stats.tokens} tokens, {stats.tps:.1f} tok/s{accept}, "
             f"peak memory {stats.peak_memory_gb:.2f} GB[/]"

@@ -2,7 +2,8 @@
 
 `reply_view` renders the text so far plus a panel with tok/s, mean tokens per
 cycle and the acceptance histogram (cycles that committed 1..block size
-tokens), and for an adaptive block the blocks it chose; `LiveReply` is the
+tokens), the tokens from each source (lookup, drafter, target), and for an
+adaptive block the blocks it chose; `LiveReply` is the
 renderable rich's `Live` redraws while tokens arrive (built at each redraw,
 not per token). `summary_line` is the one line printed after each
 turn.
@@ -53,13 +54,19 @@ def blocks_line(stats: RunStats) -> Text:
     return Text(f"blocks chosen  {chosen}", style="dim")
 
 
+def sources_text(stats: RunStats) -> Text:
+    """Tokens per source: `source:tokens` pairs."""
+    counts = "  ".join(f"{k}:{v}" for k, v in stats.sources_dict().items()) or "-"
+    return Text(f"tokens from    {counts}", style="dim")
+
+
 def stats_panel(stats: RunStats) -> Panel:
     if not stats.block_size:
         body = Text("plain decoding (no drafter)", style="dim")
     elif stats.adaptive:
-        body = Group(histogram_table(stats), blocks_line(stats))
+        body = Group(histogram_table(stats), blocks_line(stats), sources_text(stats))
     else:
-        body = histogram_table(stats)
+        body = Group(histogram_table(stats), sources_text(stats))
     return Panel(body, title=stats_title(stats), title_align="left", subtitle="tokens per cycle",
                  subtitle_align="left", border_style="blue", expand=False)  # fmt: skip
 
@@ -89,6 +96,8 @@ class LiveReply:
 
 def summary_line(stats: RunStats) -> str:
     accept = f", mean acceptance {stats.acceptance_length:.2f}" if stats.acceptance_length is not None else ""
+    if stats.block_size and stats.sources_line():
+        accept += f" ({stats.sources_line()})"
     if stats.adaptive and stats.mean_block_size is not None:
         accept += f", mean block {stats.mean_block_size:.1f}"
     return (

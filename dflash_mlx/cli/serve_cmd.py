@@ -22,8 +22,8 @@ from ..models.resolve import choose_block_size
 from ..server.app import make_server, make_worker
 from ..models.chat_template import reasoning_kwargs
 from .common import (
-    KV_DEFAULTS, DraftOpt, KVBitsOpt, KVGroupSizeOpt, ModelOpt, QuantizedKVStartOpt, ReasoningOpt, ShardOpt, fail,
-    kv_settings, load_models, sharding_group, user_errors,
+    KV_DEFAULTS, DraftOpt, KVBitsOpt, KVGroupSizeOpt, LookupOpt, ModelOpt, QuantizedKVStartOpt, ReasoningOpt, ShardOpt,
+    fail, kv_settings, load_models, lookup_flag, sharding_group, user_errors,
 )
 
 
@@ -83,8 +83,10 @@ def serve(
     response_store_size: Annotated[int, typer.Option(
         "--response-store-size", min=0, help="Responses API: conversations kept for previous_response_id "
         "(least recently used go first).")] = 100,
+    lookup: LookupOpt = "on",
 ) -> None:
     """Serve a model over OpenAI's and Anthropic's HTTP APIs with DFlash speculative decoding."""
+    use_lookup = lookup_flag(lookup)  # (the default of requests that do not send "lookup")
     cache_bytes = _size(prompt_cache_bytes) if prompt_cache_bytes is not None else None
     batch_bytes = _size(max_batch_bytes, "--max-batch-bytes") if max_batch_bytes is not None else None
     template_args = {}
@@ -118,7 +120,7 @@ def serve(
         prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes, prompt_cache_dir=prompt_cache_dir,
         group=group, decode_concurrency=decode_concurrency, prefill_step_size=prefill_step_size,
         max_batch_bytes=batch_bytes, kv=kv, api_key=api_key, response_store_size=response_store_size,
-        registry_entry=choice.entry,
+        registry_entry=choice.entry, lookup=use_lookup,
     )
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:

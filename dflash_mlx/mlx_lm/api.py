@@ -6,7 +6,9 @@ a model loaded otherwise). `stream_generate` / `generate` take mlx-lm's
 arguments and run DFlash with a DFlash ``draft_model`` or the remembered
 drafter; an ordinary draft model, no drafter, or an option DFlash cannot honour
 runs ``mlx_lm.stream_generate`` itself (one warning per reason and process);
-``kv_bits`` and its options run DFlash on mlx-lm's quantized KV cache.
+``kv_bits`` and its options run DFlash on mlx-lm's quantized KV cache. One
+keyword mlx-lm does not have: ``lookup`` (True by default; False: no copy-aware
+drafting, `dflash_mlx.policy.source`), dropped where mlx-lm decodes.
 Samplers: `samplers`; mlx-lm's own prompt-cache lists: `cache`;
 `make_prompt_cache` with a drafter gives a `DFlashPromptCache` (a `Session`).
 What users see: docs/usage.md (the drop-in).
@@ -199,6 +201,7 @@ def stream_generate(
     **kwargs,
 ):
     """``mlx_lm.stream_generate`` with DFlash drafting (see the module docstring)."""
+    lookup = kwargs.pop("lookup", True)  # (mlx-lm's signature stays as it is: a keyword it lacks, popped)
     unknown = sorted(set(kwargs) - OPTIONS)
     if unknown:
         raise TypeError(
@@ -220,13 +223,13 @@ def stream_generate(
         plain_draft = None if _is_dflash(draft_model) else draft_model
         return mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens, draft_model=plain_draft, stream=stream,
                                       **kwargs)  # fmt: skip
-    return _dflash(model, tokenizer, prompt, max_tokens, draft, **kwargs)
+    return _dflash(model, tokenizer, prompt, max_tokens, draft, lookup=lookup, **kwargs)
 
 
 def _dflash(model, tokenizer, prompt, max_tokens, draft, *, sampler=None, logits_processors=None,
             prompt_cache=None, prefill_step_size=2048, prompt_progress_callback=None,
             num_draft_tokens=None, kv_bits=None, kv_group_size=64, quantized_kv_start=DEFAULT_QUANTIZED_KV_START,
-            **_unused_none):  # fmt: skip
+            lookup=True, **_unused_none):  # fmt: skip
     # _unused_none holds max_kv_size and input_embeddings, both None here.
     settings = sampler_settings(sampler)
     if num_draft_tokens is not None and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int)
@@ -261,7 +264,7 @@ def _dflash(model, tokenizer, prompt, max_tokens, draft, *, sampler=None, logits
         temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p,
         logits_processors=logits_processors, prefill_step_size=prefill_step_size,
         prompt_progress_callback=prompt_progress_callback, session=session,
-        kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+        kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, lookup=lookup,
     )
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     return _relabelled(responses, len(ids), prompt_cache, session, earlier + ids, kv)

@@ -225,7 +225,7 @@ class AdaptiveBlock:
         b = self.best(limit)
         if b > 1:
             self.probes.larger()
-            other = self.retiming.block(b, limit, self._rate) if self.retiming is not None else None
+            other = self.retiming.block(b, limit, self.rate) if self.retiming is not None else None
             if other is None:
                 return b
             self._stretch = [other[0]] * (other[1] - 1)
@@ -248,7 +248,8 @@ class AdaptiveBlock:
             self._stretch = [probe]
         return probe
 
-    def _rate(self, b: int) -> float:
+    def rate(self, b: int) -> float:
+        """Tokens per second expected at block b (1: plain decoding's)."""
         return self.estimate.expected_tokens(b)[-1] / self.costs()[b - 1]
 
     def _probe_and_gap(self, limit: int) -> tuple[int | None, float]:

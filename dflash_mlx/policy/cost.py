@@ -321,6 +321,12 @@ class CycleTimer:
         self._previous: tuple[int, int] | None = None  # (rows, block) of the last cycle
         self._recent: deque = deque()  # (cycle, rows, grid block, log seconds) of recent counted cycles
 
+    def break_run(self) -> None:
+        """A cycle this timer does not time ran (a lookup span, `policy.source`): the next one is not
+        counted (it takes in that cycle's context rows)."""
+        self._cycle += 1
+        self._previous = None
+
     def observe(self, b: int, seconds: float | None, rows: int = 1) -> None:
         self._cycle += 1
         previous, self._previous = self._previous, (rows, b)

@@ -5,7 +5,9 @@ a few changes, a quoted tool result, a JSON object echoed with one field
 changed). `LookupIndex` holds the token sequence so far (prompt, conversation,
 output) and proposes what followed the longest suffix of it (at least
 `min_match` tokens) where that suffix occurred before: most recent occurrence
-first, cut at `limit` tokens. It is incremental: each token appended indexes
+first, cut at `limit` tokens; a continuation that reaches the end of the
+sequence goes on copying what it has just proposed (a repeating span repeats,
+as LZ77 copies overlap). It is incremental: each token appended indexes
 the n-grams ending just before it (`min_match`..`max_match` tokens), so a
 proposal costs a few dictionary lookups and nothing is rescanned. A lookup
 draft is a point mass (q one-hot): the acceptor verifies it like any
@@ -62,4 +64,7 @@ class LookupIndex:
         n, end = self.match()
         if n == 0 or limit < 1:
             return []
-        return self.tokens[end + 1 : end + 1 + limit]
+        seq, out = self.tokens, self.tokens[end + 1 : end + 1 + limit]
+        while len(out) < limit:  # the occurrence runs into the suffix itself: copy on from what is proposed
+            out.append(out[end + 1 + len(out) - len(seq)])
+        return out

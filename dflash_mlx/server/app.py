@@ -109,7 +109,8 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
                 prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
                 prompt_cache_dir=None, group=None, decode_concurrency: int = 32, prefill_step_size: int = 2048,
                 max_batch_bytes: int | None = None, kv: dict | None = None, api_key: str | None = None,
-                response_store_size: int = DEFAULT_STORED, registry_entry=None) -> DFlashServer:  # fmt: skip
+                response_store_size: int = DEFAULT_STORED, registry_entry=None,
+                lookup: bool = True) -> DFlashServer:  # fmt: skip
     """A server for a loaded pair (`draft=None`: plain decoding), bound but not yet serving.
 
     `port=0` picks a free port (see `server.url`). `max_tokens` is the default
@@ -133,7 +134,8 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
     /health; `response_store_size` bounds the Responses API's stored conversations;
     `registry_entry` (the model's models.toml entry) tells how its chat template switches
     reasoning, which requests' thinking / reasoning fields set
-    (`models.chat_template.reasoning_switches`).
+    (`models.chat_template.reasoning_switches`). `lookup`: copy-aware drafting for requests that do
+    not set ``lookup``.
     """
     check_block_size(block_size, draft)
     if max_tokens < 1:
@@ -149,7 +151,7 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
         has_chat_template=bool(tokenizer.has_chat_template), model_id=model_id, max_tokens=max_tokens,
         chat_template_args=dict(chat_template_args or {}), max_block=worker.block_size,
         context_length=worker.context_length, reasoning=reasoning_switches(tokenizer, registry_entry, model_id),
-        grammars=worker.grammars,
+        grammars=worker.grammars, lookup=lookup,
     )
     server = DFlashServer((host, port), worker, info, model_id=model_id, draft_id=draft_id, log_requests=log_requests,
                           api_key=api_key, response_store_size=response_store_size)  # fmt: skip

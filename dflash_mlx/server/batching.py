@@ -197,7 +197,8 @@ class BatchedServing:
             self._insert(group)
 
     def _insert(self, group: list[_Row]) -> None:
-        requests = [(r.session, mx.array(r.prompt, mx.int32), r.acceptor, r.max_tokens, r.max_block) for r in group]
+        requests = [(r.session, mx.array(r.prompt, mx.int32), r.acceptor, r.max_tokens, r.max_block,
+                     r.job.request.lookup) for r in group]  # fmt: skip
         for row in group:
             row.stats.begin()
         try:

@@ -47,7 +47,7 @@ COMMON = {
     "min_p", "seed", "stop", "repetition_penalty", "repetition_context_size", "presence_penalty",
     "presence_context_size", "frequency_penalty", "frequency_context_size", "logit_bias", "logprobs",
     "top_logprobs", "xtc_probability", "xtc_threshold", "num_draft_tokens", "draft_model", "adapters", "n", "user",
-    "return_meta_info",
+    "return_meta_info", "lookup",
 }
 CHAT = COMMON | {"messages", "tools", "tool_choice", "role_mapping", "chat_template_kwargs"} | CHAT_ONLY
 TEXT = COMMON | {"prompt", "echo", "suffix", "best_of"}
@@ -72,6 +72,7 @@ class ServerInfo:
     context_length: int | None = None  # the model's context in tokens (None: its config gives none)
     reasoning: dict = field(default_factory=dict)  # level -> template arguments, or why not (reasoning_switches)
     grammars: object = None  # the worker's `formats.Grammars` (structured outputs), None: unavailable
+    lookup: bool = True  # copy-aware drafting for requests that do not say (`serve --lookup`)
 
     @property
     def window_bound(self) -> int:
@@ -99,6 +100,7 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     num_draft_tokens: int | None = None
+    lookup: bool = True  # copy-aware drafting (`policy.source`; in a batch, `batch.engine`)
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
@@ -203,7 +205,7 @@ def _lengths(b: Fields, req: GenerationRequest, info: ServerInfo) -> None:
 
 
 def sampling(b: Fields, req: GenerationRequest, info: ServerInfo) -> None:
-    """temperature, top_p, top_k, min_p, seed, XTC and num_draft_tokens (absent: the defaults)."""
+    """temperature, top_p, top_k, min_p, seed, XTC, num_draft_tokens and lookup (absent: the defaults)."""
     req.temperature = b.number("temperature", 0.0, low=0)
     if req.temperature < MIN_TEMPERATURE:  # dividing float32 logits by less overflows them (vLLM's rule too)
         req.temperature = 0.0
@@ -225,6 +227,7 @@ def sampling(b: Fields, req: GenerationRequest, info: ServerInfo) -> None:
         raise RequestError("num_draft_tokens", f"must be in [0, {info.max_block - 1}]: this server verifies blocks "
                                                f"of at most {info.max_block} tokens (the anchor and "
                                                f"{info.max_block - 1} drafts), got {req.num_draft_tokens}")  # fmt: skip
+    req.lookup = b.boolean("lookup", info.lookup)
 
 
 def _processors(b: Fields, info: ServerInfo) -> dict:

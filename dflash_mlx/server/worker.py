@@ -221,7 +221,7 @@ class GenerationWorker:
                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
                 xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
                 logits_processors=make_logits_processors(**req.processors) or None, session=session, **self.kv,
-                response_format=self.grammars.get(req.grammar) if req.grammar else None,
+                response_format=self.grammars.get(req.grammar) if req.grammar else None, lookup=req.lookup,
             )
             for r in responses:
                 if job.cancelled and self.group is None:

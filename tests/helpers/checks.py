@@ -82,7 +82,8 @@ def without_eos(tokenizer):
 
 
 def check_lossless(model, tokenizer, draft, prompt, max_tokens, block_size, logprob_atol=None, **kw):
-    """The random drafter and the oracle both reproduce mlx-lm's greedy stream."""
+    """The random drafter (with copy-aware drafting, the default) and the oracle (without: its pattern offers
+    every acceptance length) both reproduce mlx-lm's greedy stream."""
     with without_eos(tokenizer) as tok:
         for proposer in (draft, "oracle"):
             got, want = run_both(model, tok, proposer, prompt, max_tokens, block_size, **kw)
@@ -103,15 +104,19 @@ def oracle_cycle_sizes(block_size: int, max_tokens: int) -> list[int]:
     return sizes
 
 
-def run_both(model, tokenizer, proposer, prompt, max_tokens, block_size, **kw):
+def run_both(model, tokenizer, proposer, prompt, max_tokens, block_size, lookup=None, **kw):
+    """mlx-lm's stream and ours, with `proposer` ("oracle": the oracle of mlx-lm's stream); `lookup`
+    (None: on, but for the oracle, whose pattern is the point)."""
     from dflash_mlx import stream_generate
     from dflash_mlx.proposers.oracle import OracleProposer
 
     want = list(mlx_lm_stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens, **kw))
+    if lookup is None:
+        lookup = proposer != "oracle"
     if proposer == "oracle":
         proposer = OracleProposer([r.token for r in want] + [0] * 16, list(range(block_size)), TINY_VOCAB)
     got = list(stream_generate(model, proposer, tokenizer, prompt, max_tokens=max_tokens,
-                               block_size=block_size, **kw))  # fmt: skip
+                               block_size=block_size, lookup=lookup, **kw))  # fmt: skip
     return got, want
 
 
