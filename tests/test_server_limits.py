@@ -143,7 +143,8 @@ HOSTILE = [
     ("response_format: 3,000 required properties", CHAT, _chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(3000)},
                                 "required": [f"k{i}" for i in range(3000)]}}}), None, {200}),
-    ("response_format: a minimum of Infinity (Python's JSON reads it)", CHAT, b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], '
+    ("response_format: a minimum of Infinity (Python's JSON reads it)", CHAT,
+     b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], '
      b'"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", '
      b'"minimum": Infinity}}}}', None, BAD),
     ("response_format json_object", CHAT, _chat(response_format={"type": "json_object"}), None, {200}),
@@ -462,7 +463,7 @@ def _inject(app, stage: str, monkeypatch) -> list:
     elif stage == "deliver":
         token_event = worker.token_event
         monkeypatch.setattr(worker, "token_event", lambda r, text, logprobs, top_n: fail([FAULTY]) if top_n == 3
-                            else token_event(r, text, logprobs, top_n))  # only the faulty request asks for 3  # fmt: skip
+                            else token_event(r, text, logprobs, top_n))  # (only the faulty one asks for 3)  # fmt: skip
     elif stage == "save":
         put = worker.sessions.put
         monkeypatch.setattr(worker.sessions, "put", lambda session: fail([FAULTY]) if _is_faulty(session.tokens)

@@ -145,8 +145,9 @@ class BatchedServing:
                             req.seed, xtc=xtc if req.xtc_probability else None,
                             constraint=grammar.constraint() if grammar else None)  # fmt: skip
         session = worker.sessions.take(prompt)
-        return _Row(job, prompt, session, acceptor, max_tokens, max_block, RunStats(block_size=block, adaptive=adaptive),
-                    StopText(req.stop), cached=session.usable_prefix(prompt))  # fmt: skip
+        stats = RunStats(block_size=block, adaptive=adaptive)
+        return _Row(job, prompt, session, acceptor, max_tokens, max_block, stats, StopText(req.stop),
+                    cached=session.usable_prefix(prompt))  # fmt: skip
 
     # -- joining ----------------------------------------------------------------------------------
 
@@ -190,7 +191,8 @@ class BatchedServing:
         # Fresh short prompts are prefilled together (one forward they share), the others alone: a
         # failure fails the requests of its own forward only (the decoder's rows are untouched until
         # a prefill has succeeded).
-        together = [r for r in ready if self.decoder.prefills_together(r.session, len(r.prompt), self.prefill_step_size)]
+        step = self.prefill_step_size
+        together = [r for r in ready if self.decoder.prefills_together(r.session, len(r.prompt), step)]
         groups = [together] if len(together) > 1 else []
         groups += [[r] for r in ready if len(together) < 2 or r not in together]
         for group in groups:

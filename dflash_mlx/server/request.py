@@ -127,7 +127,8 @@ def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
         req.tool_choice = tool_choice(body.get("tool_choice") if function_call is None else function_call, req.tools)
         req.messages = chat_messages(legacy_messages(body.get("messages")))
         req.role_mapping = _role_mapping(b, info)
-        req.chat_template_kwargs = {**info.chat_template_args, **reasoning(b, info), **b.mapping("chat_template_kwargs")}
+        chat_kwargs = b.mapping("chat_template_kwargs")
+        req.chat_template_kwargs = {**info.chat_template_args, **reasoning(b, info), **chat_kwargs}
     else:
         req.prompt = _prompt(body.get("prompt"), info.vocab_size)
     req.model = check_model(body.get("model"), info)
