@@ -19,6 +19,11 @@ from mlx_lm.sample_utils import make_sampler
 from .sampling import SamplingSettings, distribution, log_softmax, rejection_accept
 
 
+def seed_from_mlx() -> int:
+    """A seed drawn from MLX's global generator (which `mx.random.seed` makes reproducible)."""
+    return int(mx.random.randint(0, 2**31 - 1, ()).item())
+
+
 class Acceptor:
     def __init__(
         self,
@@ -42,7 +47,7 @@ class Acceptor:
         self.history = prompt.astype(mx.int32) if self.processors else None
         self.seeded = seed is not None and not settings.greedy  # reproducible: its blocks may not follow timing
         if seed is None and not settings.greedy:
-            seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
+            seed = seed_from_mlx()
         self._key = mx.random.key(seed) if seed is not None else None
         self._xtc_sampler = None
         if xtc is not None and not settings.greedy:

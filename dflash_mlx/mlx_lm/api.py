@@ -29,6 +29,7 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generation_stream
 from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from ..acceptance import seed_from_mlx
 from ..draft.load import load_draft
 from ..draft.model import DFlashDraftModel
 from ..engine import SUPERSEDED
@@ -257,7 +258,7 @@ def _dflash(model, tokenizer, prompt, max_tokens, draft, *, sampler=None, logits
         logits_processors = [_skipping(p, len(earlier)) for p in logits_processors]
     # mlx-lm's sampling draws from MLX's global generator, which a script seeds for reproducible output:
     # the seed is taken from it here, so the run counts as seeded (its blocks follow no timing)
-    seed = None if settings.greedy else int(mx.random.randint(0, 2**31 - 1, ()).item())
+    seed = None if settings.greedy else seed_from_mlx()
     responses = dflash_stream_generate(
         model, draft, tokenizer, earlier + ids, max_tokens=max_tokens, seed=seed,
         block_size=None if num_draft_tokens is None else num_draft_tokens + 1,
