@@ -25,9 +25,17 @@ _PUBLIC = {
     "make_session": "dflash_mlx.session",
 }
 
-__all__ = ["DFlashResponse", "batch_generate", "generate", "load", "load_draft", "make_session",
-           "stream_batch_generate",
-           "stream_generate", "__version__"]
+__all__ = [
+    "DFlashResponse",
+    "batch_generate",
+    "generate",
+    "load",
+    "load_draft",
+    "make_session",
+    "stream_batch_generate",
+    "stream_generate",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

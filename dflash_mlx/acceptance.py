@@ -55,8 +55,14 @@ class Acceptor:
                 mx.random.seed(seed)  # mlx-lm's sampler draws from the global generator
             s = settings
             self._xtc_sampler = make_sampler(
-                s.temperature, s.top_p, s.min_p, s.min_tokens_to_keep, s.top_k,
-                xtc_probability=xtc[0], xtc_threshold=xtc[1], xtc_special_tokens=list(xtc[2]),
+                s.temperature,
+                s.top_p,
+                s.min_p,
+                s.min_tokens_to_keep,
+                s.top_k,
+                xtc_probability=xtc[0],
+                xtc_threshold=xtc[1],
+                xtc_special_tokens=list(xtc[2]),
             )
 
     @property

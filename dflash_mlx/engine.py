@@ -164,8 +164,11 @@ def speculative_cycles(
     context = _DrafterContext(proposer)
     looks_up = lookup and proposer is not None and acceptor.constraint is None
     index = session.lookup_index(prompt_ids) if looks_up else None
-    sources = None if index is None else LookupDrafting(policy, index, learns=acceptor.settings.greedy,
-                                                        shared=not acceptor.seeded)  # fmt: skip
+    sources = (
+        None
+        if index is None
+        else LookupDrafting(policy, index, learns=acceptor.settings.greedy, shared=not acceptor.seeded)
+    )
 
     def room(committed: int, position: int) -> int:
         """The widest block the next cycle may verify."""
@@ -325,8 +328,14 @@ def speculative_cycles(
                 queue.append(launch(mx.array([anchor_id], mx.int32), position, committed, *plan(committed, position)))
             # Log-probabilities stay lazy: only a caller that reads them pays for them.
             logprobs = log_softmax(queued.rows[:kept])
-            yield Cycle(tokens=tokens, logprobs=logprobs, drafted=min(accepted, kept), block_size=queued.block_size,
-                        stopped=stop is not None, source=queued.source)  # fmt: skip
+            yield Cycle(
+                tokens=tokens,
+                logprobs=logprobs,
+                drafted=min(accepted, kept),
+                block_size=queued.block_size,
+                stopped=stop is not None,
+                source=queued.source,
+            )
             if settled:
                 raise RuntimeError(SUPERSEDED)
     except GeneratorExit:  # the consumer stopped early (below)

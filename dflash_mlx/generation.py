@@ -157,8 +157,9 @@ def stream_generate(
         raise ValueError(f"xtc_probability must be in [0, 1], got {xtc_probability!r}.")
     if proposer is not None:  # a block wider than the drafter's is refused before anything is allocated
         check_block_size(max_block_size, proposer, "max_block_size")
-        check_block_size(block_size if isinstance(block_size, int) else getattr(block_size, "max_block", None),
-                         proposer)  # fmt: skip
+        check_block_size(
+            block_size if isinstance(block_size, int) else getattr(block_size, "max_block", None), proposer
+        )
     if max_block_size is not None and (not isinstance(max_block_size, int) or max_block_size < 1):
         raise ValueError(f"max_block_size must be an integer >= 1, got {max_block_size!r}.")
     if block_size is None or block_size == "auto":
@@ -169,21 +170,39 @@ def stream_generate(
             # greedy runs carry the drafter's acceptance history from one call to the next (their
             # output cannot change); sampled runs start from the prior, and a seeded one keeps to the
             # curve this process started with, so no timing changes its blocks and the seed reproduces it
-            block_size = adaptive_policy(target, proposer, largest, carry=settings.greedy, kv=kv,
-                                         sampled=not settings.greedy, frozen=not settings.greedy and seed is not None)
+            block_size = adaptive_policy(
+                target,
+                proposer,
+                largest,
+                carry=settings.greedy,
+                kv=kv,
+                sampled=not settings.greedy,
+                frozen=not settings.greedy and seed is not None,
+            )
     elif max_block_size is not None:
         raise ValueError("max_block_size is for the adaptive block (block_size=None), not a fixed one.")
     elif isinstance(block_size, str) or (not hasattr(block_size, "choose") and not isinstance(block_size, int)):
         raise ValueError(f"block_size must be an integer >= 1, None or 'auto', got {block_size!r}.")
 
     responses = _responses(
-        session, prompt, tokenizer, max_tokens, block_size, prefill_step_size, prompt_progress_callback,
+        session,
+        prompt,
+        tokenizer,
+        max_tokens,
+        block_size,
+        prefill_step_size,
+        prompt_progress_callback,
         Acceptor(
-            settings, prompt, logits_processors, seed,
+            settings,
+            prompt,
+            logits_processors,
+            seed,
             xtc=(xtc_probability, xtc_threshold, sorted(tokenizer.eos_token_ids)) if xtc_probability else None,
-            sample_drafts=draft_sampling == "sample", constraint=grammar.constraint() if grammar else None,
+            sample_drafts=draft_sampling == "sample",
+            constraint=grammar.constraint() if grammar else None,
         ),
-        kv, lookup,
+        kv,
+        lookup,
     )
     group = getattr(target, "group", None)
     if group is None or group.size() == 1:
@@ -201,8 +220,18 @@ def stream_generate(
     check_lockstep(group, tokens)
 
 
-def _responses(session, prompt, tokenizer, max_tokens, block_size, prefill_step_size, prompt_progress,
-               acceptor, kv=None, lookup=False) -> Iterator[DFlashResponse]:  # fmt: skip
+def _responses(
+    session,
+    prompt,
+    tokenizer,
+    max_tokens,
+    block_size,
+    prefill_step_size,
+    prompt_progress,
+    acceptor,
+    kv=None,
+    lookup=False,
+) -> Iterator[DFlashResponse]:
     """The responses of one generation (`stream_generate` has checked its arguments)."""
     proposer, target = session.proposer, session.target
     model = session.model
@@ -213,10 +242,18 @@ def _responses(session, prompt, tokenizer, max_tokens, block_size, prefill_step_
     with wired_limit(model, [generation_stream]):
         tic = time.perf_counter()
         cycles = speculative_cycles(
-            target, prompt, proposer,
-            max_tokens=max_tokens, block_size=block_size,
-            prefill_step_size=prefill_step_size, prompt_progress=prompt_progress,
-            acceptor=acceptor, stop_tokens=eos, session=session, kv=kv, lookup=lookup,
+            target,
+            prompt,
+            proposer,
+            max_tokens=max_tokens,
+            block_size=block_size,
+            prefill_step_size=prefill_step_size,
+            prompt_progress=prompt_progress,
+            acceptor=acceptor,
+            stop_tokens=eos,
+            session=session,
+            kv=kv,
+            lookup=lookup,
         )
         n = 0
         with mx.stream(generation_stream):

@@ -72,8 +72,15 @@ class Session:
     prompt cache: it is updated in place and never replaced.
     """
 
-    def __init__(self, target: TargetAdapter, proposer: Proposer | None, draft=None, cache: list | None = None,
-                 draft_sampling: str = "sample", kv: KVQuantization | None = None):  # fmt: skip
+    def __init__(
+        self,
+        target: TargetAdapter,
+        proposer: Proposer | None,
+        draft=None,
+        cache: list | None = None,
+        draft_sampling: str = "sample",
+        kv: KVQuantization | None = None,
+    ):
         check_draft_sampling(draft_sampling)
         self.draft_sampling = draft_sampling  # the default of calls that do not choose
         self.kv = kv  # the KV-cache quantization of calls that give none (`targets.quantized_kv`)
@@ -262,9 +269,13 @@ class Session:
         self._settle()
         saved_context = getattr(self.proposer, "saved_context", None)
         checkpoint = self._checkpoint
-        return {"tokens": list(self.tokens), "prompt_length": self.prompt_length, "cache": self.cache,
-                "checkpoint": (checkpoint.position, checkpoint.states) if checkpoint else None,
-                "draft": saved_context() if callable(saved_context) else None}  # fmt: skip
+        return {
+            "tokens": list(self.tokens),
+            "prompt_length": self.prompt_length,
+            "cache": self.cache,
+            "checkpoint": (checkpoint.position, checkpoint.states) if checkpoint else None,
+            "draft": saved_context() if callable(saved_context) else None,
+        }
 
     def restore(self, tokens: list[int], cache: list, checkpoint: tuple | None, draft, prompt_length: int = 0) -> None:
         """Hold a saved session's state (the caches must be this target's)."""
@@ -295,8 +306,14 @@ def check_draft_sampling(value: str) -> None:
 
 
 def make_session(
-    model: nn.Module, draft=None, *, max_draft_context: int | None = None, draft_sampling: str = "sample",
-    kv_bits: int | None = None, kv_group_size: int = 64, quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    model: nn.Module,
+    draft=None,
+    *,
+    max_draft_context: int | None = None,
+    draft_sampling: str = "sample",
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
 ) -> Session:
     """A reusable cache for `stream_generate(..., session=...)` with this model and drafter.
 
@@ -308,5 +325,10 @@ def make_session(
         raise ValueError(f"max_draft_context must be >= 1, got {max_draft_context}.")
     proposer = as_proposer(draft, model, max_draft_context)
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
-    return Session(TargetAdapter(model, proposer.layer_ids if proposer else ()), proposer, draft,
-                   draft_sampling=draft_sampling, kv=kv)  # fmt: skip
+    return Session(
+        TargetAdapter(model, proposer.layer_ids if proposer else ()),
+        proposer,
+        draft,
+        draft_sampling=draft_sampling,
+        kv=kv,
+    )

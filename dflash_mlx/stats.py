@@ -134,6 +134,7 @@ class RunStats:
     def per_position_acceptance(self) -> list[float]:
         """Per draft position: the share of the cycles that offered it which accepted it."""
         b = max([self.block_size or 1, *self.histogram, *self.blocks])
-        offered = [sum(v for k, v in self.blocks.items() if k > i) if self.blocks else self.cycles
-                   for i in range(b - 1)]  # fmt: skip
+        offered = [
+            sum(v for k, v in self.blocks.items() if k > i) if self.blocks else self.cycles for i in range(b - 1)
+        ]
         return [self.accepted_at.get(i, 0) / n if n else 0.0 for i, n in enumerate(offered)]

@@ -57,9 +57,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-TITLES = {"demo-gsm8k": "demo pair, GSM8K", "demo-mtbench": "demo pair, MT-Bench", "untrained": "untrained drafter",
-          "4bit": "4-bit target (blocks <= 5)", "long": "demo pair, 1.6k-token prompts",
-          "synthetic": "synthetic pair"}  # fmt: skip
+TITLES = {
+    "demo-gsm8k": "demo pair, GSM8K",
+    "demo-mtbench": "demo pair, MT-Bench",
+    "untrained": "untrained drafter",
+    "4bit": "4-bit target (blocks <= 5)",
+    "long": "demo pair, 1.6k-token prompts",
+    "synthetic": "synthetic pair",
+}
 LONG_PROMPT_TOKENS = 1600
 JSON_ASK = "\nAnswer with a JSON object: your reasoning, then the final answer as a number."
 
@@ -81,10 +86,20 @@ def engine(args) -> None:
 
     mx.random.seed(0)
     h = args.hidden
-    config = qwen3.ModelArgs(model_type="qwen3", hidden_size=h, num_hidden_layers=args.layers,
-                             intermediate_size=h * 11 // 4, num_attention_heads=h // 64, rms_norm_eps=1e-6,
-                             vocab_size=args.vocab, num_key_value_heads=max(1, h // 256), max_position_embeddings=8192,
-                             head_dim=64, tie_word_embeddings=False, rope_theta=1e6)  # fmt: skip
+    config = qwen3.ModelArgs(
+        model_type="qwen3",
+        hidden_size=h,
+        num_hidden_layers=args.layers,
+        intermediate_size=h * 11 // 4,
+        num_attention_heads=h // 64,
+        rms_norm_eps=1e-6,
+        vocab_size=args.vocab,
+        num_key_value_heads=max(1, h // 256),
+        max_position_embeddings=8192,
+        head_dim=64,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+    )
     model = qwen3.Model(config)
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
@@ -102,8 +117,9 @@ def engine(args) -> None:
         return tokens, (len(tokens) - 1) / (time.perf_counter() - tic), sizes
 
     def cycles(proposer, block):
-        return speculative_cycles(TargetAdapter(model, ()), prompt, proposer, max_tokens=args.max_tokens,
-                                  block_size=block)  # fmt: skip
+        return speculative_cycles(
+            TargetAdapter(model, ()), prompt, proposer, max_tokens=args.max_tokens, block_size=block
+        )
 
     def forward_seconds(rows, context):
         """The median seconds of a target forward of `rows` rows after `context` cached positions."""
@@ -130,21 +146,46 @@ def engine(args) -> None:
         assert ours == reference and drafted == reference, "the engine's output differs from mlx-lm's greedy"
         t1, tb = forward_seconds(1, context), forward_seconds(args.block_size, context)
         tau = sum(sizes) / len(sizes)
-        rounds.append({"mlx_lm_tps": plain_tps, "plain_path_tps": ours_plain_tps, "dflash_oracle_tps": dflash_tps,
-                       "t_forward_1_ms": t1 * 1e3, "t_forward_b_ms": tb * 1e3, "speedup": dflash_tps / plain_tps,
-                       "ideal": tau * t1 / tb, "ratio": dflash_tps / plain_tps / (tau * t1 / tb)})  # fmt: skip
-    result = {"params_millions": round(sum(v.size for _, v in tree_flatten(model.parameters())) / 1e6, 1),
-              "block_size": args.block_size, "tau": round(tau, 3), "rounds": args.rounds,
-              **{k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]},
-              "ratio_per_round": [round(r["ratio"], 3) for r in rounds]}  # medians over the rounds  # fmt: skip
+        rounds.append(
+            {
+                "mlx_lm_tps": plain_tps,
+                "plain_path_tps": ours_plain_tps,
+                "dflash_oracle_tps": dflash_tps,
+                "t_forward_1_ms": t1 * 1e3,
+                "t_forward_b_ms": tb * 1e3,
+                "speedup": dflash_tps / plain_tps,
+                "ideal": tau * t1 / tb,
+                "ratio": dflash_tps / plain_tps / (tau * t1 / tb),
+            }
+        )
+    result = {
+        "params_millions": round(sum(v.size for _, v in tree_flatten(model.parameters())) / 1e6, 1),
+        "block_size": args.block_size,
+        "tau": round(tau, 3),
+        "rounds": args.rounds,
+        **{k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]},
+        "ratio_per_round": [round(r["ratio"], 3) for r in rounds],
+    }  # medians over the rounds
     t1, tb = result["t_forward_1_ms"] / 1e3, result["t_forward_b_ms"] / 1e3
     if args.draft_layers:  # a random drafter of the target's width: the ideal with a real drafter's forward
         layer_ids = [1 + i * (args.layers - 4) // max(args.draft_layers - 1, 1) for i in range(args.draft_layers)]
-        draft = DFlashDraftModel(parse_draft_config(dict(
-            hidden_size=h, num_hidden_layers=args.draft_layers, num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_key_value_heads, head_dim=64, intermediate_size=config.intermediate_size,
-            vocab_size=args.vocab, rms_norm_eps=1e-6, max_position_embeddings=8192, rope_theta=1e6,
-            dflash_config=dict(mask_token_id=0, target_layer_ids=layer_ids, block_size=args.block_size))))
+        draft = DFlashDraftModel(
+            parse_draft_config(
+                dict(
+                    hidden_size=h,
+                    num_hidden_layers=args.draft_layers,
+                    num_attention_heads=config.num_attention_heads,
+                    num_key_value_heads=config.num_key_value_heads,
+                    head_dim=64,
+                    intermediate_size=config.intermediate_size,
+                    vocab_size=args.vocab,
+                    rms_norm_eps=1e-6,
+                    max_position_embeddings=8192,
+                    rope_theta=1e6,
+                    dflash_config=dict(mask_token_id=0, target_layer_ids=layer_ids, block_size=args.block_size),
+                )
+            )
+        )
         mx.eval(draft.parameters())
         draft_cache, width = draft.make_cache(), args.draft_layers * h
         draft.extend_context(mx.zeros((1, context, width)), draft_cache)
@@ -173,10 +214,14 @@ def chat_prompts(tokenizer, conversations, raw: bool = False) -> list[mx.array]:
     from dflash_mlx.generation import encode_prompt
 
     if raw or template_source(tokenizer) is None:
-        return [encode_prompt(tokenizer, c if isinstance(c, str) else "\n\n".join(m["content"] for m in c))
-                for c in conversations]  # fmt: skip
-    return [encode_prompt(tokenizer, render(tokenizer, [{"role": "user", "content": c}] if isinstance(c, str)
-                                            else c, {})) for c in conversations]  # fmt: skip
+        return [
+            encode_prompt(tokenizer, c if isinstance(c, str) else "\n\n".join(m["content"] for m in c))
+            for c in conversations
+        ]
+    return [
+        encode_prompt(tokenizer, render(tokenizer, [{"role": "user", "content": c}] if isinstance(c, str) else c, {}))
+        for c in conversations
+    ]
 
 
 def synthetic_prompts(directory: Path, n: int) -> list[str]:
@@ -215,8 +260,9 @@ def load_setting(name: str, demo, args):
     if name == "untrained":
         mx.random.seed(7)
         draft = copy.deepcopy(draft)
-        draft.update(tree_map(lambda p: mx.random.normal(p.shape, p.dtype) * 0.02 if p.ndim > 1 else p,
-                              draft.parameters()))  # fmt: skip
+        draft.update(
+            tree_map(lambda p: mx.random.normal(p.shape, p.dtype) * 0.02 if p.ndim > 1 else p, draft.parameters())
+        )
         mx.eval(draft.parameters())
     if name == "4bit":
         model = dflash_mlx.load("demo")[0]
@@ -253,8 +299,9 @@ def parses_as_json(tokenizer, tokens: list[int]) -> bool:
         return False
 
 
-def make_legs(model, tokenizer, draft, names: list[str], max_tokens: int, temperature: float,
-              response_format=None) -> dict:  # fmt: skip
+def make_legs(
+    model, tokenizer, draft, names: list[str], max_tokens: int, temperature: float, response_format=None
+) -> dict:
     from mlx_lm import stream_generate as mlx_lm_stream_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -266,13 +313,31 @@ def make_legs(model, tokenizer, draft, names: list[str], max_tokens: int, temper
     def mlx_lm_leg(prompt, seed):
         mx.random.seed(seed)
         processors = [GrammarLogitsProcessor(tokenizer, grammar)] if grammar else None
-        return timed(mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                            sampler=make_sampler(temperature), logits_processors=processors))
+        return timed(
+            mlx_lm_stream_generate(
+                model,
+                tokenizer,
+                prompt,
+                max_tokens=max_tokens,
+                sampler=make_sampler(temperature),
+                logits_processors=processors,
+            )
+        )
 
     def ours(drafter, block):
-        return lambda prompt, seed: timed(stream_generate(model, drafter, tokenizer, prompt, max_tokens=max_tokens,
-                                                          block_size=block, temperature=temperature, seed=seed,
-                                                          response_format=grammar))  # fmt: skip
+        return lambda prompt, seed: timed(
+            stream_generate(
+                model,
+                drafter,
+                tokenizer,
+                prompt,
+                max_tokens=max_tokens,
+                block_size=block,
+                temperature=temperature,
+                seed=seed,
+                response_format=grammar,
+            )
+        )
 
     legs = {"mlx-lm": mlx_lm_leg}
     for name in names:
@@ -331,8 +396,10 @@ class Units:
                 drawn[start::2] = [half[rng.randrange(len(half))] for _ in half]
             boots.append(value(drawn))
         boots.sort()
-        return {"ratio": round(value(self.rows), 3),
-                "ci95": [round(boots[int(0.025 * resamples)], 3), round(boots[int(0.975 * resamples)], 3)]}
+        return {
+            "ratio": round(value(self.rows), 3),
+            "ci95": [round(boots[int(0.025 * resamples)], 3), round(boots[int(0.975 * resamples)], 3)],
+        }
 
 
 def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
@@ -342,11 +409,15 @@ def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
 
     session = make_session(model, draft)  # calibrated afresh: a curve cached at another time does not decide
     tic = time.perf_counter()
-    cost = cost_model(session.target, session.proposer, default_block_size(model, draft),
-                      sampled=args.temperature > 0, force=True)  # fmt: skip
-    calibration = {"seconds": round(time.perf_counter() - tic, 3), "grid": list(cost.table.blocks),
-                   "ms": [round(1000 * t, 3) for t in cost.table.line()],
-                   "instability": cost.notes.get("instability")}  # fmt: skip
+    cost = cost_model(
+        session.target, session.proposer, default_block_size(model, draft), sampled=args.temperature > 0, force=True
+    )
+    calibration = {
+        "seconds": round(time.perf_counter() - tic, 3),
+        "grid": list(cost.table.blocks),
+        "ms": [round(1000 * t, 3) for t in cost.table.line()],
+        "instability": cost.notes.get("instability"),
+    }
     compared = args.legs.split(",")
     legs = make_legs(model, tokenizer, draft, compared, args.max_tokens, args.temperature, args.response_format)
     for leg in legs.values():  # two warm-ups of each leg
@@ -373,37 +444,55 @@ def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
         pairs.append((lead, "best fixed"))
 
     def first_token_ms(leg: str) -> float:  # time to the first token: from the call minus the decode window
-        return round(1000 * statistics.median((u[leg][3] - u[leg][1]) - (u["mlx-lm"][3] - u["mlx-lm"][1])
-                                              for u in units.rows), 3)  # fmt: skip
+        return round(
+            1000 * statistics.median((u[leg][3] - u[leg][1]) - (u["mlx-lm"][3] - u["mlx-lm"][1]) for u in units.rows), 3
+        )
 
-    return {"setting": name, "prompts": len(prompts), "rounds": args.rounds, "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "response_format": args.response_format, "calibration": calibration,
-            "tps": speeds,
-            "best_fixed_blocks": units.best_fixed(units.rows)[1] if len(units.fixed) > 1 else None,
-            "legs": {k: {"vs_mlx_lm": units.ratio(k, "mlx-lm"),
-                         "vs_mlx_lm_decode": units.ratio(k, "mlx-lm", end_to_end=False),
-                         "first_token_ms_paired_median": first_token_ms(k),
-                         "greedy_mismatches": mismatches[k] if args.temperature == 0 else None,
-                         "blocks": {str(b): n for b, n in sorted(blocks[k].items())}} for k in compared},
-            "replies_parsing_as_json": dict(parsed) if args.response_format else None,
-            "pairs": {f"{a} / {b}": units.ratio(a, b) for a, b in pairs}}  # fmt: skip
+    return {
+        "setting": name,
+        "prompts": len(prompts),
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "response_format": args.response_format,
+        "calibration": calibration,
+        "tps": speeds,
+        "best_fixed_blocks": units.best_fixed(units.rows)[1] if len(units.fixed) > 1 else None,
+        "legs": {
+            k: {
+                "vs_mlx_lm": units.ratio(k, "mlx-lm"),
+                "vs_mlx_lm_decode": units.ratio(k, "mlx-lm", end_to_end=False),
+                "first_token_ms_paired_median": first_token_ms(k),
+                "greedy_mismatches": mismatches[k] if args.temperature == 0 else None,
+                "blocks": {str(b): n for b, n in sorted(blocks[k].items())},
+            }
+            for k in compared
+        },
+        "replies_parsing_as_json": dict(parsed) if args.response_format else None,
+        "pairs": {f"{a} / {b}": units.ratio(a, b) for a, b in pairs},
+    }
 
 
 def legs_table(report: dict) -> str:
     def r(x):
         return f"{x['ratio']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}]"
 
-    lines = ["| setting | leg | units | mlx-lm tok/s | leg tok/s | leg / mlx-lm | decode window | first token, ms "
-             "| blocks | greedy mismatches |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]  # fmt: skip
+    lines = [
+        "| setting | leg | units | mlx-lm tok/s | leg tok/s | leg / mlx-lm | decode window | first token, ms "
+        "| blocks | greedy mismatches |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
     for st in report["settings"]:
         title = TITLES.get(st["setting"], st["setting"]) + (f", T = {st['temperature']:g}" if st["temperature"] else "")
         title += ", JSON schema" if st.get("response_format") else ""
         for leg, x in st["legs"].items():
             blocks = " ".join(f"{b}:{n}" for b, n in x["blocks"].items())
-            lines.append(f"| {title} | {leg} | {st['prompts'] * st['rounds']} | {st['tps']['mlx-lm']:.1f} "
-                         f"| {st['tps'][leg]:.1f} | {r(x['vs_mlx_lm'])} | {r(x['vs_mlx_lm_decode'])} "
-                         f"| {x['first_token_ms_paired_median']:+.2f} | {blocks} "
-                         f"| {'-' if x['greedy_mismatches'] is None else x['greedy_mismatches']} |")  # fmt: skip
+            lines.append(
+                f"| {title} | {leg} | {st['prompts'] * st['rounds']} | {st['tps']['mlx-lm']:.1f} "
+                f"| {st['tps'][leg]:.1f} | {r(x['vs_mlx_lm'])} | {r(x['vs_mlx_lm_decode'])} "
+                f"| {x['first_token_ms_paired_median']:+.2f} | {blocks} "
+                f"| {'-' if x['greedy_mismatches'] is None else x['greedy_mismatches']} |"
+            )
     lines += ["", "| setting | calibrated T(b) / T(1) at b = | took |", "|---|---|---:|"]
     for st in report["settings"]:
         cal = st["calibration"]
@@ -412,9 +501,12 @@ def legs_table(report: dict) -> str:
     pairs = [(st, pair, x) for st in report["settings"] for pair, x in st["pairs"].items()]
     if pairs:
         lines += ["", "| setting | legs (best fixed: cross-fitted) | ratio, end to end |", "|---|---|---:|"]
-        lines += [f"| {TITLES.get(st['setting'], st['setting'])} | {pair}"
-                  f"{' (' + '/'.join(st['best_fixed_blocks']) + ')' if pair.endswith('best fixed') else ''} "
-                  f"| {r(x)} |" for st, pair, x in pairs]  # fmt: skip
+        lines += [
+            f"| {TITLES.get(st['setting'], st['setting'])} | {pair}"
+            f"{' (' + '/'.join(st['best_fixed_blocks']) + ')' if pair.endswith('best fixed') else ''} "
+            f"| {r(x)} |"
+            for st, pair, x in pairs
+        ]
     return "\n".join(lines)
 
 
@@ -454,8 +546,10 @@ def float32_copy(dst: Path) -> Path:
 
     src = Path(lookup("demo").target_path())
     shutil.copytree(src, dst, dirs_exist_ok=True)
-    weights = {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
-               for k, v in mx.load(str(src / "model.safetensors")).items()}  # fmt: skip
+    weights = {
+        k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in mx.load(str(src / "model.safetensors")).items()
+    }
     mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
     config = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps(config | {"torch_dtype": "float32"}, indent=2))
@@ -470,8 +564,12 @@ class Server:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([*command, "--port", str(self.port)], stdout=log.open("w"),
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [*command, "--port", str(self.port)],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -511,43 +609,69 @@ def serving(args) -> None:
             for k in range(args.rounds):
                 for name in commands:
                     out = out_dir / f"{name.replace(' ', '-')}-c{c}-r{k}.json"
-                    run = subprocess.run([exe, "bench", "--backend", "openai", "--base-url", servers[name].url,
-                                          "--baseline-url", servers["mlx_lm"].url, "--concurrency", str(c),
-                                          "--num-prompts", str(args.num_prompts), "--max-tokens",
-                                          str(args.max_tokens), "--out", str(out)],
-                                         capture_output=True, text=True, stdin=subprocess.DEVNULL)  # fmt: skip
+                    run = subprocess.run(
+                        [
+                            exe,
+                            "bench",
+                            "--backend",
+                            "openai",
+                            "--base-url",
+                            servers[name].url,
+                            "--baseline-url",
+                            servers["mlx_lm"].url,
+                            "--concurrency",
+                            str(c),
+                            "--num-prompts",
+                            str(args.num_prompts),
+                            "--max-tokens",
+                            str(args.max_tokens),
+                            "--out",
+                            str(out),
+                        ],
+                        capture_output=True,
+                        text=True,
+                        stdin=subprocess.DEVNULL,
+                    )
                     if run.returncode != 0:
                         raise SystemExit(f"dflash-mlx bench failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
                     runs[name].append(json.loads(out.read_text())["legs"])
             for name, rounds in runs.items():
+
                 def med(f):
                     return statistics.median(f(r) for r in rounds)
 
-                results.append({"server": name, "concurrency": c,
-                                "tps": med(lambda r: r["dflash"]["throughput_tps"]),
-                                "baseline_tps": med(lambda r: r["baseline"]["throughput_tps"]),
-                                "speedups": [r["dflash"]["throughput_tps"] / r["baseline"]["throughput_tps"]
-                                             for r in rounds],
-                                "latency_p50": med(lambda r: r["dflash"]["latency_s"]["p50"]),
-                                "baseline_latency_p50": med(lambda r: r["baseline"]["latency_s"]["p50"]),
-                                "ttft_p50": med(lambda r: r["dflash"]["ttft_s"]["p50"]),
-                                "baseline_ttft_p50": med(lambda r: r["baseline"]["ttft_s"]["p50"]),
-                                "acceptance_length": med(lambda r: r["dflash"]["acceptance_length"] or 0.0),
-                                })  # fmt: skip
+                results.append(
+                    {
+                        "server": name,
+                        "concurrency": c,
+                        "tps": med(lambda r: r["dflash"]["throughput_tps"]),
+                        "baseline_tps": med(lambda r: r["baseline"]["throughput_tps"]),
+                        "speedups": [r["dflash"]["throughput_tps"] / r["baseline"]["throughput_tps"] for r in rounds],
+                        "latency_p50": med(lambda r: r["dflash"]["latency_s"]["p50"]),
+                        "baseline_latency_p50": med(lambda r: r["baseline"]["latency_s"]["p50"]),
+                        "ttft_p50": med(lambda r: r["dflash"]["ttft_s"]["p50"]),
+                        "baseline_ttft_p50": med(lambda r: r["baseline"]["ttft_s"]["p50"]),
+                        "acceptance_length": med(lambda r: r["dflash"]["acceptance_length"] or 0.0),
+                    }
+                )
                 print(json.dumps(results[-1]), flush=True)
     finally:
         for server in servers.values():
             server.stop()
     (out_dir / "summary.json").write_text(json.dumps(results, indent=1))
-    print(f"\n{args.num_prompts} GSM8K prompts x {args.max_tokens} tokens, greedy, median of {args.rounds} rounds "
-          f"(reports in {out_dir})\n\n| server | concurrency | dflash-mlx tok/s | mlx_lm.server tok/s | speedup "
-          "(rounds) | latency p50 (dflash / mlx-lm) | TTFT p50 (dflash / mlx-lm) | acceptance length |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+    print(
+        f"\n{args.num_prompts} GSM8K prompts x {args.max_tokens} tokens, greedy, median of {args.rounds} rounds "
+        f"(reports in {out_dir})\n\n| server | concurrency | dflash-mlx tok/s | mlx_lm.server tok/s | speedup "
+        "(rounds) | latency p50 (dflash / mlx-lm) | TTFT p50 (dflash / mlx-lm) | acceptance length |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
     for r in results:
-        print(f"| {r['server']} | {r['concurrency']} | {r['tps']:.1f} | {r['baseline_tps']:.1f} "
-              f"| {statistics.median(r['speedups']):.2f}x ({', '.join(f'{s:.2f}' for s in r['speedups'])}) "
-              f"| {r['latency_p50']:.2f} s / {r['baseline_latency_p50']:.2f} s "
-              f"| {r['ttft_p50']:.2f} s / {r['baseline_ttft_p50']:.2f} s | {r['acceptance_length']:.2f} |")  # fmt: skip
+        print(
+            f"| {r['server']} | {r['concurrency']} | {r['tps']:.1f} | {r['baseline_tps']:.1f} "
+            f"| {statistics.median(r['speedups']):.2f}x ({', '.join(f'{s:.2f}' for s in r['speedups'])}) "
+            f"| {r['latency_p50']:.2f} s / {r['baseline_latency_p50']:.2f} s "
+            f"| {r['ttft_p50']:.2f} s / {r['baseline_ttft_p50']:.2f} s | {r['acceptance_length']:.2f} |"
+        )
 
 
 AGENT_QUESTIONS = [
@@ -564,14 +688,22 @@ def agent_system_prompt(count: int) -> str:
     tools = []
     for i in range(count):
         name = f"{TOOL_NAMES[i % len(TOOL_NAMES)]}_{i // len(TOOL_NAMES)}"
-        parameters = {"type": "object", "required": ["path"], "properties": {
-            "path": {"type": "string", "description": "a path relative to the workspace root"},
-            "pattern": {"type": "string", "description": "a glob or regular expression"},
-            "limit": {"type": "integer", "description": "the most results to return"}}}  # fmt: skip
-        description = (f"{name.replace('_', ' ')} in the workspace; returns the result as text and never changes "
-                       "files it was not asked to change.")  # fmt: skip
-        tools.append({"type": "function", "function": {"name": name, "description": description,
-                                                        "parameters": parameters}})  # fmt: skip
+        parameters = {
+            "type": "object",
+            "required": ["path"],
+            "properties": {
+                "path": {"type": "string", "description": "a path relative to the workspace root"},
+                "pattern": {"type": "string", "description": "a glob or regular expression"},
+                "limit": {"type": "integer", "description": "the most results to return"},
+            },
+        }
+        description = (
+            f"{name.replace('_', ' ')} in the workspace; returns the result as text and never changes "
+            "files it was not asked to change."
+        )
+        tools.append(
+            {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+        )
     return "You are a careful assistant with these tools:\n" + "\n".join(json.dumps(t) for t in tools)
 
 
@@ -579,24 +711,36 @@ def converse(url: str, system: str, max_tokens: int) -> list[dict]:
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    client.chat.completions.create(model="default_model", max_tokens=4,
-                                   messages=[{"role": "user", "content": "Hello"}])  # a warm-up  # fmt: skip
+    client.chat.completions.create(
+        model="default_model", max_tokens=4, messages=[{"role": "user", "content": "Hello"}]
+    )  # a warm-up
     messages, turns = [{"role": "system", "content": system}], []
     for question in AGENT_QUESTIONS:
         messages.append({"role": "user", "content": question})
         tic, first, text, usage = time.perf_counter(), None, "", None
-        for chunk in client.chat.completions.create(model="default_model", messages=messages,
-                                                    max_tokens=max_tokens, temperature=0.0, stream=True,
-                                                    stream_options={"include_usage": True}):  # fmt: skip
+        for chunk in client.chat.completions.create(
+            model="default_model",
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+        ):
             usage = chunk.usage or usage
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first or time.perf_counter()
                 text += chunk.choices[0].delta.content
         done = time.perf_counter()
         details = getattr(usage, "prompt_tokens_details", None)
-        turns.append({"ttft_s": round((first or done) - tic, 3), "latency_s": round(done - tic, 3),
-                      "prompt_tokens": usage.prompt_tokens, "cached_tokens": getattr(details, "cached_tokens", None),
-                      "text": text})  # fmt: skip
+        turns.append(
+            {
+                "ttft_s": round((first or done) - tic, 3),
+                "latency_s": round(done - tic, 3),
+                "prompt_tokens": usage.prompt_tokens,
+                "cached_tokens": getattr(details, "cached_tokens", None),
+                "text": text,
+            }
+        )
         messages.append({"role": "assistant", "content": text})
     client.close()
     return turns
@@ -608,23 +752,35 @@ def agent(args) -> None:
     report = {"max_tokens": args.max_tokens, "legs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         mlx_lm_server = [sys.executable, "-m", "mlx_lm.server", "--model", str(float32_copy(Path(tmp) / "target"))]
-        legs = {"dflash-mlx serve, cached": [exe, "serve"],
-                "dflash-mlx serve, cold": [exe, "serve", "--prompt-cache-size", "0"],
-                "mlx_lm.server, cached": mlx_lm_server,
-                "mlx_lm.server, cold": [*mlx_lm_server, "--prompt-cache-size", "0"]}  # fmt: skip
+        legs = {
+            "dflash-mlx serve, cached": [exe, "serve"],
+            "dflash-mlx serve, cold": [exe, "serve", "--prompt-cache-size", "0"],
+            "mlx_lm.server, cached": mlx_lm_server,
+            "mlx_lm.server, cold": [*mlx_lm_server, "--prompt-cache-size", "0"],
+        }
         for name, command in legs.items():  # one server at a time
             server = Server(command, Path(tmp) / "server.log")
             try:
                 report["legs"][name] = converse(server.url, system, args.max_tokens)
             finally:
                 server.stop()
-            print(f"{name}: " + "  ".join(f"{t['ttft_s']:.2f} / {t['latency_s']:.2f} s (cached {t['cached_tokens']} "
-                                          f"of {t['prompt_tokens']})" for t in report["legs"][name]), flush=True)
+            print(
+                f"{name}: "
+                + "  ".join(
+                    f"{t['ttft_s']:.2f} / {t['latency_s']:.2f} s (cached {t['cached_tokens']} of {t['prompt_tokens']})"
+                    for t in report["legs"][name]
+                ),
+                flush=True,
+            )
     texts = {name: [t["text"] for t in turns] for name, turns in report["legs"].items()}
     report["same_text_everywhere"] = len({json.dumps(t) for t in texts.values()}) == 1
     print("the same replies from every server, cached or cold:", report["same_text_everywhere"])
-    print("\n| server | " + " | ".join(f"turn {i + 1}" for i in range(len(AGENT_QUESTIONS))) + " |\n|---|"
-          + "---:|" * len(AGENT_QUESTIONS))  # fmt: skip
+    print(
+        "\n| server | "
+        + " | ".join(f"turn {i + 1}" for i in range(len(AGENT_QUESTIONS)))
+        + " |\n|---|"
+        + "---:|" * len(AGENT_QUESTIONS)
+    )
     for name, turns in report["legs"].items():
         print(f"| {name} | " + " | ".join(f"{t['ttft_s']:.2f} / {t['latency_s']:.2f}" for t in turns) + " |")
     if args.out:
@@ -643,25 +799,44 @@ def batch(args) -> None:
     model, tokenizer, draft = dflash_mlx.load("demo")
     prompts = [p.tolist() for p in chat_prompts(tokenizer, [c[0] for c in sample("gsm8k", args.num_prompts)])]
     want = [dflash_mlx.generate(model, draft, tokenizer, p, max_tokens=args.max_tokens) for p in prompts]
-    print("| rows at once | mlx-lm batch_generate tok/s | dflash_mlx.batch_generate tok/s | ratio |\n"
-          "|---:|---:|---:|---:|")  # fmt: skip
+    print(
+        "| rows at once | mlx-lm batch_generate tok/s | dflash_mlx.batch_generate tok/s | ratio |\n"
+        "|---:|---:|---:|---:|"
+    )
     for width in args.widths:
         best, same = {"mlx-lm": 0.0, "dflash": 0.0}, True
         for r in range(args.rounds + 1):  # round 0 warms up
             tic = time.perf_counter()
-            ours = dflash_mlx.batch_generate(model, draft, tokenizer, prompts, max_tokens=args.max_tokens,
-                                             max_batch=width, block_size=args.block, return_token_ids=True)  # fmt: skip
+            ours = dflash_mlx.batch_generate(
+                model,
+                draft,
+                tokenizer,
+                prompts,
+                max_tokens=args.max_tokens,
+                max_batch=width,
+                block_size=args.block,
+                return_token_ids=True,
+            )
             ours_tps = sum(map(len, ours.token_ids)) / (time.perf_counter() - tic)
             tic = time.perf_counter()
-            theirs = mlx_lm_batch_generate(model, tokenizer, prompts, max_tokens=args.max_tokens,
-                                           completion_batch_size=width, prefill_batch_size=width,
-                                           return_token_ids=True)  # fmt: skip
+            theirs = mlx_lm_batch_generate(
+                model,
+                tokenizer,
+                prompts,
+                max_tokens=args.max_tokens,
+                completion_batch_size=width,
+                prefill_batch_size=width,
+                return_token_ids=True,
+            )
             theirs_tps = sum(map(len, theirs.token_ids)) / (time.perf_counter() - tic)
             same &= ours.texts == want
             if r:
                 best = {"mlx-lm": max(best["mlx-lm"], theirs_tps), "dflash": max(best["dflash"], ours_tps)}
-        print(f"| {width} | {best['mlx-lm']:.1f} | {best['dflash']:.1f} | {best['dflash'] / best['mlx-lm']:.2f}x"
-              f"{'' if same else ' (texts DIFFER from one-by-one generate)'} |", flush=True)
+        print(
+            f"| {width} | {best['mlx-lm']:.1f} | {best['dflash']:.1f} | {best['dflash'] / best['mlx-lm']:.2f}x"
+            f"{'' if same else ' (texts DIFFER from one-by-one generate)'} |",
+            flush=True,
+        )
 
 
 # ------------------------------------------------------------------------------------------ sharded
@@ -689,8 +864,14 @@ def rank_job(path: Path) -> None:
             responses = mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=job["max_tokens"])
         else:
             b = leg.split("=")[1]
-            responses = dflash_mlx.stream_generate(model, draft, tokenizer, prompt, max_tokens=job["max_tokens"],
-                                                   block_size=None if b == "auto" else int(b))  # fmt: skip
+            responses = dflash_mlx.stream_generate(
+                model,
+                draft,
+                tokenizer,
+                prompt,
+                max_tokens=job["max_tokens"],
+                block_size=None if b == "auto" else int(b),
+            )
         tokens, decode_seconds = timed(responses)[:2]
         return tokens, decode_seconds
 
@@ -707,8 +888,9 @@ def rank_job(path: Path) -> None:
                 same[leg] &= tokens == reference
                 totals[leg] = [totals[leg][0] + len(tokens) - 1, totals[leg][1] + seconds]
     if group.rank() == 0:
-        Path(job["out"]).write_text(json.dumps({leg: {"tok_s": n / s, "same_as_mlx_lm": same[leg]}
-                                                for leg, (n, s) in totals.items()}))  # fmt: skip
+        Path(job["out"]).write_text(
+            json.dumps({leg: {"tok_s": n / s, "same_as_mlx_lm": same[leg]} for leg, (n, s) in totals.items()})
+        )
 
 
 def sharded(args) -> None:
@@ -719,19 +901,32 @@ def sharded(args) -> None:
     demo = choose_model(None, None)
     pairs = {"bundled demo, GSM8K": dict(target=str(demo.target), draft=str(demo.draft))}
     if args.synthetic is not None:
-        pairs["trained synthetic"] = dict(target=str(args.synthetic / "target"),
-                                          draft=str(args.synthetic / "drafter"), synthetic=str(args.synthetic))
+        pairs["trained synthetic"] = dict(
+            target=str(args.synthetic / "target"), draft=str(args.synthetic / "drafter"), synthetic=str(args.synthetic)
+        )
     blocks = args.blocks.split(",")
     names = [f"DFlash {b if b == 'auto' else 'b=' + b} tok/s" for b in blocks]
-    print("| pair | setup | mlx-lm tok/s | " + " | ".join(names) + " | speedups |\n"
-          "|---|---|---:|" + "---:|" * len(blocks) + "---:|")  # fmt: skip
+    print(
+        "| pair | setup | mlx-lm tok/s | " + " | ".join(names) + " | speedups |\n"
+        "|---|---|---:|" + "---:|" * len(blocks) + "---:|"
+    )
     with tempfile.TemporaryDirectory(prefix="dflash-bench-sharded-") as tmp:
         for name, pair in pairs.items():
             for ranks in (1, 2):
                 job = Path(tmp) / f"job-{ranks}.json"
                 out = job.with_name(f"result-{ranks}.json")
-                job.write_text(json.dumps({**pair, "n": args.num_prompts, "max_tokens": args.max_tokens,
-                                           "rounds": args.rounds, "blocks": blocks, "out": str(out)}))  # fmt: skip
+                job.write_text(
+                    json.dumps(
+                        {
+                            **pair,
+                            "n": args.num_prompts,
+                            "max_tokens": args.max_tokens,
+                            "rounds": args.rounds,
+                            "blocks": blocks,
+                            "out": str(out),
+                        }
+                    )
+                )
                 command, env = [sys.executable, __file__, "rank-job", str(job)], dict(os.environ)
                 if ranks > 1:
                     command = [shutil.which("mlx.launch"), "--backend", "ring", "-n", str(ranks), "--", *command]
@@ -746,11 +941,17 @@ def sharded(args) -> None:
                     raise SystemExit(f"the {ranks}-rank job failed:\n{done.stdout}\n{done.stderr}")
                 legs = json.loads(out.read_text())
                 base = legs["mlx-lm"]["tok_s"]
-                cells = " | ".join(f"{v['tok_s']:.1f}{'' if v['same_as_mlx_lm'] else ' (DIFFERS)'}"
-                                   for k, v in legs.items() if k != "mlx-lm")  # fmt: skip
+                cells = " | ".join(
+                    f"{v['tok_s']:.1f}{'' if v['same_as_mlx_lm'] else ' (DIFFERS)'}"
+                    for k, v in legs.items()
+                    if k != "mlx-lm"
+                )
                 speedups = " / ".join(f"{v['tok_s'] / base:.2f}x" for k, v in legs.items() if k != "mlx-lm")
-                print(f"| {name} | {'1 process' if ranks == 1 else f'{ranks} ranks'} | {base:.1f} | {cells} "
-                      f"| {speedups} |", flush=True)
+                print(
+                    f"| {name} | {'1 process' if ranks == 1 else f'{ranks} ranks'} | {base:.1f} | {cells} "
+                    f"| {speedups} |",
+                    flush=True,
+                )
 
 
 # --------------------------------------------------------------------------------------------- load
@@ -758,8 +959,9 @@ def sharded(args) -> None:
 
 def busy_processes(count: int) -> list[subprocess.Popen]:
     """`count` CPU-bound processes (another job on the machine's cores), stopped with `stop_busy`."""
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
-            for _ in range(count)]  # fmt: skip
+    return [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL) for _ in range(count)
+    ]
 
 
 def stop_busy(processes: list[subprocess.Popen]) -> None:
@@ -781,8 +983,14 @@ def shape_of(cost) -> list[float]:
 def dflash_command(args: list[str], cache: Path, timeout: float = 1800) -> dict:
     """`dflash-mlx ARGS --json`-like run with the calibration cache in `cache`; its last line of JSON."""
     env = dict(os.environ, DFLASH_MLX_CACHE_DIR=str(cache))
-    done = subprocess.run([shutil.which("dflash-mlx"), *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+    done = subprocess.run(
+        [shutil.which("dflash-mlx"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
     if done.returncode != 0:
         raise SystemExit(f"dflash-mlx {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1]) if "--json" in args else {}
@@ -808,32 +1016,54 @@ def load_calibration(args) -> dict:
         finally:
             stop_busy(hogs)
         rows = busy["curve"]
-        print(f"  busy curve T(b)/T(1): {[r['break_even_tokens_per_cycle'] for r in rows]} "
-              f"(rounds disagree by {busy['instability']:.0%}; cached: {busy['written']})", flush=True)
+        print(
+            f"  busy curve T(b)/T(1): {[r['break_even_tokens_per_cycle'] for r in rows]} "
+            f"(rounds disagree by {busy['instability']:.0%}; cached: {busy['written']})",
+            flush=True,
+        )
         if not busy["written"]:  # the scenario is a busy curve in the cache: put the one measured there
             os.environ["DFLASH_MLX_CACHE_DIR"] = str(cache)
             model, _, draft = dflash_mlx.load("demo")
             session = make_session(model, draft)
             key = calibration.calibration_key(session.target, session.proposer, default_block_size(model, draft))
-            calibration.write_table(key, CostTable.curve([r["block"] for r in rows],
-                                                         [r["ms_per_cycle"] / 1000 for r in rows]),
-                                    {"source": "measured", "instability": busy["instability"]})  # fmt: skip
+            calibration.write_table(
+                key,
+                CostTable.curve([r["block"] for r in rows], [r["ms_per_cycle"] / 1000 for r in rows]),
+                {"source": "measured", "instability": busy["instability"]},
+            )
             print("  (not cached, as its rounds disagree: written to the cache for this scenario)", flush=True)
         time.sleep(args.settle)
         print(f"dflash-mlx bench, the first quiet process (load {load_average()})", flush=True)
         report = Path(tmp) / "bench.json"
-        dflash_command(["bench", "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens),
-                        "--out", str(report)], cache)  # fmt: skip
+        dflash_command(
+            [
+                "bench",
+                "--num-prompts",
+                str(args.num_prompts),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--out",
+                str(report),
+            ],
+            cache,
+        )
         doc = json.loads(report.read_text())
         learnt = json.loads(next((cache / "calibration").glob("*.json")).read_text())
         quiet = dflash_command(["calibrate", "--force", "--json"], quiet_cache)
     auto, fixed = doc["runs"][0], doc["runs"][1]
-    result = {"load_after": load_average(), "busy_shape": [r["break_even_tokens_per_cycle"] for r in rows],
-              "auto_tps": auto["dflash_tps"], "fixed_tps": fixed["dflash_tps"], "mlx_lm_tps": auto["baseline_tps"],
-              "auto_blocks": auto["block_sizes"], "greedy_matches": auto["greedy_matches"] and fixed["greedy_matches"],
-              "cached_shape": shape_of(learnt["seconds"][0]), "cached_source": learnt.get("source"),
-              "quiet_shape": [r["break_even_tokens_per_cycle"] for r in quiet["curve"]],
-              "quiet_instability": quiet["instability"]}  # fmt: skip
+    result = {
+        "load_after": load_average(),
+        "busy_shape": [r["break_even_tokens_per_cycle"] for r in rows],
+        "auto_tps": auto["dflash_tps"],
+        "fixed_tps": fixed["dflash_tps"],
+        "mlx_lm_tps": auto["baseline_tps"],
+        "auto_blocks": auto["block_sizes"],
+        "greedy_matches": auto["greedy_matches"] and fixed["greedy_matches"],
+        "cached_shape": shape_of(learnt["seconds"][0]),
+        "cached_source": learnt.get("source"),
+        "quiet_shape": [r["break_even_tokens_per_cycle"] for r in quiet["curve"]],
+        "quiet_instability": quiet["instability"],
+    }
     result["auto_over_fixed"] = round(result["auto_tps"] / result["fixed_tps"], 3)
     result["auto_over_mlx_lm"] = round(result["auto_tps"] / result["mlx_lm_tps"], 3)
     result["shape_gap"] = round(max(abs(a / b - 1) for a, b in zip(result["cached_shape"], result["quiet_shape"])), 3)
@@ -841,10 +1071,13 @@ def load_calibration(args) -> dict:
     print("| prompt | auto tok/s | fixed tok/s | mlx-lm tok/s | auto / fixed |\n|---:|---:|---:|---:|---:|")
     for i, (a, f, m) in enumerate(per_prompt):
         print(f"| {i + 1} | {a:.1f} | {f:.1f} | {m:.1f} | {a / f:.3f} |")
-    print(f"\nauto / {fixed['block_size']} = {result['auto_over_fixed']} (>= 0.93), auto / mlx-lm = "
-          f"{result['auto_over_mlx_lm']} (>= 1.6); cached shape {result['cached_shape']} ({result['cached_source']}) "
-          f"against a quiet calibration's {result['quiet_shape']}: largest gap {result['shape_gap']:.1%} (<= 15%); "
-          f"greedy output equal: {result['greedy_matches']}; load {result['load_after']}", flush=True)
+    print(
+        f"\nauto / {fixed['block_size']} = {result['auto_over_fixed']} (>= 0.93), auto / mlx-lm = "
+        f"{result['auto_over_mlx_lm']} (>= 1.6); cached shape {result['cached_shape']} ({result['cached_source']}) "
+        f"against a quiet calibration's {result['quiet_shape']}: largest gap {result['shape_gap']:.1%} (<= 15%); "
+        f"greedy output equal: {result['greedy_matches']}; load {result['load_after']}",
+        flush=True,
+    )
     return result
 
 
@@ -871,8 +1104,11 @@ def load_run(args) -> dict:
         leg(prompts[0], 0)
     phases = ["quiet"] * args.phases[0] + ["busy"] * args.phases[1] + ["quiet"] * args.phases[2]
     shuffle, windows, hogs = random.Random(1).shuffle, [], []
-    print("| window | machine | load | mlx-lm tok/s | adaptive tok/s | b{0} tok/s | adaptive / better of mlx-lm and "
-          "b{0} | blocks | curve T(b)/T(1) |\n|---:|---|---|---:|---:|---:|---:|---|---|".format(block), flush=True)
+    print(
+        "| window | machine | load | mlx-lm tok/s | adaptive tok/s | b{0} tok/s | adaptive / better of mlx-lm and "
+        "b{0} | blocks | curve T(b)/T(1) |\n|---:|---|---|---:|---:|---:|---:|---|---|".format(block),
+        flush=True,
+    )
     try:
         for w, phase in enumerate(phases):
             if phase == "busy" and not hogs:
@@ -893,13 +1129,25 @@ def load_run(args) -> dict:
                 mismatches += sum(v[0] != unit["mlx-lm"][0] for v in unit.values())
             tps = {k: tokens[k] / seconds[k] for k in legs}
             better = max(tps["mlx-lm"], tps[f"b{block}"])
-            windows.append({"window": w + 1, "machine": phase, "load": load_average(), "tps": tps,
-                            "adaptive_over_better": tps["adaptive"] / better, "blocks": dict(sorted(blocks.items())),
-                            "shape": shape_of(cost), "greedy_mismatches": mismatches})  # fmt: skip
+            windows.append(
+                {
+                    "window": w + 1,
+                    "machine": phase,
+                    "load": load_average(),
+                    "tps": tps,
+                    "adaptive_over_better": tps["adaptive"] / better,
+                    "blocks": dict(sorted(blocks.items())),
+                    "shape": shape_of(cost),
+                    "greedy_mismatches": mismatches,
+                }
+            )
             x = windows[-1]
-            print(f"| {w + 1} | {phase} | {x['load']} | {tps['mlx-lm']:.1f} | {tps['adaptive']:.1f} "
-                  f"| {tps[f'b{block}']:.1f} | {x['adaptive_over_better']:.3f} "
-                  f"| {' '.join(f'{b}:{n}' for b, n in x['blocks'].items())} | {x['shape']} |", flush=True)
+            print(
+                f"| {w + 1} | {phase} | {x['load']} | {tps['mlx-lm']:.1f} | {tps['adaptive']:.1f} "
+                f"| {tps[f'b{block}']:.1f} | {x['adaptive_over_better']:.3f} "
+                f"| {' '.join(f'{b}:{n}' for b, n in x['blocks'].items())} | {x['shape']} |",
+                flush=True,
+            )
     finally:
         stop_busy(hogs)
     return {"windows": windows, "replaced": cost.replaced}
@@ -999,10 +1247,18 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--synthetic", type=Path, default=Path("/tmp/dflash-synthetic"),
-                   help="a scripts/train_synthetic.py work directory (target/, drafter/, prompts.jsonl)")
-    p.add_argument("--response-format", type=response_format, metavar="json_object|SCHEMA|FILE",
-                   help="every leg under this grammar (prompts ask for JSON)")
+    p.add_argument(
+        "--synthetic",
+        type=Path,
+        default=Path("/tmp/dflash-synthetic"),
+        help="a scripts/train_synthetic.py work directory (target/, drafter/, prompts.jsonl)",
+    )
+    p.add_argument(
+        "--response-format",
+        type=response_format,
+        metavar="json_object|SCHEMA|FILE",
+        help="every leg under this grammar (prompts ask for JSON)",
+    )
     p.add_argument("--out", type=Path)
     p.add_argument("--table", type=Path, metavar="REPORT", help="print the tables of a saved report and stop")
 
@@ -1035,18 +1291,28 @@ def main() -> None:
     p.add_argument("--blocks", default="auto,8", help="DFlash legs: auto and/or fixed blocks, comma-separated")
 
     p = sub.add_parser("load", help="the adaptive block when the machine's load changes (calibration, run)")
-    p.add_argument("--scenario", choices=["calibration", "run", "both", "timing"], default="both",
-                   help="calibration: the curve cached under load, then `dflash-mlx bench` quiet; run: a quiet "
-                        "curve, then load during a run of generations, then quiet again; timing: what the engine "
-                        "charges a cycle against the wall time between cycles and a calibration")
+    p.add_argument(
+        "--scenario",
+        choices=["calibration", "run", "both", "timing"],
+        default="both",
+        help="calibration: the curve cached under load, then `dflash-mlx bench` quiet; run: a quiet "
+        "curve, then load during a run of generations, then quiet again; timing: what the engine "
+        "charges a cycle against the wall time between cycles and a calibration",
+    )
     p.add_argument("--consumer-ms", type=float, default=2.0, help="timing: the caller's busy work per token")
     p.add_argument("--rounds", type=int, default=2, help="timing: rounds over the prompts")
     p.add_argument("--busy", type=int, default=2, help="CPU-bound processes started as the load")
     p.add_argument("--num-prompts", type=int, default=10, help="calibration: `dflash-mlx bench --num-prompts`")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--window", type=int, default=10, help="run: prompts per window")
-    p.add_argument("--phases", type=int, nargs=3, default=[1, 2, 2], metavar=("QUIET", "BUSY", "QUIET"),
-                   help="run: windows before, during and after the load")
+    p.add_argument(
+        "--phases",
+        type=int,
+        nargs=3,
+        default=[1, 2, 2],
+        metavar=("QUIET", "BUSY", "QUIET"),
+        help="run: windows before, during and after the load",
+    )
     p.add_argument("--settle", type=float, default=2.0, help="seconds between stopping the load and measuring")
     p.add_argument("--out", type=Path)
 
@@ -1057,8 +1323,15 @@ def main() -> None:
     if args.leg == "rank-job":
         rank_job(args.job)
     else:
-        {"engine": engine, "legs": legs, "serving": serving, "agent": agent, "batch": batch, "sharded": sharded,
-         "load": load}[args.leg](args)  # fmt: skip
+        {
+            "engine": engine,
+            "legs": legs,
+            "serving": serving,
+            "agent": agent,
+            "batch": batch,
+            "sharded": sharded,
+            "load": load,
+        }[args.leg](args)
 
 
 if __name__ == "__main__":

@@ -34,10 +34,20 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 CONFIG = dict(
-    model_type="qwen3", hidden_size=256, num_hidden_layers=6, intermediate_size=768,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
-    vocab_size=4096, max_position_embeddings=2048, rope_theta=10000.0,
-    tie_word_embeddings=True, bos_token_id=None, eos_token_id=2,
+    model_type="qwen3",
+    hidden_size=256,
+    num_hidden_layers=6,
+    intermediate_size=768,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    rms_norm_eps=1e-6,
+    vocab_size=4096,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    bos_token_id=None,
+    eos_token_id=2,
 )
 
 
@@ -66,18 +76,27 @@ def build_tokenizer(work: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=CONFIG["vocab_size"], special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=True,
+        vocab_size=CONFIG["vocab_size"],
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=True,
     )
     tok.train_from_iterator(conversations(), trainer)
     out = work / "tokenizer"
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     config = dict(
-        tokenizer_class="PreTrainedTokenizerFast", bos_token=None, eos_token="<|im_end|>",
-        pad_token="<|endoftext|>", unk_token=None, mask_token="<|mask|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"], add_bos_token=False,
-        add_eos_token=False, chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False,
+        tokenizer_class="PreTrainedTokenizerFast",
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        mask_token="<|mask|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        add_bos_token=False,
+        add_eos_token=False,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
         model_max_length=CONFIG["max_position_embeddings"],
     )
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -159,8 +178,11 @@ def train(work: Path, epochs: float, seq_len: int, batch: int, lr: float, save_e
         avg = loss.item() if avg is None else 0.98 * avg + 0.02 * loss.item()
         if step % 25 == 0 or step == total:
             dt = time.perf_counter() - tic
-            print(f"step {step}/{total} epoch {step / steps_per_epoch:.2f} loss {avg:.3f} "
-                  f"lr {opt.learning_rate.item():.2e} {seen / dt:.0f} tok/s", flush=True)
+            print(
+                f"step {step}/{total} epoch {step / steps_per_epoch:.2f} loss {avg:.3f} "
+                f"lr {opt.learning_rate.item():.2e} {seen / dt:.0f} tok/s",
+                flush=True,
+            )
         if step % save_every == 0 or step == total:
             save_checkpoint(model, opt, step, ckpt)
 

@@ -88,8 +88,10 @@ def main() -> None:
     train_rows = rows[: len(rows) // 2]
     conversations = long_gsm8k_conversations(tokenizer, args.prompt_tokens, args.prompts, stop=len(rows) // 2)
     long_file = write_jsonl(work / "long.jsonl", [{"messages": m} for m in conversations])
-    short = [{"messages": [{"role": "user", "content": GSM8K_FORMAT.format(question=r["question"])}]}
-             for r in train_rows[-args.replay_prompts :]]  # fmt: skip
+    short = [
+        {"messages": [{"role": "user", "content": GSM8K_FORMAT.format(question=r["question"])}]}
+        for r in train_rows[-args.replay_prompts :]
+    ]
     short_file = write_jsonl(work / "short.jsonl", short)
 
     replay_holdout = min(args.holdout, args.replay_prompts // 2)
@@ -101,13 +103,40 @@ def main() -> None:
     if args.fresh:
         shutil.rmtree(out, ignore_errors=True)
     cmd = [
-        "dflash-mlx", "train", "--model", str(DEMO / "target"), "--init", str(DEMO / "draft"),
-        "--data", str(long_file), "--replay", str(short_file), "--out", str(out),
-        "--max-length", "2048", "--max-tokens", str(args.max_tokens), "--steps", str(args.steps),
-        "--batch-size", str(args.batch_size), "--holdout", str(args.holdout), "--seed", str(args.seed),
-        "--target-dtype", "float32", "--save-dtype", "bfloat16", "--save-every", str(args.steps),
-        "--responses", str(work / "responses.jsonl"), "--cache-features",
-    ]  # fmt: skip
+        "dflash-mlx",
+        "train",
+        "--model",
+        str(DEMO / "target"),
+        "--init",
+        str(DEMO / "draft"),
+        "--data",
+        str(long_file),
+        "--replay",
+        str(short_file),
+        "--out",
+        str(out),
+        "--max-length",
+        "2048",
+        "--max-tokens",
+        str(args.max_tokens),
+        "--steps",
+        str(args.steps),
+        "--batch-size",
+        str(args.batch_size),
+        "--holdout",
+        str(args.holdout),
+        "--seed",
+        str(args.seed),
+        "--target-dtype",
+        "float32",
+        "--save-dtype",
+        "bfloat16",
+        "--save-every",
+        str(args.steps),
+        "--responses",
+        str(work / "responses.jsonl"),
+        "--cache-features",
+    ]
     print(" ".join(cmd), flush=True)
     tic = time.perf_counter()
     subprocess.run(cmd, check=True)

@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.check:
         print(
-            f"{args.readme.name}: models table is out of date; "
-            "run `python scripts/gen_model_table.py`",
+            f"{args.readme.name}: models table is out of date; run `python scripts/gen_model_table.py`",
             file=sys.stderr,
         )
         return 1

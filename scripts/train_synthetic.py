@@ -43,18 +43,32 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
-WORDS = ("red blue green fox cat dog jumps runs sits high low fast slow big small old new "
-         "sun moon star tree river stone bird fish cold warm").split()  # fmt: skip
+WORDS = (
+    "red blue green fox cat dog jumps runs sits high low fast slow big small old new "
+    "sun moon star tree river stone bird fish cold warm"
+).split()
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 MAX_LEN = 32  # tokens of the longest example (+ end of text), padded to for a fixed shape
 CONFIG = {
-    "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 128,
-    "num_hidden_layers": 4, "intermediate_size": 384, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6, "vocab_size": 512,
-    "max_position_embeddings": 1024, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "hidden_act": "silu", "bos_token_id": None, "eos_token_id": 0, "pad_token_id": 0,
+    "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 128,
+    "num_hidden_layers": 4,
+    "intermediate_size": 384,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 512,
+    "max_position_embeddings": 1024,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "bos_token_id": None,
+    "eos_token_id": 0,
+    "pad_token_id": 0,
     "torch_dtype": "float32",
-}  # fmt: skip
+}
 
 
 # ----------------------------------------------------------------- language
@@ -94,19 +108,29 @@ def build_tokenizer(out: Path, rng: np.random.Generator) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=CONFIG["vocab_size"], min_frequency=1, special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
+        vocab_size=CONFIG["vocab_size"],
+        min_frequency=1,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     texts = ["".join(example(rng)) + "\n" for _ in range(4000)]
     tok.train_from_iterator(texts, trainer=trainer)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": SPECIALS[0],
-        "pad_token": SPECIALS[0], "unk_token": None, "mask_token": SPECIALS[3],
-        "additional_special_tokens": SPECIALS[1:3], "add_bos_token": False, "add_eos_token": False,
-        "clean_up_tokenization_spaces": False, "model_max_length": 1024,
-    }  # fmt: skip
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": SPECIALS[0],
+        "pad_token": SPECIALS[0],
+        "unk_token": None,
+        "mask_token": SPECIALS[3],
+        "additional_special_tokens": SPECIALS[1:3],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1024,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -243,11 +267,21 @@ def main() -> None:
 
     t_draft = time.perf_counter()
     options = TrainOptions(
-        model=str(target_dir), data=str(data), out=str(work / "drafter"), steps=args.steps,
-        block_size=args.block_size, draft_layers=args.draft_layers, max_tokens=96, lr=args.lr,
-        batch_size=16, anchors_per_seq=16, save_every=max(args.steps // 2, 1), seed=args.seed,
-        holdout=args.holdout, target_layers=[1, 2, 3],
-    )  # fmt: skip
+        model=str(target_dir),
+        data=str(data),
+        out=str(work / "drafter"),
+        steps=args.steps,
+        block_size=args.block_size,
+        draft_layers=args.draft_layers,
+        max_tokens=96,
+        lr=args.lr,
+        batch_size=16,
+        anchors_per_seq=16,
+        save_every=max(args.steps // 2, 1),
+        seed=args.seed,
+        holdout=args.holdout,
+        target_layers=[1, 2, 3],
+    )
     shutil.rmtree(options.out, ignore_errors=True)
     result = train_drafter(options)
     report["drafter"] = {k: v for k, v in result.items() if k != "validation"}
@@ -260,8 +294,14 @@ def main() -> None:
     tmp = work / "synthetic_report.json.tmp"
     tmp.write_text(json.dumps(report, indent=2))
     os.replace(tmp, work / "synthetic_report.json")
-    keys = ("target_accuracy", "drafter_seconds", "total_seconds", "mean_acceptance_length",
-            "fresh_prompts_acceptance_length", "lossless_prompts")  # fmt: skip
+    keys = (
+        "target_accuracy",
+        "drafter_seconds",
+        "total_seconds",
+        "mean_acceptance_length",
+        "fresh_prompts_acceptance_length",
+        "lossless_prompts",
+    )
     print(json.dumps({k: report[k] for k in keys}, indent=2))
     if same != 16:
         raise SystemExit("DFlash greedy output differs from plain greedy output")

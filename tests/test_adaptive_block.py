@@ -77,8 +77,13 @@ def test_the_adaptive_block_follows_acceptance_and_stays_lossless(tiny_pair, fam
         policy = AdaptiveBlock(curve, 16)
         got = list(stream_generate(model, oracle, tok, prompt, max_tokens=400, block_size=policy, lookup=False))
         assert_same_stream(got, want, logprob_atol=1e-3)
-        assert_same_stream(list(stream_generate(model, oracle_for(want, [15] * 8 + [0] * 18 + [15] * 200), tok,
-                                                prompt, max_tokens=400)), want, logprob_atol=1e-3)  # fmt: skip
+        assert_same_stream(
+            list(
+                stream_generate(model, oracle_for(want, [15] * 8 + [0] * 18 + [15] * 200), tok, prompt, max_tokens=400)
+            ),
+            want,
+            logprob_atol=1e-3,
+        )
     blocks = [r.cycle_block_size for r in got if r.cycle_tokens is not None]
     first_plain = blocks.index(1)
     back = next(i for i in range(first_plain, len(blocks)) if blocks[i] > 8)
@@ -91,8 +96,12 @@ def test_a_session_across_block_changes(tiny_pair, family):
     session = make_session(model, draft)
     with without_eos(tokenizer) as tok:
         p1 = prompt_ids(20, seed=23)
-        r1 = [r.token for r in stream_generate(model, draft, tok, p1, max_tokens=40, session=session,
-                                                 block_size=Cycling([1, 1, 16, 1]))]  # fmt: skip
+        r1 = [
+            r.token
+            for r in stream_generate(
+                model, draft, tok, p1, max_tokens=40, session=session, block_size=Cycling([1, 1, 16, 1])
+            )
+        ]
         assert r1 == [r.token for r in reference(model, tok, p1, 40)]
         p2 = p1 + r1 + prompt_ids(6, seed=24)
         got = list(stream_generate(model, draft, tok, p2, max_tokens=40, session=session, block_size=4))
@@ -153,12 +162,18 @@ def test_plain_steps_are_queued_before_the_previous_token_is_read(tiny_pair):
         session.target.verify = lambda *a: (events.append("verify"), verify(*a))[1]
         session.fed = lambda tokens: (events.append("fed"), fed(tokens))[1]
         try:
-            cycles = speculative_cycles(session.target, mx.array(prompt_ids(10, seed=30)), session.proposer,
-                                        max_tokens=12, block_size=1, session=session)  # fmt: skip
+            cycles = speculative_cycles(
+                session.target,
+                mx.array(prompt_ids(10, seed=30)),
+                session.proposer,
+                max_tokens=12,
+                block_size=1,
+                session=session,
+            )
             assert sum(len(c.tokens) for c in cycles) == 12
         finally:
             del session.target.verify, session.fed
-        ahead = [events[: i].count("verify") - events[: i].count("fed") for i, e in enumerate(events) if e == "fed"]
+        ahead = [events[:i].count("verify") - events[:i].count("fed") for i, e in enumerate(events) if e == "fed"]
         assert ahead[:-1] == ([2] * (len(ahead) - 1) if pipelined else [1] * (len(ahead) - 1)), (family, events)
 
 
@@ -194,9 +209,20 @@ def test_sampled_tokens_follow_the_target_across_a_block_change(tiny_pair):
     runs, thirds = 900, []
     with without_eos(tokenizer) as tok:
         for seed in range(runs):
-            out = list(stream_generate(model, draft, tok, prompt, max_tokens=4, temperature=1.0, top_k=12,
-                                       seed=seed, block_size=Cycling([1, 3])))  # fmt: skip
-            assert [r.cycle_block_size for r in out if r.cycle_tokens] [:1] == [1]
+            out = list(
+                stream_generate(
+                    model,
+                    draft,
+                    tok,
+                    prompt,
+                    max_tokens=4,
+                    temperature=1.0,
+                    top_k=12,
+                    seed=seed,
+                    block_size=Cycling([1, 3]),
+                )
+            )
+            assert [r.cycle_block_size for r in out if r.cycle_tokens][:1] == [1]
             thirds.append(out[2].token)
     counts = np.bincount(thirds, minlength=TINY_VOCAB)
     probs = p3 / p3.sum()

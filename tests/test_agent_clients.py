@@ -38,16 +38,25 @@ QUESTION = "Tom has 3 boxes with 12 apples each. How many apples?"
 SYSTEM = "You answer arithmetic questions."
 NEXT = "And if he eats 5 of them?"
 CLAUDE_CODE = Path(__file__).parent / "data" / "claude_code_request.json"
-TOOL = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
-        "input_schema": WEATHER_TOOL["function"]["parameters"]}  # fmt: skip
-FUNCTION = {"type": "function", "name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
-            "parameters": WEATHER_TOOL["function"]["parameters"]}  # fmt: skip
+TOOL = {
+    "name": "get_weather",
+    "description": WEATHER_TOOL["function"]["description"],
+    "input_schema": WEATHER_TOOL["function"]["parameters"],
+}
+FUNCTION = {
+    "type": "function",
+    "name": "get_weather",
+    "description": WEATHER_TOOL["function"]["description"],
+    "parameters": WEATHER_TOOL["function"]["parameters"],
+}
 WEATHER = "What is the weather in Paris?"
 
 
 def _clients(url: str, key: str = "unused"):
-    return (anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=300),
-            openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=300))  # fmt: skip
+    return (
+        anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=300),
+        openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=300),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +98,10 @@ def test_anthropic_messages_equal_chat_completions(demo):
     want = chat.choices[0].message.content
     ask = {"model": "demo", "max_tokens": 48, "system": SYSTEM, "messages": [{"role": "user", "content": QUESTION}]}
     reply = claude.messages.create(**ask)
-    assert _text(reply) == want and reply.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[
-        chat.choices[0].finish_reason]  # fmt: skip
+    assert (
+        _text(reply) == want
+        and reply.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+    )
     use = reply.usage
     assert use.input_tokens + use.cache_read_input_tokens == chat.usage.prompt_tokens
     assert use.output_tokens == chat.usage.completion_tokens and reply.model_extra["dflash"]["cycles"] >= 1
@@ -98,8 +109,10 @@ def test_anthropic_messages_equal_chat_completions(demo):
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == want == _text(final) and final.usage.output_tokens == use.output_tokens
-    blocks = [{"type": "text", "text": SYSTEM[:11]}, {"type": "text", "text": SYSTEM[11:], "cache_control": {
-        "type": "ephemeral"}}]  # fmt: skip
+    blocks = [
+        {"type": "text", "text": SYSTEM[:11]},
+        {"type": "text", "text": SYSTEM[11:], "cache_control": {"type": "ephemeral"}},
+    ]
     assert _text(claude.messages.create(**{**ask, "system": blocks})) == want  # text blocks: the same system
     for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}):
         assert _text(claude.messages.create(**ask, thinking=thinking)) == want  # (the demo has no switch)
@@ -119,12 +132,22 @@ def test_sampling_fields_ride_in_extra_body(demo):
 def test_a_conversation_continued_through_messages_reuses_its_cached_prefix(demo):
     claude, oai = _clients(demo.url)
     first = claude.messages.create(model="demo", max_tokens=32, messages=[{"role": "user", "content": QUESTION}])
-    history = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": first.content},
-               {"role": "user", "content": NEXT}]  # fmt: skip
+    history = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": first.content},
+        {"role": "user", "content": NEXT},
+    ]
     second = claude.messages.create(model="demo", max_tokens=32, messages=history)
     assert second.usage.cache_read_input_tokens > 0
-    chat = _chat(oai, [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": _text(first)},
-                       {"role": "user", "content": NEXT}], max_tokens=32)  # fmt: skip
+    chat = _chat(
+        oai,
+        [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": _text(first)},
+            {"role": "user", "content": NEXT},
+        ],
+        max_tokens=32,
+    )
     assert _text(second) == chat.choices[0].message.content
     assert second.usage.input_tokens + second.usage.cache_read_input_tokens == chat.usage.prompt_tokens
 
@@ -132,8 +155,11 @@ def test_a_conversation_continued_through_messages_reuses_its_cached_prefix(demo
 def test_anthropic_errors_are_anthropics_and_the_server_serves_on(demo):
     claude, _ = _clients(demo.url)
     ask = {"model": "demo", "max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}]}
-    for kwargs, field in (({"extra_body": {"top_k": -1}}, "top_k"), ({"model": "another-model"}, "model"),
-                          ({"stop_sequences": [""]}, "stop_sequences")):  # fmt: skip
+    for kwargs, field in (
+        ({"extra_body": {"top_k": -1}}, "top_k"),
+        ({"model": "another-model"}, "model"),
+        ({"stop_sequences": [""]}, "stop_sequences"),
+    ):
         with pytest.raises(anthropic.BadRequestError) as caught:
             claude.messages.create(**{**ask, **kwargs})
         assert caught.value.status_code == 400 and caught.value.body["type"] == "error"
@@ -152,12 +178,20 @@ def test_openai_responses_equal_chat_completions_and_continue(demo):
     with oai.responses.stream(model="demo", instructions=SYSTEM, input=QUESTION, max_output_tokens=48) as stream:
         deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
     assert deltas == first.output_text
-    second = oai.responses.create(model="demo", instructions=SYSTEM, previous_response_id=first.id, input=NEXT,
-                                  max_output_tokens=32)  # fmt: skip
+    second = oai.responses.create(
+        model="demo", instructions=SYSTEM, previous_response_id=first.id, input=NEXT, max_output_tokens=32
+    )
     assert second.usage.input_tokens_details.cached_tokens > 0
-    chat = _chat(oai, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
-                       {"role": "assistant", "content": first.output_text}, {"role": "user", "content": NEXT}],
-                 max_tokens=32)  # fmt: skip
+    chat = _chat(
+        oai,
+        [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": NEXT},
+        ],
+        max_tokens=32,
+    )
     assert second.output_text == chat.choices[0].message.content
     with pytest.raises(openai.BadRequestError) as caught:
         oai.responses.create(model="demo", input=NEXT, previous_response_id="resp_unknown")
@@ -167,14 +201,17 @@ def test_openai_responses_equal_chat_completions_and_continue(demo):
 def test_the_dialects_batch_together(demo):
     claude, oai = _clients(demo.url)
     messages = [{"role": "user", "content": QUESTION}]
-    calls = {"chat": lambda: _chat(oai, messages, 40).choices[0].message.content,
-             "messages": lambda: _text(claude.messages.create(model="demo", max_tokens=40, messages=messages)),
-             "responses": lambda: oai.responses.create(model="demo", input=QUESTION, max_output_tokens=40).output_text}
+    calls = {
+        "chat": lambda: _chat(oai, messages, 40).choices[0].message.content,
+        "messages": lambda: _text(claude.messages.create(model="demo", max_tokens=40, messages=messages)),
+        "responses": lambda: oai.responses.create(model="demo", input=QUESTION, max_output_tokens=40).output_text,
+    }
     alone = {name: call() for name, call in calls.items()}
     assert alone["chat"] == alone["messages"] == alone["responses"]
     together = {}
-    threads = [threading.Thread(target=lambda n=name, c=call: together.__setitem__(n, c()))
-               for name, call in calls.items()]  # fmt: skip
+    threads = [
+        threading.Thread(target=lambda n=name, c=call: together.__setitem__(n, c())) for name, call in calls.items()
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -187,8 +224,12 @@ def test_the_dialects_batch_together(demo):
 
 def test_anthropic_tool_use_round_trip_with_thinking(scripted):
     claude, oai = _clients(scripted.url)
-    ask = {"model": "default_model", "max_tokens": 64, "tools": [TOOL],
-           "messages": [{"role": "user", "content": WEATHER}]}  # fmt: skip
+    ask = {
+        "model": "default_model",
+        "max_tokens": 64,
+        "tools": [TOOL],
+        "messages": [{"role": "user", "content": WEATHER}],
+    }
     first = claude.messages.create(**ask)
     assert [b.type for b in first.content] == ["thinking", "tool_use"] and first.stop_reason == "tool_use"
     thinking, call = first.content
@@ -196,11 +237,17 @@ def test_anthropic_tool_use_round_trip_with_thinking(scripted):
     with claude.messages.stream(**ask) as stream:
         final = stream.get_final_message()
     assert [b.type for b in final.content] == ["thinking", "tool_use"] and final.content[1].input == call.input
-    chat = oai.chat.completions.create(model="default_model", messages=ask["messages"], tools=[WEATHER_TOOL],
-                                       max_tokens=64)  # fmt: skip
+    chat = oai.chat.completions.create(
+        model="default_model", messages=ask["messages"], tools=[WEATHER_TOOL], max_tokens=64
+    )
     assert chat.choices[0].message.model_extra["reasoning"] == thinking.thinking
-    history = ask["messages"] + [{"role": "assistant", "content": first.content}, {"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": call.id, "content": json.dumps({"temperature": 18})}]}]  # fmt: skip
+    history = ask["messages"] + [
+        {"role": "assistant", "content": first.content},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": call.id, "content": json.dumps({"temperature": 18})}],
+        },
+    ]
     second = claude.messages.create(**{**ask, "messages": history})
     assert second.content[0].text == ANSWER and second.stop_reason == "end_turn"
     assert second.usage.cache_read_input_tokens > 0
@@ -221,9 +268,15 @@ def test_openai_responses_function_call_round_trip_with_reasoning(scripted):
     result = [{"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"temperature": 18})}]
     second = oai.responses.create(model="default_model", previous_response_id=first.id, input=result, tools=[FUNCTION])
     assert second.output_text == ANSWER and second.usage.input_tokens_details.cached_tokens > 0
-    replayed = oai.responses.create(model="default_model", tools=[FUNCTION], input=[
-        {"role": "user", "content": WEATHER}, *[item.model_dump(exclude_none=True) for item in first.output],
-        *result])  # the same conversation, sent whole (store-free clients do this)  # fmt: skip
+    replayed = oai.responses.create(
+        model="default_model",
+        tools=[FUNCTION],
+        input=[
+            {"role": "user", "content": WEATHER},
+            *[item.model_dump(exclude_none=True) for item in first.output],
+            *result,
+        ],
+    )  # the same conversation, sent whole (store-free clients do this)
     assert replayed.output_text == ANSWER
     off = oai.responses.create(model="default_model", input=WEATHER, tools=[FUNCTION], reasoning={"effort": "none"})
     assert [item.type for item in off.output] == ["function_call"]
@@ -246,13 +299,24 @@ def _raw_stream(url: str, path: str, body: dict, headers: dict) -> tuple[int, li
 def test_a_claude_code_shaped_request(scripted):
     body = {**json.loads(CLAUDE_CODE.read_text()), "model": "default_model"}
     assert len(body["tools"]) == 15 and body["stream"] and body["system"][1]["cache_control"]
-    headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "claude-code-20250219",
-               "x-api-key": "unused", "user-agent": "claude-cli/2.0.0 (external, cli)"}  # fmt: skip
+    headers = {
+        "anthropic-version": "2023-06-01",
+        "anthropic-beta": "claude-code-20250219",
+        "x-api-key": "unused",
+        "user-agent": "claude-cli/2.0.0 (external, cli)",
+    }
     for turn in range(2):
         status, events = _raw_stream(scripted.url, "/v1/messages?beta=true", body, headers)
         assert status == 200, events
-        assert [name for name, _ in events] == ["message_start", "ping", "content_block_start", "content_block_delta",
-                                                "content_block_stop", "message_delta", "message_stop"]  # fmt: skip
+        assert [name for name, _ in events] == [
+            "message_start",
+            "ping",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop",
+        ]
         assert events[3][1]["delta"] == {"type": "text_delta", "text": ANSWER}
         end = events[5][1]
         assert end["delta"]["stop_reason"] == "end_turn" and end["usage"]["output_tokens"] == 2

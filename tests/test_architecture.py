@@ -5,7 +5,7 @@
   dependency), and the parent packages an import runs first (``from
   .policy.base import x`` runs ``policy/__init__``); only
   ``if __name__ == "__main__":`` blocks, which run as a script, do not count;
-- no product module over 400 lines;
+- no product module over 500 lines, counted as `ruff format` lays it out;
 - every module in the package root is used by more than one sub-package (or
   by the root itself): machinery only one sub-package needs lives in it.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash_mlx"
-MAX_LINES = 400
+MAX_LINES = 500
 
 
 def module_name(path: Path) -> str:
@@ -84,7 +84,7 @@ def test_there_is_no_import_circle():
         path.append(node)
         for nxt in sorted(GRAPH[node]):
             if state.get(nxt) == 1:
-                circle = path[path.index(nxt):] + [nxt]
+                circle = path[path.index(nxt) :] + [nxt]
                 pytest.fail("import circle: " + " -> ".join(circle))
             if nxt not in state:
                 visit(nxt)
@@ -105,9 +105,28 @@ def test_the_checker_sees_imports():
     assert "dflash_mlx.policy" in GRAPH["dflash_mlx.engine"]  # `from .policy.base import ...` runs it
 
 
-def test_no_product_module_is_over_400_lines():
-    long = {str(path): n for path in MODULES.values() if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"modules over {MAX_LINES} lines: {long}"
+def formatted_lines(path: Path) -> int:
+    """The module's length as `ruff format` lays it out (hand-packed lines count as unpacked)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--stdin-filename", str(path), "-"],
+        input=path.read_text(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    return len(run.stdout.splitlines())
+
+
+def test_no_product_module_is_over_500_formatted_lines():
+    long = {str(path): n for path in MODULES.values() if (n := formatted_lines(path)) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} formatted lines (split the concern): {long}"
+
+
+def test_module_length_counts_formatted_lines(tmp_path):
+    packed = tmp_path / "packed.py"
+    packed.write_text("def f(a, b): return a; b\n")
+    assert formatted_lines(packed) > 2
 
 
 def _home(name: str) -> str:
@@ -138,8 +157,13 @@ def _run(code_or_args: list[str]) -> subprocess.CompletedProcess:
 def test_importing_the_package_and_the_cli_entry_point_is_cheap():
     """The console script re-executes itself before it imports MLX: the package root and
     `dflash_mlx.cli` import neither MLX nor mlx-lm nor the commands."""
-    run = _run(["-c", "import sys, dflash_mlx, dflash_mlx.cli; "
-                      "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'typer')))"])
+    run = _run(
+        [
+            "-c",
+            "import sys, dflash_mlx, dflash_mlx.cli; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'typer')))",
+        ]
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
 
@@ -155,8 +179,13 @@ def test_python_m_dflash_mlx_generate_runs_without_a_double_import():
 def test_importing_the_generate_entry_point_keeps_the_package_function():
     """`dflash_mlx.generate` is the library's function even after ``import dflash_mlx.generate``
     (the module behind ``python -m dflash_mlx.generate``)."""
-    run = _run(["-c", "import dflash_mlx, dflash_mlx.generate, dflash_mlx.generation as g; "
-                      "from dflash_mlx import generate; "
-                      "print(dflash_mlx.generate is g.generate is generate)"])
+    run = _run(
+        [
+            "-c",
+            "import dflash_mlx, dflash_mlx.generate, dflash_mlx.generation as g; "
+            "from dflash_mlx import generate; "
+            "print(dflash_mlx.generate is g.generate is generate)",
+        ]
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "True"

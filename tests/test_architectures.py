@@ -25,10 +25,31 @@ from helpers import check_first_two_sampled_tokens, check_lossless, prompt_ids, 
 from helpers.architectures import ARCHITECTURES, arch_pair
 
 # mlx-lm families with drafters published by z-lab or the model's vendor (models.toml) or announced.
-PUBLISHED = ["minimax", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "laguna", "kimi_linear",
-             "kimi_k25", "gemma4", "qwen3_5", "muse_glimmer"]  # fmt: skip
-RECURRENT = {"kimi_linear", "jamba", "mamba2", "nemotron_h", "granitemoehybrid", "rwkv7", "bailing_moe_linear",
-             "lfm2-vl", "baichuan_m1", "longcat_flash_ngram"}  # fmt: skip
+PUBLISHED = [
+    "minimax",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "laguna",
+    "kimi_linear",
+    "kimi_k25",
+    "gemma4",
+    "qwen3_5",
+    "muse_glimmer",
+]
+RECURRENT = {
+    "kimi_linear",
+    "jamba",
+    "mamba2",
+    "nemotron_h",
+    "granitemoehybrid",
+    "rwkv7",
+    "bailing_moe_linear",
+    "lfm2-vl",
+    "baichuan_m1",
+    "longcat_flash_ngram",
+}
 UNBATCHED = {"afm7", "llama4", "longcat_flash", "deepseek_v32", "glm_moe_dsa"}  # positions; chunked, CacheList
 
 

@@ -40,8 +40,9 @@ def test_rows_joining_and_leaving_equal_served_alone(tiny_pair, family):
     want = [alone(model, draft, tokenizer, p, n) for p, n in zip(PROMPTS, limits)]
     for block in (1, 8, None):  # None: the batch's own choice, per step
         got = [[] for _ in PROMPTS]
-        for i, r in dflash_mlx.stream_batch_generate(model, draft, tokenizer, PROMPTS, max_tokens=limits,
-                                                     block_size=block, max_batch=2):  # fmt: skip
+        for i, r in dflash_mlx.stream_batch_generate(
+            model, draft, tokenizer, PROMPTS, max_tokens=limits, block_size=block, max_batch=2
+        ):
             got[i].append(r.token)
         assert got == want, (family, block)
 
@@ -85,16 +86,18 @@ def test_sampled_rows_with_different_settings_follow_the_target(tiny_pair):
     rows = [dict(settings[i % 2], seed=i) for i in range(2 * runs)]
     with without_eos(tokenizer) as tok:
         out = [[] for _ in rows]
-        for i, r in dflash_mlx.stream_batch_generate(model, draft, tok, [prompt] * len(rows), max_tokens=2,
-                                                     block_size=3, max_batch=8, row_settings=rows):  # fmt: skip
+        for i, r in dflash_mlx.stream_batch_generate(
+            model, draft, tok, [prompt] * len(rows), max_tokens=2, block_size=3, max_batch=8, row_settings=rows
+        ):
             out[i].append(r.token)
     for k, s in enumerate(settings):
         ss = SamplingSettings(**s)
         logits = model(mx.array(prompt)[None])[0, -1:]
         p1 = np.array(distribution(logits, ss)[0], dtype=np.float64)
         support = np.nonzero(p1 > 1e-9)[0]
-        p2_given = np.array(distribution(model(mx.array([prompt + [int(t)] for t in support]))[:, -1], ss),
-                            dtype=np.float64)  # fmt: skip
+        p2_given = np.array(
+            distribution(model(mx.array([prompt + [int(t)] for t in support]))[:, -1], ss), dtype=np.float64
+        )
         p2 = (p1[support, None] * p2_given).sum(axis=0)
         mine = [o for i, o in enumerate(out) if i % 2 == k]
         for tokens, probs in (([o[0] for o in mine], p1), ([o[1] for o in mine], p2)):
@@ -113,8 +116,7 @@ def test_batch_generate_on_the_bundled_pair():
     model, tokenizer, draft = dflash_mlx.load("demo")
     prompts = [render(tokenizer, [{"role": "user", "content": c[0]}], {}) for c in sample("gsm8k", 5)]
     want = [dflash_mlx.generate(model, draft, tokenizer, p, max_tokens=40) for p in prompts]
-    got = dflash_mlx.batch_generate(model, draft, tokenizer, prompts, max_tokens=40, max_batch=3,
-                                    return_token_ids=True)  # fmt: skip
+    got = dflash_mlx.batch_generate(model, draft, tokenizer, prompts, max_tokens=40, max_batch=3, return_token_ids=True)
     assert isinstance(got, BatchResponse)
     assert got.texts == want
     assert got.stats.generation_tokens >= sum(len(t) for t in got.token_ids) and got.stats.generation_tps > 0

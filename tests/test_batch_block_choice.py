@@ -68,7 +68,7 @@ def test_probes_at_plain_decoding_back_off_and_restart():
     assert blocks == [1] * (PROBE_GAP - 1) + [2]
     choice.observe(rows, 2, [0])  # the probe accepted nothing: the next one comes later
     blocks = [choice.choose(rows) for _ in range(2 * PROBE_GAP)]
-    assert blocks[: PROBE_GAP] == [1] * PROBE_GAP and blocks[-1] == 2
+    assert blocks[:PROBE_GAP] == [1] * PROBE_GAP and blocks[-1] == 2
     choice.reset()
     assert [choice.choose(rows) for _ in range(PROBE_GAP)][-1] == 2
     # 8 rows: a probe costs 26 ms where a plain step costs 18; probes keep to PROBE_TAX of the time
@@ -107,8 +107,10 @@ def test_rows_fixing_different_blocks_keep_them(tiny_pair):
     model, tokenizer, draft = tiny_pair("qwen3")
     prompts = [prompt_ids(7, seed=11), prompt_ids(13, seed=12)]
     with without_eos(tokenizer) as tok:
-        want = [[r.token for r in dflash_mlx.stream_generate(model, draft, tok, p, max_tokens=16, block_size=4)]
-                for p in prompts]  # fmt: skip
+        want = [
+            [r.token for r in dflash_mlx.stream_generate(model, draft, tok, p, max_tokens=16, block_size=4)]
+            for p in prompts
+        ]
         sessions = [make_session(model, draft) for _ in prompts]
         decoder = BatchDecoder(sessions[0].target, 8)
         got, blocks = {}, {}

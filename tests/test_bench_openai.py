@@ -39,16 +39,33 @@ def servers():
 
 def bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     exe = shutil.which("dflash-mlx")
-    return subprocess.run([exe, "bench", "--backend", "openai", *args], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.run(
+        [exe, "bench", "--backend", "openai", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.mark.parametrize("concurrency", [1, 2])
 def test_bench_against_dflash_serve_and_mlx_lm_server(servers, tmp_path, concurrency):
     ours, theirs = servers
     out = tmp_path / "report.json"
-    run = bench("--base-url", ours + "/v1", "--baseline-url", theirs, "--concurrency", str(concurrency),
-                "--num-prompts", "3", "--max-tokens", "16", "--out", str(out))  # fmt: skip
+    run = bench(
+        "--base-url",
+        ours + "/v1",
+        "--baseline-url",
+        theirs,
+        "--concurrency",
+        str(concurrency),
+        "--num-prompts",
+        "3",
+        "--max-tokens",
+        "16",
+        "--out",
+        str(out),
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     doc = json.loads(out.read_text())
     assert doc["backend"] == "openai" and doc["concurrency"] == concurrency and doc["num_prompts"] == 3
@@ -83,11 +100,14 @@ def test_a_second_turn_is_fed_the_servers_own_reply(servers, tmp_path):
     assert doc["legs"]["dflash"]["requests"] == 2 and "baseline" not in doc["legs"] and doc["speedup"] is None
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--base-url", f"http://127.0.0.1:{free_port()}"], "cannot connect"),
-    (["--model", "not-served"], "does not serve the model 'not-served'"),
-    (["--top-k", "100000"], "answered HTTP 400: top_k"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--base-url", f"http://127.0.0.1:{free_port()}"], "cannot connect"),
+        (["--model", "not-served"], "does not serve the model 'not-served'"),
+        (["--top-k", "100000"], "answered HTTP 400: top_k"),
+    ],
+)
 def test_errors_name_the_url_and_write_no_report(servers, tmp_path, args, says):
     ours, _ = servers
     out = tmp_path / "report.json"

@@ -182,8 +182,9 @@ def generation(curve, history: DrafterHistory | None, max_block=8):
     if history is None:
         return AdaptiveBlock(curve, max_block)
     priors, probes = history.begin(max_block - 1)
-    policy = AdaptiveBlock(curve, max_block, AcceptanceEstimate(max_block - 1, priors=priors,
-                                                                record=history.record), history)  # fmt: skip
+    policy = AdaptiveBlock(
+        curve, max_block, AcceptanceEstimate(max_block - 1, priors=priors, record=history.record), history
+    )
     policy.probes = probes
     return policy
 

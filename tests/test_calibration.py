@@ -18,7 +18,13 @@ from dflash_mlx import make_session, stream_generate
 from dflash_mlx.policy import calibration
 from dflash_mlx.policy.base import ScheduledBlocks
 from dflash_mlx.policy.calibration import (
-    GRID, calibration_key, clear_calibrations, cost_model, file_for, grid_for, read_table,
+    GRID,
+    calibration_key,
+    clear_calibrations,
+    cost_model,
+    file_for,
+    grid_for,
+    read_table,
 )
 from dflash_mlx.policy.cost import CostTable, CycleTimer
 from dflash_mlx.policy.fit import affine_past_one, fitted_curve, instability, non_decreasing, polished
@@ -79,8 +85,17 @@ def write(target, proposer, max_block, seconds, **notes):
     key = key_of(target, proposer, max_block)
     path = file_for(key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key": json.loads(json.dumps(key, default=str)), "rows": [1],
-                                "blocks": grid_for(max_block), "seconds": [seconds], **notes}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "key": json.loads(json.dumps(key, default=str)),
+                "rows": [1],
+                "blocks": grid_for(max_block),
+                "seconds": [seconds],
+                **notes,
+            }
+        )
+    )
     return path
 
 
@@ -125,10 +140,16 @@ def test_the_key_tells_setups_apart(setup, tiny_pair):
     bf16, _, bf16_draft = tiny_pair("qwen3", dtype="bfloat16")
     other = make_session(bf16, bf16_draft)
     kv4, kv8 = KVQuantization(4), KVQuantization(8, 64, 0)
-    keys = [key_of(target, proposer, 8), key_of(target, proposer, 16), key_of(other.target, other.proposer, 8),
-            key_of(target, None, 8), key_of(target, proposer, 8, kv4), key_of(target, proposer, 8, kv8),
-            calibration_key(target, proposer, 8, decoder="batch"),
-            calibration_key(target, proposer, 8, sampled=True)]  # fmt: skip
+    keys = [
+        key_of(target, proposer, 8),
+        key_of(target, proposer, 16),
+        key_of(other.target, other.proposer, 8),
+        key_of(target, None, 8),
+        key_of(target, proposer, 8, kv4),
+        key_of(target, proposer, 8, kv8),
+        calibration_key(target, proposer, 8, decoder="batch"),
+        calibration_key(target, proposer, 8, sampled=True),
+    ]
     assert len({json.dumps(k, sort_keys=True, default=str) for k in keys}) == len(keys)
     assert {"device", "chip", "mlx", "blas", "format", "kv", "decoder", "sampling"} <= set(keys[0])
 
@@ -146,12 +167,20 @@ def test_clear_and_force(calibration_cache, setup, stable, monkeypatch):
     assert len(calls) == 2
 
 
-QUIET_ROUNDS = [[0.005, 0.0095, 0.0098, 0.010], [0.0052, 0.0097, 0.0101, 0.0103], [0.0049, 0.0094, 0.0096, 0.0099],
-                [0.0050, 0.0096, 0.0099, 0.0102]]
+QUIET_ROUNDS = [
+    [0.005, 0.0095, 0.0098, 0.010],
+    [0.0052, 0.0097, 0.0101, 0.0103],
+    [0.0049, 0.0094, 0.0096, 0.0099],
+    [0.0050, 0.0096, 0.0099, 0.0102],
+]
 STALLED_ROUNDS = [row[:] for row in QUIET_ROUNDS]
 STALLED_ROUNDS[1][2] *= 3  # a moment's stall in one round: the medians ignore it
-BUSY_ROUNDS = [[0.005, 0.010, 0.011, 0.012], [0.009, 0.010, 0.011, 0.012], [0.005, 0.019, 0.020, 0.021],
-               [0.007, 0.030, 0.031, 0.032]]  # the shape changes from round to round
+BUSY_ROUNDS = [
+    [0.005, 0.010, 0.011, 0.012],
+    [0.009, 0.010, 0.011, 0.012],
+    [0.005, 0.019, 0.020, 0.021],
+    [0.007, 0.030, 0.031, 0.032],
+]  # the shape changes from round to round
 
 
 def test_how_far_the_rounds_disagree():
@@ -162,8 +191,9 @@ def test_how_far_the_rounds_disagree():
     assert instability([1, 2], [[1.0, 2.0], [2.0, 4.0]]) == pytest.approx(0)  # slower, the same shape
 
 
-def test_rounds_that_disagree_are_measured_again_and_cached_once_stable_or_confirmed(calibration_cache, setup,
-                                                                                    monkeypatch):
+def test_rounds_that_disagree_are_measured_again_and_cached_once_stable_or_confirmed(
+    calibration_cache, setup, monkeypatch
+):
     """A busy machine's rounds disagree on T(b) / T(1): the calibration measures again, keeps the most
     stable and caches it only once stable; an unstable one is used, and cached once the loop confirms it."""
     _, _, _, target, proposer = setup
@@ -188,8 +218,9 @@ def test_rounds_that_disagree_are_measured_again_and_cached_once_stable_or_confi
     assert busy.replaced == 0 and json.loads(path.read_text())["seconds"] == [list(busy.table.line())]
 
 
-def test_the_loop_rewrites_a_curve_it_contradicts_and_the_next_process_starts_from_it(calibration_cache, setup,
-                                                                                     monkeypatch):
+def test_the_loop_rewrites_a_curve_it_contradicts_and_the_next_process_starts_from_it(
+    calibration_cache, setup, monkeypatch
+):
     """A cached curve from a busy machine (blocks look dear): the loop's cycles on a quiet one replace it
     and the file is rewritten (atomically) with what they measured; a new process reads that."""
     _, _, _, target, proposer = setup
@@ -228,26 +259,35 @@ def test_the_calibrate_command_on_the_bundled_pair(tmp_path):
 
     env = dict(os.environ, DFLASH_MLX_CACHE_DIR=str(env_dir))
     exe = shutil.which("dflash-mlx")
-    first = subprocess.run([exe, "calibrate", "--json"], capture_output=True, text=True, env=env, timeout=600,
-                           stdin=subprocess.DEVNULL)  # fmt: skip
+    first = subprocess.run(
+        [exe, "calibrate", "--json"], capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL
+    )
     assert first.returncode == 0, first.stderr
     doc = json.loads(first.stdout.strip().splitlines()[-1])
     assert doc["model"] == "demo" and doc["cached"] is False and doc["max_block_size"] == 8
     assert [r["block"] for r in doc["curve"]] == grid_for(8) and doc["curve"][0]["break_even_tokens_per_cycle"] == 1
     assert doc["source"] == "measured" and doc["stable"] == (doc["instability"] <= calibration.STABLE)
     assert doc["written"] == doc["stable"] == (env_dir / "calibration" / Path(doc["file"]).name).exists()
-    table = subprocess.run([exe, "calibrate"], capture_output=True, text=True, env=env, timeout=600,
-                           stdin=subprocess.DEVNULL)  # fmt: skip
+    table = subprocess.run(
+        [exe, "calibrate"], capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL
+    )
     said = " ".join(table.stdout.split())
     assert table.returncode == 0 and "tokens/cycle to beat" in said and "rounds agree on T(b) / T(1) within" in said
     assert ("read from the cache" in said) if doc["written"] else ("not cached" in said or "measured in" in said)
     files = len(list((env_dir / "calibration").glob("*.json")))
-    cleared = subprocess.run([exe, "calibrate", "--clear"], capture_output=True, text=True, env=env, timeout=600,
-                             stdin=subprocess.DEVNULL)  # fmt: skip
+    cleared = subprocess.run(
+        [exe, "calibrate", "--clear"], capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL
+    )
     assert cleared.returncode == 0 and f"Removed {files} cached calibration" in " ".join(cleared.stdout.split())
     assert not list((env_dir / "calibration").glob("*.json"))
-    bad = subprocess.run([exe, "calibrate", "--clear", "--force"], capture_output=True, text=True, env=env,
-                         timeout=600, stdin=subprocess.DEVNULL)  # fmt: skip
+    bad = subprocess.run(
+        [exe, "calibrate", "--clear", "--force"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
     assert bad.returncode != 0 and "--clear" in bad.stderr + bad.stdout
 
 

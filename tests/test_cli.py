@@ -59,7 +59,10 @@ def test_console_script_version_subprocess():
     # LD_PRELOAD cleared: where OpenBLAS exists this goes through the re-exec.
     result = subprocess.run(
         [_console_script(), "--version"],
-        capture_output=True, text=True, env=_clean_env(), timeout=120,
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"dflash-mlx {__version__}\n"
@@ -143,7 +146,10 @@ def test_reexec_child_has_openblas_preloaded():
     )
     result = subprocess.run(
         [sys.executable, "-c", code],
-        capture_output=True, text=True, env=_clean_env(), timeout=120,
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     preload, mapped = result.stdout.splitlines()

@@ -45,8 +45,9 @@ def test_generate_json_has_the_text_and_the_statistics(pair_dirs):
     assert list(out["histogram"]) == ["1", "2", "3", "4"]
     assert sum(int(k) * v for k, v in out["histogram"].items()) == out["tokens"] - 1
     model, tokenizer, drafter = load_pair(target, draft)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}], tokenize=False,
-                                           add_generation_prompt=True)  # fmt: skip
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello there"}], tokenize=False, add_generation_prompt=True
+    )
     assert out["text"] == dflash_generate(model, None, tokenizer, prompt, max_tokens=24)
 
 
@@ -55,8 +56,20 @@ def test_generate_lookup_on_and_off(pair_dirs):
     target, draft = pair_dirs
     runs = {}
     for flag in ("on", "off"):
-        r = invoke("generate", "hello there", "--model", target, "--draft", draft, "-n", 48, "--json", "--raw",
-                   "--lookup", flag)  # fmt: skip
+        r = invoke(
+            "generate",
+            "hello there",
+            "--model",
+            target,
+            "--draft",
+            draft,
+            "-n",
+            48,
+            "--json",
+            "--raw",
+            "--lookup",
+            flag,
+        )
         assert r.exit_code == 0, r.output
         runs[flag] = json.loads(r.stdout.strip().splitlines()[-1])
     assert runs["on"]["text"] == runs["off"]["text"]
@@ -72,8 +85,26 @@ def test_the_console_script_takes_lookup_off(pair_dirs):
     script = shutil.which("dflash-mlx")
     if script is None:
         pytest.skip("the dflash-mlx console script is not installed (pip install -e .)")
-    r = subprocess.run([script, "generate", "hello there", "--model", str(target), "--draft", str(draft), "-n", "24",
-                        "--raw", "--lookup", "off", "--json"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [
+            script,
+            "generate",
+            "hello there",
+            "--model",
+            str(target),
+            "--draft",
+            str(draft),
+            "-n",
+            "24",
+            "--raw",
+            "--lookup",
+            "off",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["sources"]["lookup"] == 0 and out["tokens"] == 24
@@ -132,8 +163,10 @@ def test_reasoning_levels_map_onto_the_template_key():
     assert reasoning_kwargs(thinking, "on") == {"enable_thinking": True}
     with pytest.raises(ReasoningError, match="use on or off"):
         reasoning_kwargs(thinking, "high")
-    effort = FakeTokenizer("{% if reasoning_effort == 'low' %}{% elif reasoning_effort == 'high' %}"
-                           "{% elif reasoning_effort == 'medium' %}{% endif %}")  # fmt: skip
+    effort = FakeTokenizer(
+        "{% if reasoning_effort == 'low' %}{% elif reasoning_effort == 'high' %}"
+        "{% elif reasoning_effort == 'medium' %}{% endif %}"
+    )
     assert reasoning_kwargs(effort, "low") == {"reasoning_effort": "low"}
     with pytest.raises(ReasoningError, match="low, medium, high"):
         reasoning_kwargs(effort, "xhigh")
@@ -141,8 +174,16 @@ def test_reasoning_levels_map_onto_the_template_key():
         reasoning_kwargs(effort, "off")
     gpt_oss = lookup("gpt-oss-20b")
     assert reasoning_kwargs(FakeTokenizer(""), "medium", gpt_oss) == {"reasoning_effort": "medium"}
-    glimmer = RegistryEntry("glimmer", "a/b", "c/d", 16, "dflash2", reasoning="reasoning_strength",
-                            reasoning_values=("low", "medium", "high", "xhigh"), reasoning_default="high")
+    glimmer = RegistryEntry(
+        "glimmer",
+        "a/b",
+        "c/d",
+        16,
+        "dflash2",
+        reasoning="reasoning_strength",
+        reasoning_values=("low", "medium", "high", "xhigh"),
+        reasoning_default="high",
+    )
     assert reasoning_kwargs(FakeTokenizer(""), None, glimmer) == {"reasoning_strength": "high"}
     assert reasoning_kwargs(FakeTokenizer(""), "xhigh", glimmer) == {"reasoning_strength": "xhigh"}
     qwen3 = lookup("qwen3-4b")  # the registry default: non-thinking
@@ -193,18 +234,48 @@ def test_a_local_copy_of_a_registered_target_finds_its_drafter(qwen3_target, tmp
 
 def test_chat_commands_and_history(pair_dirs):
     target, draft = pair_dirs
-    script = "\n".join([
-        "/help", "hello", "/block 3", "/temp 0.5", "/temp -1", "/block x", "/block 1000000", "/system be brief",
-        "and again", "/stats", "/block auto", "once more", "/reset", "/nonsense", "/quit",
-    ]) + "\n"
+    script = (
+        "\n".join(
+            [
+                "/help",
+                "hello",
+                "/block 3",
+                "/temp 0.5",
+                "/temp -1",
+                "/block x",
+                "/block 1000000",
+                "/system be brief",
+                "and again",
+                "/stats",
+                "/block auto",
+                "once more",
+                "/reset",
+                "/nonsense",
+                "/quit",
+            ]
+        )
+        + "\n"
+    )
     r = invoke("chat", "--model", target, "--draft", draft, "-n", 12, input=script)
     assert r.exit_code == 0, r.output
     out = " ".join(r.stdout.split())
-    for expected in ("/reset", "Block size 3.", "Temperature 0.5.", "/temp: expected a number >= 0",
-                     "/block: expected auto or an integer from 1 to 16 (the drafter's block), got x",
-                     "got 1000000", "Adaptive block, at most 16.",
-                     "blocks chosen", "mean block", "System prompt set.", "Conversation cleared.",
-                     "Unknown command /nonsense", "tokens per cycle", "mean acceptance", "tokens from"):  # fmt: skip
+    for expected in (
+        "/reset",
+        "Block size 3.",
+        "Temperature 0.5.",
+        "/temp: expected a number >= 0",
+        "/block: expected auto or an integer from 1 to 16 (the drafter's block), got x",
+        "got 1000000",
+        "Adaptive block, at most 16.",
+        "blocks chosen",
+        "mean block",
+        "System prompt set.",
+        "Conversation cleared.",
+        "Unknown command /nonsense",
+        "tokens per cycle",
+        "mean acceptance",
+        "tokens from",
+    ):
         assert expected in out, expected
     assert out.count("cached)") == 3
     assert "(0 cached)" in out  # the first turn prefills everything
@@ -236,8 +307,23 @@ def test_bench_default_legs_are_adaptive_then_the_drafters_block(pair_dirs, tmp_
 def test_bench_lookup_both_runs_each_leg_with_and_without(pair_dirs, tmp_path):
     target, draft = pair_dirs
     out = tmp_path / "report.json"
-    r = invoke("bench", "--model", target, "--draft", draft, "--num-prompts", 1, "--max-tokens", 12, "-b", 4,
-               "--lookup", "both", "--out", out)  # fmt: skip
+    r = invoke(
+        "bench",
+        "--model",
+        target,
+        "--draft",
+        draft,
+        "--num-prompts",
+        1,
+        "--max-tokens",
+        12,
+        "-b",
+        4,
+        "--lookup",
+        "both",
+        "--out",
+        out,
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(out.read_text())
     assert [(run["block_size"], run["lookup"]) for run in doc["runs"]] == [(4, True), (4, False)]
@@ -250,12 +336,42 @@ def test_bench_lookup_both_runs_each_leg_with_and_without(pair_dirs, tmp_path):
 def test_bench_report_is_consistent(pair_dirs, tmp_path):
     target, draft = pair_dirs
     out = tmp_path / "report.json"
-    r = invoke("bench", "--model", target, "--draft", draft, "--num-prompts", 2, "--max-tokens", 12,
-               "-b", 4, "-b", 2, "--baseline", "mlx-lm-draft", "--draft-model", target, "--out", out)  # fmt: skip
+    r = invoke(
+        "bench",
+        "--model",
+        target,
+        "--draft",
+        draft,
+        "--num-prompts",
+        2,
+        "--max-tokens",
+        12,
+        "-b",
+        4,
+        "-b",
+        2,
+        "--baseline",
+        "mlx-lm-draft",
+        "--draft-model",
+        target,
+        "--out",
+        out,
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(out.read_text())
-    for key in ("speedup", "acceptance_length", "baseline_tps", "dflash_tps", "histogram",
-                "per_position_acceptance", "prefill_tps", "peak_memory_gb", "prompts", "environment", "runs"):
+    for key in (
+        "speedup",
+        "acceptance_length",
+        "baseline_tps",
+        "dflash_tps",
+        "histogram",
+        "per_position_acceptance",
+        "prefill_tps",
+        "peak_memory_gb",
+        "prompts",
+        "environment",
+        "runs",
+    ):
         assert key in doc, key
     assert [run["block_size"] for run in doc["runs"]] == [4, 2]
     for run in doc["runs"]:
@@ -281,8 +397,21 @@ def test_bench_multi_turn_dataset_and_errors(pair_dirs, tmp_path):
     target, draft = pair_dirs
     for dataset, turns in (("mt-bench", 2), ("edit", 3)):
         out = tmp_path / f"{dataset}.json"
-        r = invoke("bench", "--model", target, "--draft", draft, "--dataset", dataset, "--num-prompts", 1,
-                   "--max-tokens", 6, "--out", out)  # fmt: skip
+        r = invoke(
+            "bench",
+            "--model",
+            target,
+            "--draft",
+            draft,
+            "--dataset",
+            dataset,
+            "--num-prompts",
+            1,
+            "--max-tokens",
+            6,
+            "--out",
+            out,
+        )
         assert r.exit_code == 0, r.output
         doc = json.loads(out.read_text())
         assert doc["prompts"][0]["turns"] == turns and len(doc["prompts"][0]["text"]) == turns
@@ -310,8 +439,13 @@ def test_models_reads_in_an_80_column_terminal():
 
     from dflash_mlx.models.registry import registry_entries
 
-    done = subprocess.run([shutil.which("dflash-mlx"), "models"], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, COLUMNS="80"))  # fmt: skip
+    done = subprocess.run(
+        [shutil.which("dflash-mlx"), "models"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, COLUMNS="80"),
+    )
     assert done.returncode == 0, done.stderr
     assert max(len(line) for line in done.stdout.splitlines()) <= 80
     entries = registry_entries()
@@ -324,10 +458,17 @@ def test_models_reads_in_an_80_column_terminal():
 @pytest.mark.skipif(shutil.which("dflash-mlx") is None, reason="console script not installed")
 def test_chat_in_a_real_terminal(pair_dirs):
     import pexpect
+
     target, draft = pair_dirs
     env = dict(os.environ, TERM="xterm", COLUMNS="120")
-    child = pexpect.spawn(shutil.which("dflash-mlx"), ["chat", "--model", str(target), "--draft", str(draft),
-                          "-n", "-1"], encoding="utf-8", timeout=120, dimensions=(40, 120), env=env)  # fmt: skip
+    child = pexpect.spawn(
+        shutil.which("dflash-mlx"),
+        ["chat", "--model", str(target), "--draft", str(draft), "-n", "-1"],
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(40, 120),
+        env=env,
+    )
     child.logfile_read = sys.stdout if os.environ.get("DFLASH_TEST_VERBOSE") else None
     child.expect("you>")
     child.sendline("hello")  # this tiny model's reply runs for hundreds of tokens

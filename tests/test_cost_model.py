@@ -63,8 +63,14 @@ def test_the_table_interpolates_extrapolates_and_refuses_nonsense():
     assert batch(1, 1) == 1.0 and batch(4, 4) == 16.0
     assert batch(1, 3) == pytest.approx(3.0) and batch(2, 1) == pytest.approx(2.0)
     assert batch(4, 8) == pytest.approx(32.0)  # past the last rows: the last two rows' slope
-    for blocks, seconds, rows in (([2, 4], [[1, 2]], [1]), ([1, 1], [[1, 2]], [1]), ([1, 2], [[1, 0]], [1]),
-                                  ([1], [[]], [1]), ([1], [[1.0]], [1, 2]), ([1], [[1.0], [2.0]], [2, 1])):  # fmt: skip
+    for blocks, seconds, rows in (
+        ([2, 4], [[1, 2]], [1]),
+        ([1, 1], [[1, 2]], [1]),
+        ([1, 2], [[1, 0]], [1]),
+        ([1], [[]], [1]),
+        ([1], [[1.0]], [1, 2]),
+        ([1], [[1.0], [2.0]], [2, 1]),
+    ):
         with pytest.raises(ValueError):
             CostTable(blocks, seconds, rows)
 
@@ -182,8 +188,8 @@ def test_generations_at_once_share_the_model_and_the_drafters_history_under_thei
 
 def test_the_batch_table_is_kept_true_per_row_count():
     rows = (1, 2, 4, 8)
-    busy = CostTable(GRID, [[0.010 * n ** 0.5 * (1 + 0.5 * (b > 1) + 0.2 * n * b) for b in GRID] for n in rows], rows)
-    quiet = CostTable(GRID, [[0.010 * n ** 0.5 * (1 + 0.5 * (b > 1) + 0.02 * n * b) for b in GRID] for n in rows], rows)
+    busy = CostTable(GRID, [[0.010 * n**0.5 * (1 + 0.5 * (b > 1) + 0.2 * n * b) for b in GRID] for n in rows], rows)
+    quiet = CostTable(GRID, [[0.010 * n**0.5 * (1 + 0.5 * (b > 1) + 0.02 * n * b) for b in GRID] for n in rows], rows)
     model = CostModel(busy)
     choice = BatchBlockChoice(model, 8)
     batch = [type("Row", (), {"max_block": 8, "estimate": AcceptanceEstimate(7)})() for _ in range(4)]

@@ -65,8 +65,10 @@ def test_greedy_dflash2_equals_mlx_lm(tiny_target, draft2_factory, family, block
     check_lossless(model, tokenizer, draft, prompt, 120, block_size, logprob_atol=1e-3)
 
 
-REFERENCE_V2 = (REFERENCE_PREAMBLE + textwrap.dedent(
-    """
+REFERENCE_V2 = (
+    REFERENCE_PREAMBLE
+    + textwrap.dedent(
+        """
     results = {{}}
     for i in range(2):  # cycles before any one-row context update (see the v1 parity test)
         block = mx.array(data[f"block{{i}}"])[None]
@@ -77,7 +79,8 @@ REFERENCE_V2 = (REFERENCE_PREAMBLE + textwrap.dedent(
         results[f"path{{i}}"] = np.array(path[0])
     np.savez(out, **results)
     """
-)).format(repo=REPO_ID)
+    )
+).format(repo=REPO_ID)
 
 
 @pytest.mark.slow
@@ -90,7 +93,11 @@ def test_parity_with_upstream(tiny_target, draft2_factory, tmp_path):
     hub = fake_hub_cache(tmp_path / "hub", REPO_ID, draft_dir)
     subprocess.run(
         [sys.executable, "-c", REFERENCE_V2, str(target_dir), str(tmp_path / "inputs.npz"), str(tmp_path / "r.npz")],
-        check=True, env=hub_env(hub), capture_output=True, text=True, timeout=300,
+        check=True,
+        env=hub_env(hub),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     reference = np.load(tmp_path / "r.npz")
     target = TargetAdapter(model, draft.config.target_layer_ids)
@@ -113,8 +120,12 @@ def test_sampled_generation_runs_through_the_selector(tiny_target, draft2_factor
     prompt = prompt_ids(20, seed=14)
 
     def run(seed):
-        return [(r.token, r.cycle_tokens) for r in stream_generate(
-            model, draft, tokenizer, prompt, max_tokens=40, block_size=5, temperature=1.0, seed=seed)]
+        return [
+            (r.token, r.cycle_tokens)
+            for r in stream_generate(
+                model, draft, tokenizer, prompt, max_tokens=40, block_size=5, temperature=1.0, seed=seed
+            )
+        ]
 
     first = run(3)
     assert first == run(3) and len(first) >= 1

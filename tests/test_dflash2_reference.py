@@ -285,9 +285,12 @@ def test_selector_sampling_q_rows_match_numpy(temperature, g):
     h_proj = hidden.astype(np.float64) @ w_hidden.T.astype(np.float64)
     for key_seed in range(3):
         path, cands, q = sel.select(
-            mx.array(hidden), mx.array(logits), anchor,
-            temperature=temperature, key=mx.random.key(key_seed),
-        )  # fmt: skip
+            mx.array(hidden),
+            mx.array(logits),
+            anchor,
+            temperature=temperature,
+            key=mx.random.key(key_seed),
+        )
         assert q is not None
         path, cands, q = _np(path).astype(np.int64), _np(cands).astype(np.int64), _np(q)
         assert path.shape == (g,) and cands.shape == (g, SEL_K) and q.shape == (g, SEL_K)
@@ -306,10 +309,8 @@ def test_selector_sampling_is_deterministic_per_key():
     sel, *_ = _make_selector(mod, SEL_H, SEL_V, SEL_R, SEL_K, seed=23)
     hidden, logits = _selector_inputs(8, SEL_H, SEL_V, seed=1)
     runs = [
-        _np(sel.select(mx.array(hidden), mx.array(logits), 2, temperature=1.0,
-                       key=mx.random.key(s))[0])
-        for s in (5, 5)
-    ]  # fmt: skip
+        _np(sel.select(mx.array(hidden), mx.array(logits), 2, temperature=1.0, key=mx.random.key(s))[0]) for s in (5, 5)
+    ]
     np.testing.assert_array_equal(runs[0], runs[1])
 
 
@@ -323,9 +324,7 @@ def test_selector_sampling_frequencies_follow_q():
     n = 600
     counts, q_ref = {}, None
     for s in range(n):
-        path, cands, q = sel.select(
-            mx.array(hidden), mx.array(logits), 4, temperature=1.0, key=mx.random.key(s)
-        )
+        path, cands, q = sel.select(mx.array(hidden), mx.array(logits), 4, temperature=1.0, key=mx.random.key(s))
         tok = int(_np(path)[0])
         counts[tok] = counts.get(tok, 0) + 1
         if q_ref is None:
@@ -341,26 +340,28 @@ def test_selector_sampling_frequencies_follow_q():
 
 @pytest.fixture(scope="module")
 def draft2_dir(tmp_path_factory, qwen3_target):
-    return make_draft2(
-        tmp_path_factory.mktemp("draft2") / "d", qwen3_target, target_layer_ids=[1, 2]
-    )
+    return make_draft2(tmp_path_factory.mktemp("draft2") / "d", qwen3_target, target_layer_ids=[1, 2])
 
 
 def test_fixture_config_fields(draft2_dir):
     cfg = json.loads((draft2_dir / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"]
     assert cfg["is_causal"] is False
-    assert cfg["layer_types"] == ["sliding_attention"] * cfg["num_hidden_layers"] == [
-        "sliding_attention"
-    ] * 2
+    assert cfg["layer_types"] == ["sliding_attention"] * cfg["num_hidden_layers"] == ["sliding_attention"] * 2
     assert cfg["sliding_window"] == 8
     assert cfg["rope_theta"] == 500000.0
     d = cfg["dflash_config"]
     assert d == {
-        "mask_token_id": MASK_ID, "target_layer_ids": [1, 2], "block_size": 16,
-        "output_multiplier": 0.19611613513818404, "final_logit_softcapping": 20.0,
-        "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4,
-    }  # fmt: skip
+        "mask_token_id": MASK_ID,
+        "target_layer_ids": [1, 2],
+        "block_size": 16,
+        "output_multiplier": 0.19611613513818404,
+        "final_logit_softcapping": 20.0,
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 8,
+        "selector_top_k": 4,
+    }
 
 
 def test_fixture_keys_and_shapes(draft2_dir):
@@ -401,16 +402,20 @@ def test_fixture_v2_init_scales(draft2_dir):
     assert abs(base[:, 1].mean()) < 0.1 and 0.15 < base[:, 1].std() < 0.5
     assert w["layers.1.mlp_conv.kernel_projection.weight"].std() < 0.01
     assert 0.4 < w["candidate_selector.predecessor_codebook"].std() < 0.6
-    assert not np.array_equal(
-        w["candidate_selector.predecessor_codebook"], w["candidate_selector.successor_codebook"]
-    )
+    assert not np.array_equal(w["candidate_selector.predecessor_codebook"], w["candidate_selector.successor_codebook"])
 
 
 def test_fixture_overrides_and_bfloat16(tmp_path, qwen3_target):
     out = make_draft2(
-        tmp_path / "d", qwen3_target, dtype="bfloat16", selector_rank=4, selector_top_k=2,
-        conv_kernel_size=3, conv_group_size=8, architectures=["DFlashDraftModel"],
-    )  # fmt: skip
+        tmp_path / "d",
+        qwen3_target,
+        dtype="bfloat16",
+        selector_rank=4,
+        selector_top_k=2,
+        conv_kernel_size=3,
+        conv_group_size=8,
+        architectures=["DFlashDraftModel"],
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["torch_dtype"] == "bfloat16"
@@ -428,13 +433,12 @@ def test_fixture_weights_load_into_package_modules(draft2_dir):
     w = mx.load(str(draft2_dir / "model.safetensors"))
     conv = mod.GroupedDynamicConv(h, d["conv_kernel_size"], d["conv_group_size"])
     prefix = "layers.0.attention_conv."
-    conv.load_weights([(k[len(prefix):], a) for k, a in w.items() if k.startswith(prefix)],
-                      strict=True)  # fmt: skip
+    conv.load_weights([(k[len(prefix) :], a) for k, a in w.items() if k.startswith(prefix)], strict=True)
     sel = mod.CandidateSelector(h, v, d["selector_rank"], d["selector_top_k"])
     prefix = "candidate_selector."
     items = []
     for k, a in w.items():
         if k.startswith(prefix):
-            k = k[len(prefix):]
+            k = k[len(prefix) :]
             items.append((k if k.endswith(".weight") else k + ".weight", a))
     sel.load_weights(items, strict=True)

@@ -103,8 +103,9 @@ def test_rope_theta_location_and_scaling(qwen3_draft, qwen3_model, tmp_path):
     assert lin.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert isinstance(lin.rope, nn.RoPE) and lin.rope.scale == 0.5
     assert np.abs(_logits(lin, qwen3_model) - base).max() > 1e-3
-    llama3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                  original_max_position_embeddings=64)  # fmt: skip
+    llama3 = dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+    )
     cfg = parse_draft_config(_raw(qwen3_draft, rope_scaling=llama3))
     assert type(DFlashDraftModel(cfg).rope).__name__ == "Llama3RoPE"
 
@@ -185,8 +186,7 @@ def test_target_layer_ids_derivation(qwen3_draft):
     cfg = _raw(qwen3_draft, num_hidden_layers=5, num_target_layers=36)
     del cfg["dflash_config"]["target_layer_ids"]
     assert parse_draft_config(cfg).target_layer_ids == (1, 9, 17, 25, 33)  # Qwen3-4B
-    assert parse_draft_config(dict(cfg, num_target_layers=64)).target_layer_ids == (
-        1, 16, 31, 46, 61)  # fmt: skip
+    assert parse_draft_config(dict(cfg, num_target_layers=64)).target_layer_ids == (1, 16, 31, 46, 61)
     assert derive_target_layer_ids(1, 36) == (18,)
     cfg2 = dict(cfg, num_hidden_layers=3, num_target_layers=12)
     assert parse_draft_config(cfg2).target_layer_ids == derive_target_layer_ids(3, 12) == (1, 5, 9)
@@ -203,13 +203,11 @@ def test_derived_duplicate_layer_ids(qwen3_draft, qwen3_model, tmp_path):
     draft = load_draft(_variant(qwen3_draft, tmp_path / "derived", drop), qwen3_model)
     assert draft.config.target_layer_ids == derive_target_layer_ids(2, 4) == (1, 1)
     one = _features(qwen3_model, (1,))
-    np.testing.assert_array_equal(np.array(_features(qwen3_model, (1, 1))),
-                                  np.array(mx.concatenate([one, one], -1)))  # fmt: skip
+    np.testing.assert_array_equal(np.array(_features(qwen3_model, (1, 1))), np.array(mx.concatenate([one, one], -1)))
 
 
 def test_extra_embedding_and_head_keys_are_ignored(tiny_draft, qwen3_target, qwen3_draft, qwen3_model):
-    extra = tiny_draft(qwen3_target, target_layer_ids=[1, 2],
-                       extra_keys=["embed_tokens.weight", "lm_head.weight"])  # fmt: skip
+    extra = tiny_draft(qwen3_target, target_layer_ids=[1, 2], extra_keys=["embed_tokens.weight", "lm_head.weight"])
     assert "lm_head.weight" in mx.load(str(extra / "model.safetensors"))
     draft = load_draft(extra, qwen3_model)
     names = [k for k, _ in tree_flatten(draft.parameters())]
@@ -219,30 +217,58 @@ def test_extra_embedding_and_head_keys_are_ignored(tiny_draft, qwen3_target, qwe
 
 CONV = "layers.0.attention_conv.base_kernel"  # a DFlash 2 tensor
 BAD_CHECKPOINTS = {
-    "no-mask": (dict(config=lambda c: c["dflash_config"].pop("mask_token_id")), DraftConfigError,
-                ["'dflash_config.mask_token_id' is required", "{dir}/config.json"]),
-    "mask-beyond-draft-vocab": (dict(config=_dflash(mask_token_id=600)), DraftConfigError,
-                                ["'dflash_config.mask_token_id' is 600", "vocabulary of 512"]),
-    "mask-beyond-target-vocab": (dict(config=lambda c: (_set(vocab_size=1000)(c),
-                                                        _dflash(mask_token_id=600)(c))),
-                                 PairMismatchError, ["mask_token_id is 600", "512"]),
-    "vocab": (dict(config=_set(vocab_size=1000)), PairMismatchError,
-              ["vocab_size is 1000", "the target has 512"]),
-    "missing-tensor": (dict(weights=lambda w: w.pop("layers.1.mlp.up_proj.weight")),
-                       DraftWeightsError, ["missing tensors [layers.1.mlp.up_proj.weight]"]),
-    "unexpected-tensor": (dict(weights=lambda w: w.update({CONV: mx.zeros((2, 2, 64))})),
-                          DraftWeightsError, [f"unexpected tensors [{CONV}]"]),
-    "shape": (dict(weights=lambda w: w.update({"fc.weight": mx.zeros((64, 64))})),
-              DraftWeightsError, ["'fc.weight'", "(64, 64)", "(64, 128)"]),
-    "dflash2-without-fields": (dict(config=_set(architectures=["DFlash2DraftModel"])), DraftConfigError,
-                               ["DFlash2DraftModel", "conv_kernel_size"]),
+    "no-mask": (
+        dict(config=lambda c: c["dflash_config"].pop("mask_token_id")),
+        DraftConfigError,
+        ["'dflash_config.mask_token_id' is required", "{dir}/config.json"],
+    ),
+    "mask-beyond-draft-vocab": (
+        dict(config=_dflash(mask_token_id=600)),
+        DraftConfigError,
+        ["'dflash_config.mask_token_id' is 600", "vocabulary of 512"],
+    ),
+    "mask-beyond-target-vocab": (
+        dict(config=lambda c: (_set(vocab_size=1000)(c), _dflash(mask_token_id=600)(c))),
+        PairMismatchError,
+        ["mask_token_id is 600", "512"],
+    ),
+    "vocab": (dict(config=_set(vocab_size=1000)), PairMismatchError, ["vocab_size is 1000", "the target has 512"]),
+    "missing-tensor": (
+        dict(weights=lambda w: w.pop("layers.1.mlp.up_proj.weight")),
+        DraftWeightsError,
+        ["missing tensors [layers.1.mlp.up_proj.weight]"],
+    ),
+    "unexpected-tensor": (
+        dict(weights=lambda w: w.update({CONV: mx.zeros((2, 2, 64))})),
+        DraftWeightsError,
+        [f"unexpected tensors [{CONV}]"],
+    ),
+    "shape": (
+        dict(weights=lambda w: w.update({"fc.weight": mx.zeros((64, 64))})),
+        DraftWeightsError,
+        ["'fc.weight'", "(64, 64)", "(64, 128)"],
+    ),
+    "dflash2-without-fields": (
+        dict(config=_set(architectures=["DFlash2DraftModel"])),
+        DraftConfigError,
+        ["DFlash2DraftModel", "conv_kernel_size"],
+    ),
     "dflash2-config-on-v1-weights": (
-        dict(config=lambda c: (_set(architectures=["DFlash2DraftModel"])(c), _dflash(
-            conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)(c))),
-        DraftWeightsError, ["missing tensors", "attention_conv", "DFlash2DraftModel"]),
-    "conflicting-num-target-layers": (dict(config=_set(num_target_layers=6)), PairMismatchError,
-                                      ["num_target_layers is 6", "has 4"]),
-}  # fmt: skip
+        dict(
+            config=lambda c: (
+                _set(architectures=["DFlash2DraftModel"])(c),
+                _dflash(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)(c),
+            )
+        ),
+        DraftWeightsError,
+        ["missing tensors", "attention_conv", "DFlash2DraftModel"],
+    ),
+    "conflicting-num-target-layers": (
+        dict(config=_set(num_target_layers=6)),
+        PairMismatchError,
+        ["num_target_layers is 6", "has 4"],
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CHECKPOINTS))
@@ -264,14 +290,16 @@ def _truncate(d):
 
 
 FILE_ERRORS = {
-    "truncated": (_truncate, DraftWeightsError, "cannot read the safetensors file",
-                  "model.safetensors"),
+    "truncated": (_truncate, DraftWeightsError, "cannot read the safetensors file", "model.safetensors"),
     "no-config": (lambda d: (d / "config.json").unlink(), DraftConfigError, "no config.json", ""),
-    "no-safetensors": (lambda d: (d / "model.safetensors").unlink(), DraftWeightsError,
-                       "no *.safetensors files", ""),
-    "bad-json": (lambda d: (d / "config.json").write_text('{"hidden_size": 64,'), DraftConfigError,
-                 "not valid JSON", "config.json"),
-}  # fmt: skip
+    "no-safetensors": (lambda d: (d / "model.safetensors").unlink(), DraftWeightsError, "no *.safetensors files", ""),
+    "bad-json": (
+        lambda d: (d / "config.json").write_text('{"hidden_size": 64,'),
+        DraftConfigError,
+        "not valid JSON",
+        "config.json",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(FILE_ERRORS))
@@ -344,18 +372,35 @@ def test_a_family_outside_any_table_runs_and_an_unknown_cache_class_is_refused(t
     from mlx_lm.models import phi3, qwen3
     from mlx_lm.models.cache import ConcatenateKVCache
 
-    args = phi3.ModelArgs(model_type="phi3", hidden_size=32, num_hidden_layers=2,
-                          intermediate_size=64, num_attention_heads=2, rms_norm_eps=1e-6,
-                          vocab_size=64)  # fmt: skip
+    args = phi3.ModelArgs(
+        model_type="phi3",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=64,
+    )
     assert TargetAdapter(phi3.Model(args), (0,)).family_name == "phi3" and target_problem(phi3.Model(args)) is None
 
     class ConcatenatingQwen3(qwen3.Model):  # a model of the test's own, not an mlx-lm class changed
         def make_cache(self):
             return [ConcatenateKVCache() for _ in self.layers]
 
-    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                           num_attention_heads=2, rms_norm_eps=1e-6, vocab_size=64, num_key_value_heads=1,
-                           max_position_embeddings=64, rope_theta=1e4, head_dim=16, tie_word_embeddings=True)
+    args = qwen3.ModelArgs(
+        model_type="qwen3",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=64,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        rope_theta=1e4,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     with pytest.raises(UnsupportedTargetError, match="layer 0 uses a ConcatenateKVCache"):
         TargetAdapter(ConcatenatingQwen3(args))
     assert "ConcatenateKVCache" in target_problem(ConcatenatingQwen3(args))
@@ -396,8 +441,12 @@ def test_context_cache_and_incremental_context(kind, tiny_draft, qwen3_target, q
         np.testing.assert_allclose(_logits(draft, qwen3_model, chunks), whole, atol=1e-5, rtol=1e-5)
     # Long random contexts: buffer growth (> 256 rows) keeps the earlier rows intact.
     feats = mx.random.normal((800, 128), key=mx.random.key(0))
-    np.testing.assert_allclose(_logits(draft, qwen3_model, (500, 299, 1), feats=feats),
-                               _logits(draft, qwen3_model, (800,), feats=feats), atol=1e-5, rtol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        _logits(draft, qwen3_model, (500, 299, 1), feats=feats),
+        _logits(draft, qwen3_model, (800,), feats=feats),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_drafting_writes_the_block_after_the_context_and_leaves_it_intact(tiny_draft, qwen3_target, qwen3_model):
@@ -419,8 +468,12 @@ def test_drafting_writes_the_block_after_the_context_and_leaves_it_intact(tiny_d
         np.testing.assert_array_equal(np.array(c.fetch()[0]), h)
     np.testing.assert_array_equal(np.array(draft(BLOCK[None], cache, adapter)), first)
     draft.extend_context(feats[None, 512:], cache)  # over the block's rows
-    np.testing.assert_allclose(np.array(draft(BLOCK[None], cache, adapter))[0],
-                               _logits(draft, qwen3_model, (520,), feats=feats), atol=1e-5, rtol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        np.array(draft(BLOCK[None], cache, adapter))[0],
+        _logits(draft, qwen3_model, (520,), feats=feats),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("kind", ["full", "causal", "sliding", "bounded"])

@@ -12,11 +12,20 @@ SCALINGS = {
     "default": None,
     "linear": {"rope_type": "linear", "factor": 2.0},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 64,
-                 "short_factor": [1.0] * 8, "long_factor": [1.5] * 8},
+    "longrope": {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": 64,
+        "short_factor": [1.0] * 8,
+        "long_factor": [1.5] * 8,
+    },
 }
 
 
@@ -28,8 +37,9 @@ def eager_heads(rope, x, norm, offset):
 
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_heads_are_the_eager_norm_and_rotation_at_every_shape_and_offset(scaling):
-    rope = initialize_rope(16, base=10000.0, traditional=False, scaling_config=SCALINGS[scaling],
-                           max_position_embeddings=512)
+    rope = initialize_rope(
+        16, base=10000.0, traditional=False, scaling_config=SCALINGS[scaling], max_position_embeddings=512
+    )
     heads = HeadProjection(rope)
     assert (heads.tables is not None) == (scaling in ("default", "linear"))
     norm = nn.RMSNorm(16, eps=1e-6)

@@ -33,10 +33,20 @@ def test_public_names_and_signature():
         assert hasattr(dflash_mlx, name)
     params = inspect.signature(stream_generate).parameters
     assert list(params)[:4] == ["model", "draft", "tokenizer", "prompt"]
-    defaults = {k: params[k].default for k in
-                ("max_tokens", "block_size", "temperature", "top_p", "top_k", "min_p", "logits_processors", "seed")}
-    assert defaults == dict(max_tokens=256, block_size=None, temperature=0.0, top_p=1.0, top_k=0,
-                            min_p=0.0, logits_processors=None, seed=None)
+    defaults = {
+        k: params[k].default
+        for k in ("max_tokens", "block_size", "temperature", "top_p", "top_k", "min_p", "logits_processors", "seed")
+    }
+    assert defaults == dict(
+        max_tokens=256,
+        block_size=None,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        logits_processors=None,
+        seed=None,
+    )
 
 
 @pytest.mark.parametrize("text", [TEXT, "<s>" + TEXT])
@@ -94,8 +104,12 @@ def test_generate_returns_the_text(bos_pair):
 
 @pytest.mark.parametrize(
     "option, field",
-    [(dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"),
-     (dict(min_p=1.5), "min_p")],
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+    ],
 )
 def test_invalid_sampling_options_name_the_field(bos_pair, option, field):
     model, tokenizer, draft = bos_pair
@@ -105,8 +119,11 @@ def test_invalid_sampling_options_name_the_field(bos_pair, option, field):
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [(dict(max_tokens=0), "max_tokens"), (dict(block_size=0), "block_size"),
-     (dict(prefill_step_size=0), "prefill_step_size")],
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(block_size=0), "block_size"),
+        (dict(prefill_step_size=0), "prefill_step_size"),
+    ],
 )
 def test_bad_arguments_are_named(bos_pair, kwargs, message):
     model, tokenizer, draft = bos_pair

@@ -13,7 +13,13 @@ import pytest
 from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.models.cache import (
-    ArraysCache, BatchKVCache, CacheList, ChunkedKVCache, ConcatenateKVCache, KVCache, QuantizedKVCache,
+    ArraysCache,
+    BatchKVCache,
+    CacheList,
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
     RotatingKVCache,
 )
 
@@ -100,8 +106,12 @@ def test_mlx_lm_speculative_decoding_diverges_on_full_ring_caches_but_we_do_not(
     prompt = prompt_ids(40, seed=9)
     with without_eos(tokenizer) as tok:
         plain = [r.token for r in mlx_lm_stream_generate(model, tok, mx.array(prompt), max_tokens=120)]
-        theirs = [r.token for r in mlx_lm_stream_generate(
-            model, tok, mx.array(prompt), max_tokens=120, draft_model=other, num_draft_tokens=3)]
+        theirs = [
+            r.token
+            for r in mlx_lm_stream_generate(
+                model, tok, mx.array(prompt), max_tokens=120, draft_model=other, num_draft_tokens=3
+            )
+        ]
         ours = [r.token for r in stream_generate(model, draft, tok, prompt, max_tokens=120, block_size=4)]
     assert ours == plain
     if theirs == plain:
@@ -168,5 +178,14 @@ def test_unsupported_cache_types_are_refused():
         check_caches([CacheList(KVCache(), BatchKVCache([0]))], "deepseek_v32")
     with pytest.raises(UnsupportedCacheError, match="max_kv_size"):
         check_caches([RotatingKVCache(max_size=16, keep=4)], "llama")
-    check_caches([ArraysCache(2), RotatingKVCache(max_size=8), QuantizedKVCache(), ChunkedKVCache(8),
-                  CacheList(KVCache(), KVCache()), None], "any")  # fmt: skip
+    check_caches(
+        [
+            ArraysCache(2),
+            RotatingKVCache(max_size=8),
+            QuantizedKVCache(),
+            ChunkedKVCache(8),
+            CacheList(KVCache(), KVCache()),
+            None,
+        ],
+        "any",
+    )

@@ -92,8 +92,9 @@ def test_greedy_across_lookup_dflash_and_plain_switches_equals_mlx_lm(tiny_pair,
         for proposer, block_size, pattern in runs:
             session = make_session(model, proposer)
             session._lookup = KnowingIndex(prompt, reply, pattern)  # (the session keeps its index: this one)
-            got = list(stream_generate(model, proposer, tok, prompt, max_tokens=160, block_size=block_size,
-                                       session=session))  # fmt: skip
+            got = list(
+                stream_generate(model, proposer, tok, prompt, max_tokens=160, block_size=block_size, session=session)
+            )
             assert_same_stream(got, want, logprob_atol=1e-3)
             seen = kinds(got)
             if block_size == 4:
@@ -188,8 +189,11 @@ def test_sampled_tokens_follow_the_target_where_the_lookup_proposes_point_masses
     session = make_session(model, draft)  # (the prompt is prefilled once; its index kept)
     with without_eos(tokenizer) as tok:
         for seed in range(runs):
-            out = list(stream_generate(model, draft, tok, prompt, max_tokens=3, block_size=3, seed=seed,
-                                       session=session, **SAMPLED))  # fmt: skip
+            out = list(
+                stream_generate(
+                    model, draft, tok, prompt, max_tokens=3, block_size=3, seed=seed, session=session, **SAMPLED
+                )
+            )
             # the second token's cycle verified the anchor and a span of 1 (room for 2 tokens)
             assert [r.cycle_block_size for r in out if r.cycle_block_size][0] == 2
             assert kinds(out)[0] in ("lookup", "miss")
@@ -209,8 +213,9 @@ def test_batched_sampled_rows_with_lookup_spans_follow_the_target(tiny_pair):
     runs = 480
     got: dict[int, list] = {}
     with without_eos(tokenizer) as tok:
-        for i, r in stream_batch_generate(model, draft, tok, [prompt] * runs, max_tokens=2, block_size=4,
-                                          max_batch=8, seed=0, **SAMPLED):  # fmt: skip
+        for i, r in stream_batch_generate(
+            model, draft, tok, [prompt] * runs, max_tokens=2, block_size=4, max_batch=8, seed=0, **SAMPLED
+        ):
             got.setdefault(i, []).append(r)
     assert all(len(out) == 2 for out in got.values()) and len(got) == runs
     assert 0.05 * runs < sum(out[1].source == "lookup" for out in got.values()) < 0.95 * runs
@@ -228,8 +233,9 @@ def test_batched_rows_with_lookup_spans_equal_the_rows_served_alone(tiny_pair):
         for block_size in (None, 4):
             for lookup in (True, False):
                 got, kinds_of = [[] for _ in prompts], Counter()
-                for i, r in stream_batch_generate(model, draft, tok, prompts, max_tokens=60, block_size=block_size,
-                                                  max_batch=3, lookup=lookup):  # fmt: skip
+                for i, r in stream_batch_generate(
+                    model, draft, tok, prompts, max_tokens=60, block_size=block_size, max_batch=3, lookup=lookup
+                ):
                     got[i].append(r.token)
                     kinds_of[r.source] += 1
                 assert got == want, (block_size, lookup)

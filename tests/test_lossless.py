@@ -174,8 +174,10 @@ def test_plain_path_without_drafter(tiny_pair):
 def test_repeated_runs_are_identical(tiny_pair):
     model, tokenizer, draft = tiny_pair("llama")
     prompt = prompt_ids(11)
-    runs = [[(r.token, r.cycle_tokens, r.from_draft) for r in ours(model, draft, tokenizer, prompt, 80, block_size=5)]
-            for _ in range(3)]
+    runs = [
+        [(r.token, r.cycle_tokens, r.from_draft) for r in ours(model, draft, tokenizer, prompt, 80, block_size=5)]
+        for _ in range(3)
+    ]
     assert runs[0] == runs[1] == runs[2]
 
 
@@ -270,8 +272,9 @@ def test_bounded_draft_context_stays_lossless(tiny_pair):
     got = ours(model, draft, tokenizer, prompt, 80, block_size=6, max_draft_context=16)
     assert_same_stream(got, want)
     proposer = DFlashProposer(draft, max_context=16)
-    for _ in speculative_cycles(TargetAdapter(model, proposer.layer_ids), mx.array(prompt), proposer,
-                                max_tokens=40, block_size=6):  # fmt: skip
+    for _ in speculative_cycles(
+        TargetAdapter(model, proposer.layer_ids), mx.array(prompt), proposer, max_tokens=40, block_size=6
+    ):
         assert all(c.visible_rows <= 16 for c in proposer.cache)
     assert proposer.context_end > 16
     with pytest.raises(ValueError, match="max_draft_context"):

@@ -84,8 +84,10 @@ def assert_same_state(ours, theirs):
     """Plain KV caches hold the same rows, Gated DeltaNet caches the same states (ring layouts may differ)."""
     for a, b in zip(ours, theirs):
         if type(a) is mlx_lm_cache.KVCache:
-            pairs = [(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :]),
-                     (a.values[..., : a.offset, :], b.values[..., : b.offset, :])]  # fmt: skip
+            pairs = [
+                (a.keys[..., : a.offset, :], b.keys[..., : b.offset, :]),
+                (a.values[..., : a.offset, :], b.values[..., : b.offset, :]),
+            ]
         elif type(a) is mlx_lm_cache.ArraysCache:
             pairs = [(x, y) for x, y in zip(a.cache, b.cache) if x is not None]
         else:
@@ -118,8 +120,9 @@ def test_an_mlx_lm_cache_list_holds_what_mlx_lm_leaves_in_it(tiny_pair, family, 
         assert_same_state(ours, theirs)
     # mlx-lm's own decoding continues the list DFlash filled, and DFlash continues after it.
     ids = prompt_ids(3, seed=6)
-    assert [r.token for r in run(mlx_lm.stream_generate, model, tokenizer, ids, ours, 10)] == \
-        [r.token for r in run(mlx_lm.stream_generate, model, tokenizer, ids, theirs, 10)]  # fmt: skip
+    assert [r.token for r in run(mlx_lm.stream_generate, model, tokenizer, ids, ours, 10)] == [
+        r.token for r in run(mlx_lm.stream_generate, model, tokenizer, ids, theirs, 10)
+    ]
     assert_same_turn(model, tokenizer, oracle, ours, theirs, prompt_ids(3, seed=7), 15)
 
 
@@ -129,8 +132,7 @@ def test_the_drafters_context_follows_the_list_across_calls(tiny_pair):
     ours, theirs = mlx_lm_cache.make_prompt_cache(model), mlx_lm_cache.make_prompt_cache(model)
     for ids, stop_after in [(prompt_ids(20, seed=8), 7), (prompt_ids(4, seed=9), 40), (prompt_ids(4, seed=10), 3)]:
         want = [r.token for r in run(mlx_lm.stream_generate, model, tokenizer, ids, theirs, stop_after)]
-        got = [r.token for r in run(plugin.stream_generate, model, tokenizer, ids, ours, stop_after,
-                                    draft_model=draft)]  # fmt: skip
+        got = [r.token for r in run(plugin.stream_generate, model, tokenizer, ids, ours, stop_after, draft_model=draft)]
         assert got == want and held_length(ours) == held_length(theirs)
     assert_same_state(ours, theirs)
 
@@ -140,11 +142,19 @@ def test_caches_dflash_cannot_run_fall_back_to_mlx_lm_with_a_warning(tiny_pair):
     bounded = mlx_lm_cache.make_prompt_cache(model, max_kv_size=64)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = [r.token for r in plugin.stream_generate(model, tokenizer, "hello", max_tokens=8, prompt_cache=bounded,
-                                                       draft_model=draft)]  # fmt: skip
+        got = [
+            r.token
+            for r in plugin.stream_generate(
+                model, tokenizer, "hello", max_tokens=8, prompt_cache=bounded, draft_model=draft
+            )
+        ]
     assert any("prompt_cache" in str(w.message) and "falling back" in str(w.message) for w in caught)
-    want = [r.token for r in mlx_lm.stream_generate(model, tokenizer, "hello", max_tokens=8,
-                                                    prompt_cache=mlx_lm_cache.make_prompt_cache(model, 64))]
+    want = [
+        r.token
+        for r in mlx_lm.stream_generate(
+            model, tokenizer, "hello", max_tokens=8, prompt_cache=mlx_lm_cache.make_prompt_cache(model, 64)
+        )
+    ]
     assert got == want
 
 
@@ -165,14 +175,15 @@ def test_every_plugin_function_takes_its_mlx_lm_twins_parameters(name):
     theirs = list(inspect.signature(TWINS[name]).parameters.values())
     described = [(p.name, p.kind, p.default) for p in theirs]
     assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == described
-    extra = ours[len(theirs):]
+    extra = ours[len(theirs) :]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra), extra
     assert set(plugin.__all__) >= set(TWINS)
 
 
 def test_load_by_mlx_lms_keyword_names(qwen3_target, qwen3_draft):
-    model, tokenizer, config = plugin.load(path_or_hf_repo=str(qwen3_target), return_config=True, lazy=False,
-                                           draft=str(qwen3_draft))  # fmt: skip
+    model, tokenizer, config = plugin.load(
+        path_or_hf_repo=str(qwen3_target), return_config=True, lazy=False, draft=str(qwen3_draft)
+    )
     assert config["model_type"] == "qwen3" and plugin.remembered_draft(model) is not None
 
 
@@ -203,8 +214,15 @@ def test_a_prefill_cancelled_by_the_progress_callback_leaves_a_usable_list(tiny_
         run(plugin.stream_generate, model, tokenizer, ids, ours, 5, draft_model=oracle, **cancelling(ours_calls))
     trimmable = mlx_lm_cache.can_trim_prompt_cache(ours)
     with pytest.raises(Cancelled):  # a list that can be cut back is compared with one that never saw the call
-        run(mlx_lm.stream_generate, model, tokenizer, ids,
-            mlx_lm_cache.make_prompt_cache(model) if trimmable else theirs, 5, **cancelling(theirs_calls))  # fmt: skip
+        run(
+            mlx_lm.stream_generate,
+            model,
+            tokenizer,
+            ids,
+            mlx_lm_cache.make_prompt_cache(model) if trimmable else theirs,
+            5,
+            **cancelling(theirs_calls),
+        )
     assert ours_calls == theirs_calls == [(0, 40), (8, 40), (16, 40)]
     if trimmable:
         assert held_length(ours) == before
@@ -257,8 +275,16 @@ def test_a_logits_processor_raising_mid_reply_leaves_the_list_holding_the_tokens
 
     ids, got = prompt_ids(20, seed=41), []
     with pytest.raises(Cancelled):
-        for r in plugin.stream_generate(model, tokenizer, ids, max_tokens=40, prompt_cache=ours, draft_model=draft,
-                                        num_draft_tokens=3, logits_processors=[raising]):  # fmt: skip
+        for r in plugin.stream_generate(
+            model,
+            tokenizer,
+            ids,
+            max_tokens=40,
+            prompt_cache=ours,
+            draft_model=draft,
+            num_draft_tokens=3,
+            logits_processors=[raising],
+        ):
             got.append(r.token)
     assert got and held_length(ours) == len(ids) + len(got)
     want = [r.token for r in run(mlx_lm.stream_generate, model, tokenizer, ids, theirs, len(got))]

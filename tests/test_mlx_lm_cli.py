@@ -70,17 +70,47 @@ def test_both_module_spellings_print_what_mlx_lm_prints(dirs, capsys, monkeypatc
 
 def test_chat_template_system_prompt_and_template_config(dirs, capsys, monkeypatch):
     target, draft = dirs
-    flags = ["--model", target, "--prompt", "Tell me a story", "--system-prompt", "Be brief.", "--max-tokens", "30",
-             "--chat-template-config", '{"enable_thinking": false}', "--verbose", "False"]  # fmt: skip
+    flags = [
+        "--model",
+        target,
+        "--prompt",
+        "Tell me a story",
+        "--system-prompt",
+        "Be brief.",
+        "--max-tokens",
+        "30",
+        "--chat-template-config",
+        '{"enable_thinking": false}',
+        "--verbose",
+        "False",
+    ]
     out, _ = ours(flags + ["--draft-model", draft], capsys)
     assert out == mlx_lm_main(flags, capsys, monkeypatch)
 
 
 def test_sampling_flags_and_seed(dirs, capsys):
     target, draft = dirs
-    flags = ["--model", target, "--draft-model", draft, "--prompt", PROMPT, "--ignore-chat-template",
-             "--max-tokens", "40", "--temp", "3", "--top-p", "0.95", "--top-k", "50", "--min-p", "0.01",
-             "--verbose", "False"]  # fmt: skip
+    flags = [
+        "--model",
+        target,
+        "--draft-model",
+        draft,
+        "--prompt",
+        PROMPT,
+        "--ignore-chat-template",
+        "--max-tokens",
+        "40",
+        "--temp",
+        "3",
+        "--top-p",
+        "0.95",
+        "--top-k",
+        "50",
+        "--min-p",
+        "0.01",
+        "--verbose",
+        "False",
+    ]
     runs = [ours(flags + ["--seed", seed], capsys) for seed in (3, 3, 4)]
     assert runs[0] == runs[1] != runs[2]
     assert "falling back" not in runs[0][1]  # make_sampler's settings run as DFlash sampling
@@ -97,8 +127,19 @@ def test_num_draft_tokens_sets_the_block(dirs, capsys, monkeypatch):
 
 def test_options_dflash_cannot_honour_decode_with_mlx_lm(dirs, capsys, monkeypatch):
     target, draft = dirs
-    flags = ["--model", target, "--prompt", PROMPT, "--ignore-chat-template", "--max-tokens", "40",
-             "--max-kv-size", "16", "--verbose", "False"]  # fmt: skip
+    flags = [
+        "--model",
+        target,
+        "--prompt",
+        PROMPT,
+        "--ignore-chat-template",
+        "--max-tokens",
+        "40",
+        "--max-kv-size",
+        "16",
+        "--verbose",
+        "False",
+    ]
     plugin_api.reset_warnings()  # warnings are once per process and reason
     with pytest.warns(UserWarning, match="max_kv_size is not supported with a DFlash drafter"):
         out, _ = ours(flags + ["--draft-model", draft], capsys)
@@ -107,8 +148,17 @@ def test_options_dflash_cannot_honour_decode_with_mlx_lm(dirs, capsys, monkeypat
 
 def test_an_ordinary_draft_model_runs_mlx_lm_speculative_decoding(dirs, capsys, monkeypatch):
     target, _ = dirs
-    flags = ["--model", target, "--draft-model", target, "--prompt", PROMPT, "--ignore-chat-template",
-             "--max-tokens", "30"]  # fmt: skip
+    flags = [
+        "--model",
+        target,
+        "--draft-model",
+        target,
+        "--prompt",
+        PROMPT,
+        "--ignore-chat-template",
+        "--max-tokens",
+        "30",
+    ]
     with pytest.warns(UserWarning, match="No DFlash drafter"):
         out, _ = ours(flags, capsys)
     assert "DFlash:" not in out
@@ -123,8 +173,9 @@ def test_registered_drafter_is_the_default(dirs, tmp_path, capsys, monkeypatch):
         (tmp_path / link).symlink_to(where)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    out, _ = ours(["--model", "Qwen/Qwen3-4B", "--prompt", PROMPT, "--ignore-chat-template", "--max-tokens", "60"],
-                  capsys)  # fmt: skip
+    out, _ = ours(
+        ["--model", "Qwen/Qwen3-4B", "--prompt", PROMPT, "--ignore-chat-template", "--max-tokens", "60"], capsys
+    )
     assert dflash_line(out)[2] > 10
 
 
@@ -145,6 +196,11 @@ def test_refused_flags_exit_with_a_message(argv, message, capsys):
 
 @pytest.mark.slow
 def test_other_arguments_go_to_the_dflash_mlx_command_line():
-    run = subprocess.run([sys.executable, "-m", "dflash_mlx", "--version"], capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ))  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "dflash_mlx", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+    )
     assert run.returncode == 0 and run.stdout.startswith("dflash-mlx ")

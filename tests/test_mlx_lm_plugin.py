@@ -108,8 +108,17 @@ def test_logits_processors_progress_and_chunked_prefill_match_mlx_lm(loaded):
     for stream_generate in (plugin.stream_generate, mlx_lm.stream_generate):
         calls = []
         processors = make_logits_processors(logit_bias={7: 2.0}, repetition_penalty=1.3, repetition_context_size=8)
-        responses = list(stream_generate(model, tokenizer, prompt, max_tokens=40, logits_processors=processors,
-                                         prefill_step_size=16, prompt_progress_callback=lambda *a: calls.append(a)))
+        responses = list(
+            stream_generate(
+                model,
+                tokenizer,
+                prompt,
+                max_tokens=40,
+                logits_processors=processors,
+                prefill_step_size=16,
+                prompt_progress_callback=lambda *a: calls.append(a),
+            )
+        )
         runs.append((tokens(responses), calls))
     assert runs[0] == runs[1]
 
@@ -135,8 +144,11 @@ def test_lookup_passes_through_the_drop_in(loaded):
     assert any(r.source == "lookup" for r in on) and not any(r.source == "lookup" for r in off)
     assert plugin.generate(model, tokenizer, PROMPT, max_tokens=60, lookup=False) == "".join(r.text for r in off)
     with pytest.warns(UserWarning, match="falling back"):
-        plain = list(plugin.stream_generate(model, tokenizer, PROMPT, max_tokens=8, lookup=False,
-                                            sampler=lambda logits: mx.argmax(logits, axis=-1)))  # fmt: skip
+        plain = list(
+            plugin.stream_generate(
+                model, tokenizer, PROMPT, max_tokens=8, lookup=False, sampler=lambda logits: mx.argmax(logits, axis=-1)
+            )
+        )
     assert tokens(plain) == want[:8]
 
 
@@ -161,8 +173,7 @@ def test_explicit_draft_model_wins(dirs, loaded):
 def test_ordinary_draft_model_runs_mlx_lm_speculative_decoding(loaded):
     model, tokenizer = loaded
     got = list(plugin.stream_generate(model, tokenizer, PROMPT, max_tokens=30, draft_model=model, num_draft_tokens=3))
-    want = list(mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=30, draft_model=model,
-                                       num_draft_tokens=3))  # fmt: skip
+    want = list(mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=30, draft_model=model, num_draft_tokens=3))
     assert tokens(got) == tokens(want)
     assert [r.from_draft for r in got] == [r.from_draft for r in want]
     assert all(type(r) is GenerationResponse for r in got)
@@ -183,8 +194,10 @@ def test_ordinary_draft_model_runs_mlx_lm_speculative_decoding(loaded):
         (dict(temp=0.6, top_p=0.95, min_p=0.1, top_k=20), dict(temperature=0.6, top_p=0.95, min_p=0.1, top_k=20)),
         (dict(temp=0.6, min_tokens_to_keep=3), dict(temperature=0.6)),  # min-p off: nothing to keep
         (dict(temp=0.6, xtc_threshold=0.2), dict(temperature=0.6)),  # XTC off
-        (dict(temp=2.0, top_p=0.3, min_p=0.2, min_tokens_to_keep=1, top_k=3), dict(temperature=2.0, top_p=0.3,
-                                                                                    min_p=0.2, top_k=3)),
+        (
+            dict(temp=2.0, top_p=0.3, min_p=0.2, min_tokens_to_keep=1, top_k=3),
+            dict(temperature=2.0, top_p=0.3, min_p=0.2, top_k=3),
+        ),
     ],
 )
 def test_make_sampler_settings_are_recovered(kwargs, want):
@@ -197,8 +210,9 @@ def test_positional_make_sampler_arguments_are_recovered():
     assert settings == SamplingSettings(temperature=0.5, top_p=0.8, min_p=0.1, top_k=20)
 
 
-@pytest.mark.parametrize("kwargs", [dict(temp=0.9, top_p=0.7), dict(temp=0.5, min_p=0.2, top_k=5),
-                                    dict(temp=1.3, top_k=4, top_p=0.9)])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs", [dict(temp=0.9, top_p=0.7), dict(temp=0.5, min_p=0.2, top_k=5), dict(temp=1.3, top_k=4, top_p=0.9)]
+)
 def test_recovered_settings_give_the_samplers_distribution(kwargs):
     """mlx-lm's sampler, run 4000 times on one row, follows the distribution of the recovered settings."""
     logits = mx.array(np.random.default_rng(0).normal(0, 1.5, (1, 12)).astype(np.float32))
@@ -233,19 +247,23 @@ def test_custom_sampler_falls_back_to_mlx_lm_with_one_warning(loaded):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = [tokens(plugin.stream_generate(model, tokenizer, PROMPT, max_tokens=20, sampler=second_best))
-               for _ in range(2)]  # fmt: skip
+        got = [
+            tokens(plugin.stream_generate(model, tokenizer, PROMPT, max_tokens=20, sampler=second_best))
+            for _ in range(2)
+        ]
     assert [str(w.message) for w in caught] == [
         "dflash_mlx.mlx_lm: the sampler test_custom_sampler_falls_back_to_mlx_lm_with_one_warning.<locals>."
         "second_best was not made by mlx_lm.sample_utils.make_sampler, so its distribution is unknown: "
         "falling back to mlx-lm's own decoding."
     ]
-    assert got[0] == got[1] == tokens(mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=20,
-                                                             sampler=second_best))  # fmt: skip
+    assert (
+        got[0] == got[1] == tokens(mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=20, sampler=second_best))
+    )
 
 
-@pytest.mark.parametrize("kwargs", [dict(sampler=make_sampler(0.8, xtc_probability=0.5, xtc_threshold=0.1)),
-                                    dict(max_kv_size=16)])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs", [dict(sampler=make_sampler(0.8, xtc_probability=0.5, xtc_threshold=0.1)), dict(max_kv_size=16)]
+)
 def test_options_dflash_cannot_honour_run_mlx_lm(loaded, kwargs):
     model, tokenizer = loaded
     plugin_api.reset_warnings()
@@ -283,10 +301,13 @@ def test_prompt_cache_follows_mlx_lm_semantics_across_calls(loaded):
     for text, stop_after, processors in turns:
         ids = tokenizer.encode(text)
         got, want = [], []
-        for out, stream_generate, cache in ((got, plugin.stream_generate, ours),
-                                            (want, mlx_lm.stream_generate, theirs)):  # fmt: skip
-            for r in stream_generate(model, tokenizer, ids, max_tokens=60, prompt_cache=cache,
-                                     logits_processors=processors):  # fmt: skip
+        for out, stream_generate, cache in (
+            (got, plugin.stream_generate, ours),
+            (want, mlx_lm.stream_generate, theirs),
+        ):
+            for r in stream_generate(
+                model, tokenizer, ids, max_tokens=60, prompt_cache=cache, logits_processors=processors
+            ):
                 out.append(r)
                 if len(out) == stop_after:
                     break
@@ -300,18 +321,27 @@ def test_prompt_cache_errors(loaded, dirs):
     model, tokenizer = loaded
     # An mlx-lm cache list is no error: it runs DFlash (tests/test_mlx_lm_cache.py checks its contents).
     # (a fixed block: the adaptive one may sit at plain decoding with this random drafter)
-    listed = list(plugin.stream_generate(model, tokenizer, PROMPT, prompt_cache=mlx_lm_make_prompt_cache(model),
-                                         num_draft_tokens=15))  # fmt: skip
+    listed = list(
+        plugin.stream_generate(
+            model, tokenizer, PROMPT, prompt_cache=mlx_lm_make_prompt_cache(model), num_draft_tokens=15
+        )
+    )
     assert sum(r.from_draft for r in listed) > 0
     with pytest.raises(ValueError, match="prompt_cache: a DFlash prompt cache cannot be used by mlx-lm"):
-        plugin.stream_generate(model, tokenizer, PROMPT, prompt_cache=plugin.make_prompt_cache(model),
-                               sampler=lambda x: mx.argmax(x, axis=-1))  # fmt: skip
+        plugin.stream_generate(
+            model,
+            tokenizer,
+            PROMPT,
+            prompt_cache=plugin.make_prompt_cache(model),
+            sampler=lambda x: mx.argmax(x, axis=-1),
+        )
     with pytest.raises(ValueError, match="max_kv_size"):
         plugin.make_prompt_cache(model, max_kv_size=64)
     other = load_draft(dirs[1], model)
     with pytest.raises(ValueError, match="another model or drafter"):
-        plugin.stream_generate(model, tokenizer, PROMPT, draft_model=other,
-                               prompt_cache=plugin.make_prompt_cache(model))  # fmt: skip
+        plugin.stream_generate(
+            model, tokenizer, PROMPT, draft_model=other, prompt_cache=plugin.make_prompt_cache(model)
+        )
     plain, _ = mlx_lm.load(str(dirs[0]))
     assert isinstance(plugin.make_prompt_cache(plain, max_kv_size=64), list)  # no drafter: mlx-lm's cache
 
@@ -364,12 +394,15 @@ def test_an_mlx_lm_script_switches_by_its_import_line(dirs, tmp_path):
         (tmp_path / link).symlink_to(where)
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     results = []
-    for line in ("from mlx_lm import load, stream_generate, generate",
-                 "from dflash_mlx.mlx_lm import load, stream_generate, generate"):  # fmt: skip
+    for line in (
+        "from mlx_lm import load, stream_generate, generate",
+        "from dflash_mlx.mlx_lm import load, stream_generate, generate",
+    ):
         script = SCRIPT.replace("from mlx_lm import load, stream_generate, generate", line)
         assert script != SCRIPT or line.startswith("from mlx_lm")
-        run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=120)  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
         assert run.returncode == 0, run.stderr
         assert "falling back" not in run.stderr
         results.append(json.loads(run.stdout))

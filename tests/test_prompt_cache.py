@@ -122,8 +122,9 @@ def test_corrupt_and_foreign_files_are_ignored_with_a_warning(tiny_pair, tmp_pat
 
 def test_a_cache_of_size_zero_keeps_nothing(tiny_pair, tmp_path):
     model, tokenizer, draft = tiny_pair("qwen3")
-    cache = PromptCache(lambda: make_session(model, draft), max_sessions=0,
-                        store=SessionStore(tmp_path, identity(model, draft)))  # fmt: skip
+    cache = PromptCache(
+        lambda: make_session(model, draft), max_sessions=0, store=SessionStore(tmp_path, identity(model, draft))
+    )
     with without_eos(tokenizer) as tok:
         a = prompt_ids(20, seed=1)
         reply, _ = turn(cache, model, draft, tok, a)

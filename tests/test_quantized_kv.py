@@ -51,15 +51,18 @@ def test_the_session_holds_what_mlx_lm_quantizes(tiny_pair):
     session = make_session(model, draft, **kw)  # the session's calls quantize unless they say otherwise
     first, second = prompt_ids(10, seed=1), prompt_ids(6, seed=2)
     with without_eos(tokenizer) as tok:
-        got = [r.token for r in stream_generate(model, draft, tok, first, max_tokens=20, block_size=4,
-                                                session=session)]  # fmt: skip
+        got = [r.token for r in stream_generate(model, draft, tok, first, max_tokens=20, block_size=4, session=session)]
         assert got == [r.token for r in reference(model, tok, first, 20, **kw)]
         kinds = {type(c) for c in session.cache}
         assert kinds == {ArraysCache, QuantizedKVCache}
         history = first + got
         want = [r.token for r in reference(model, tok, history + second, 12, **kw)]
-        again = [r.token for r in stream_generate(model, draft, tok, history + second, max_tokens=12, block_size=4,
-                                                  session=session, **kw)]  # fmt: skip
+        again = [
+            r.token
+            for r in stream_generate(
+                model, draft, tok, history + second, max_tokens=12, block_size=4, session=session, **kw
+            )
+        ]
     assert session.reused > 0 and again == want
 
 
@@ -68,9 +71,11 @@ def test_settings_mlx_lm_cannot_run_are_refused(tiny_pair):
     with pytest.raises(ValueError, match="RotatingKVCache"):
         next(stream_generate(model, draft, tokenizer, [5, 6, 7], kv_bits=8))
     model, tokenizer, draft = tiny_pair("qwen3")
-    bad_settings = [(dict(kv_bits=7), "kv_bits must be one of 2, 3, 4, 5, 6, 8"),
-                    (dict(kv_bits=8, kv_group_size=48), "kv_group_size must be one of 32, 64, 128"),
-                    (dict(kv_bits=8, quantized_kv_start=-1), "quantized_kv_start must be an integer >= 0")]  # fmt: skip
+    bad_settings = [
+        (dict(kv_bits=7), "kv_bits must be one of 2, 3, 4, 5, 6, 8"),
+        (dict(kv_bits=8, kv_group_size=48), "kv_group_size must be one of 32, 64, 128"),
+        (dict(kv_bits=8, quantized_kv_start=-1), "quantized_kv_start must be an integer >= 0"),
+    ]
     for bad, match in bad_settings:
         with pytest.raises(ValueError, match=match):
             next(stream_generate(model, draft, tokenizer, [5, 6, 7], **bad))
@@ -86,10 +91,21 @@ def test_the_mlx_lm_drop_in_runs_dflash_with_kv_bits(tiny_pair):
         warnings.simplefilter("error")  # a fallback warns
         for turn in range(2):
             ids = prompt if turn == 0 else prompt_ids(5, seed=6)
-            got = list(dropin_stream_generate(model, tok, mx.array(ids), max_tokens=24, draft_model=draft,
-                                              num_draft_tokens=4, prompt_cache=ours_cache, **kw))  # fmt: skip
-            want = list(mlx_lm_stream_generate(model, tok, mx.array(ids), max_tokens=24, prompt_cache=theirs_cache,
-                                               **kw))  # fmt: skip
+            got = list(
+                dropin_stream_generate(
+                    model,
+                    tok,
+                    mx.array(ids),
+                    max_tokens=24,
+                    draft_model=draft,
+                    num_draft_tokens=4,
+                    prompt_cache=ours_cache,
+                    **kw,
+                )
+            )
+            want = list(
+                mlx_lm_stream_generate(model, tok, mx.array(ids), max_tokens=24, prompt_cache=theirs_cache, **kw)
+            )
             assert [r.token for r in got] == [r.token for r in want]
             assert any(r.cycle_tokens for r in got)
     assert [type(c) for c in ours_cache] == [type(c) for c in theirs_cache] == [QuantizedKVCache] * 4
@@ -120,8 +136,10 @@ def test_flags_take_mlx_lm_values_only(tiny_pair_dirs):
     from dflash_mlx.cli import app
 
     target, draft = tiny_pair_dirs("qwen3")
-    cases = [(["--kv-bits", "7"], "--kv-bits must be one of 2, 3, 4, 5, 6, 8"),
-             (["--kv-bits", "8", "--kv-group-size", "48"], "--kv-group-size must be one of 32, 64")]
+    cases = [
+        (["--kv-bits", "7"], "--kv-bits must be one of 2, 3, 4, 5, 6, 8"),
+        (["--kv-bits", "8", "--kv-group-size", "48"], "--kv-group-size must be one of 32, 64"),
+    ]
     for flags, message in cases:
         r = CliRunner().invoke(app, ["generate", "hi", "--model", str(target), "--draft", str(draft), *flags])
         assert r.exit_code == 2 and message in " ".join(r.stderr.split())
@@ -147,16 +165,23 @@ def test_the_console_script_and_the_server_take_the_kv_flags():
     prompt = "Tom has 3 apples and buys 4 more. How many apples?"
     flags = ["--kv-bits", "8", "--quantized-kv-start", "0"]
     model, tokenizer, _ = dflash_mlx.load("demo")  # float32 on a CPU, as the commands load it
-    want = "".join(r.text for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=48, kv_bits=8,
-                                                          quantized_kv_start=0))  # fmt: skip
-    done = subprocess.run([shutil.which("dflash-mlx"), "generate", prompt, "--raw", "--json", "-n", "48", *flags],
-                          capture_output=True, text=True, timeout=600, env=dict(os.environ))  # fmt: skip
+    want = "".join(
+        r.text for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=48, kv_bits=8, quantized_kv_start=0)
+    )
+    done = subprocess.run(
+        [shutil.which("dflash-mlx"), "generate", prompt, "--raw", "--json", "-n", "48", *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ),
+    )
     out = json.loads(done.stdout)
     assert done.returncode == 0 and out["text"] == want and out["acceptance_length"] > 1, done.stderr
     server = ServeProcess(*flags)
     try:
         reply = OpenAI(base_url=server.url + "/v1", api_key="unused").completions.create(
-            model="demo", prompt=prompt, max_tokens=48, temperature=0)
+            model="demo", prompt=prompt, max_tokens=48, temperature=0
+        )
     finally:
         assert server.stop() == 0
     assert reply.choices[0].text == want and "one request at a time: a quantized KV cache" in server.stderr

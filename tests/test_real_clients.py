@@ -89,11 +89,13 @@ def test_serve_and_chat_load_the_same_pair_alike(client):
     card = client.models.list().data[0].model_extra
     assert card["dtype"] == ("float32" if on_cpu() else "bfloat16") and card["block_size"] == 8
     assert card["adaptive_block"] is True
-    run = subprocess.run([shutil.which("dflash-mlx"), "chat", "-n", "4"], input="/quit\n", capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [shutil.which("dflash-mlx"), "chat", "-n", "4"], input="/quit\n", capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr
     assert f"demo (DFlash, adaptive block (at most {card['block_size']}), {card['dtype']})" in " ".join(
-        run.stdout.split())
+        run.stdout.split()
+    )
 
 
 def test_chat_whole_and_streamed_equal_mlx_lm_greedy(client, plain):
@@ -104,8 +106,16 @@ def test_chat_whole_and_streamed_equal_mlx_lm_greedy(client, plain):
     assert reply.choices[0].finish_reason == responses[-1].finish_reason
     assert reply.usage.completion_tokens == len(responses)
     assert reply.model_extra["dflash"]["cycles"] >= 1
-    chunks = list(client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=48, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="demo",
+            messages=MESSAGES,
+            max_tokens=48,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == want
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(responses)
@@ -119,15 +129,27 @@ def test_text_completion_whole_and_streamed_equal_mlx_lm_greedy(client, plain):
     want, _ = mlx_lm_greedy(plain, tokenizer.encode(prompt), 40)
     reply = client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0)
     assert reply.choices[0].text == want
-    chunks = list(client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model="demo",
+            prompt=prompt,
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert chunks[-1].usage.total_tokens == reply.usage.total_tokens
 
 
 def _curl(url: str, data: str) -> tuple[int, dict]:
-    run = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", "-H", "Content-Type: application/json",
-                          "--data-binary", data, url], capture_output=True, text=True, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        ["curl", "-s", "-w", "\n%{http_code}", "-H", "Content-Type: application/json", "--data-binary", data, url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     body, status = run.stdout.rsplit("\n", 1)
     return int(status), json.loads(body)
 
@@ -136,17 +158,19 @@ def _curl(url: str, data: str) -> tuple[int, dict]:
 def test_malformed_json_through_curl_is_a_400_and_the_server_keeps_serving(served, client):
     status, body = _curl(served.url + "/v1/chat/completions", '{"messages": [')
     assert status == 400 and "not valid JSON" in body["error"]["message"]
-    status, body = _curl(served.url + "/v1/chat/completions",
-                         json.dumps({"messages": MESSAGES, "max_tokens": 4}))  # fmt: skip
+    status, body = _curl(served.url + "/v1/chat/completions", json.dumps({"messages": MESSAGES, "max_tokens": 4}))
     assert status == 200 and body["usage"]["completion_tokens"] == 4
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"model": "gpt-4o"}, "model"),
-    ({"max_tokens": -5}, "max_tokens"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"messages": [{"role": "user", "content": "apples " * 3000}]}, "messages"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"model": "gpt-4o"}, "model"),
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"messages": [{"role": "user", "content": "apples " * 3000}]}, "messages"),
+    ],
+)
 def test_bad_requests_are_4xx_naming_the_field(client, kwargs, field):
     request = {"model": "demo", "messages": MESSAGES, "max_tokens": 8, **kwargs}
     with pytest.raises(openai.BadRequestError) as caught:
@@ -208,8 +232,13 @@ print(json.dumps(out))
 
 
 def test_load_on_the_main_thread_generate_on_another(cheap_blocks):
-    run = subprocess.run([sys.executable, "-c", THREADS, DEMO_TARGET], capture_output=True, text=True,
-                         timeout=600, stdin=subprocess.DEVNULL)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", THREADS, DEMO_TARGET],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
     assert run.returncode == 0, run.stderr  # an exit abort (MLX streams of ended threads) fails here too
     out = json.loads(run.stdout)
     assert out["library"] == out["library_main"] and out["library"].strip()
@@ -258,13 +287,20 @@ def test_an_mlx_lm_example_script_runs_dflash_by_its_import_line(tmp_path, cheap
     """Unchanged mlx-lm and the switched script: same texts, same cache lengths, same verbose output
     (on a curve where blocks pay, so the switched script drafts)."""
     results = []
-    for line in ("from mlx_lm import load, stream_generate, generate",
-                 "from dflash_mlx.mlx_lm import load, stream_generate, generate"):  # fmt: skip
+    for line in (
+        "from mlx_lm import load, stream_generate, generate",
+        "from dflash_mlx.mlx_lm import load, stream_generate, generate",
+    ):
         script = SCRIPT.replace("from mlx_lm import load, stream_generate, generate", line)
         assert (script != SCRIPT) == line.startswith("from dflash_mlx")
         cache_file = tmp_path / f"cache{len(results)}.safetensors"
-        run = subprocess.run([sys.executable, "-c", script, DEMO_TARGET, str(cache_file)], capture_output=True,
-                             text=True, timeout=600, stdin=subprocess.DEVNULL)  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, "-c", script, DEMO_TARGET, str(cache_file)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            stdin=subprocess.DEVNULL,
+        )
         assert run.returncode == 0, run.stderr
         assert "falling back" not in run.stderr
         verbose = "\n".join(re.sub(r"\d+\.\d+", "X", ln) for ln in run.stdout.splitlines())
@@ -275,11 +311,11 @@ def test_an_mlx_lm_example_script_runs_dflash_by_its_import_line(tmp_path, cheap
     assert mlx["drafted"] == 0 and dflash["drafted"] > 0
 
 
-
 def _command(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """The real console script, on the bundled default, as a user runs it."""
-    return subprocess.run([shutil.which("dflash-mlx"), *args], capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.run(
+        [shutil.which("dflash-mlx"), *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
 
 
 def test_generate_command_on_the_bundled_pair_equals_mlx_lm(plain):

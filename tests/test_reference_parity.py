@@ -52,8 +52,10 @@ REFERENCE_PREAMBLE = textwrap.dedent(
     """
 )
 
-REFERENCE_SCRIPT = (REFERENCE_PREAMBLE + textwrap.dedent(
-    """
+REFERENCE_SCRIPT = (
+    REFERENCE_PREAMBLE
+    + textwrap.dedent(
+        """
     results, history = {{}}, []
     for i in range(int(data["cycles"])):
         block = mx.array(data[f"block{{i}}"])[None]
@@ -66,7 +68,8 @@ REFERENCE_SCRIPT = (REFERENCE_PREAMBLE + textwrap.dedent(
         results[f"oneshot{{i}}"] = np.array(logits[0].astype(mx.float32))
     np.savez(out, **results)
     """
-)).format(repo=REPO_ID)
+    )
+).format(repo=REPO_ID)
 
 
 def fake_hub_cache(root: Path, repo_id: str, model_dir: Path) -> Path:
@@ -115,15 +118,21 @@ def hub_env(hub: Path) -> dict:
 DRAFT_VARIANTS = {
     "plain": {},
     "scaled-capped": dict(
-        input_embedding_scale=0.5, output_multiplier=0.25, final_logit_softcapping=3.0,
-        rope_in_parameters=True, schema="flat",
+        input_embedding_scale=0.5,
+        output_multiplier=0.25,
+        final_logit_softcapping=3.0,
+        rope_in_parameters=True,
+        schema="flat",
     ),
     "sliding-causal": dict(
-        num_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        num_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         sliding_window=16,
     ),
     "all-sliding-bidirectional": dict(
-        layer_types=["sliding_attention", "sliding_attention"], sliding_window=12, is_causal=False,
+        layer_types=["sliding_attention", "sliding_attention"],
+        sliding_window=12,
+        is_causal=False,
     ),
     "forced-causal": dict(is_causal=True),
 }
@@ -139,9 +148,19 @@ def test_draft_logits_match_reference(variant, tiny_target, tiny_draft, tmp_path
     cycles = make_inputs(tmp_path / "inputs.npz", width)
     hub = fake_hub_cache(tmp_path / "hub", REPO_ID, draft_dir)
     subprocess.run(
-        [sys.executable, "-c", REFERENCE_SCRIPT, str(target_dir), str(tmp_path / "inputs.npz"),
-         str(tmp_path / "ref.npz")],
-        check=True, env=hub_env(hub), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            REFERENCE_SCRIPT,
+            str(target_dir),
+            str(tmp_path / "inputs.npz"),
+            str(tmp_path / "ref.npz"),
+        ],
+        check=True,
+        env=hub_env(hub),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     reference = np.load(tmp_path / "ref.npz")
     ours = our_logits(target_dir, draft_dir, cycles)

@@ -140,8 +140,11 @@ def test_load_registry_from_file(tmp_path):
         ('notes = "test entry"', 'reasoning = "reasoning_effort"\nreasoning_values = []', "reasoning_values"),
         ('notes = "test entry"', 'reasoning_values = ["low"]', "reasoning"),
         ('notes = "test entry"', 'reasoning = "enable_thinking"\nreasoning_values = ["a"]', "reasoning_values"),
-        ('notes = "test entry"', 'reasoning = "reasoning_effort"\nreasoning_values = ["low"]\n'
-         'reasoning_default = "high"', "reasoning_default"),
+        (
+            'notes = "test entry"',
+            'reasoning = "reasoning_effort"\nreasoning_values = ["low"]\nreasoning_default = "high"',
+            "reasoning_default",
+        ),
         ('notes = "test entry"', 'bundled = "yes"', "bundled"),
         ('target = "acme/Tiny-1B"', 'target = "../outside"\nbundled = true', "target"),
     ],
@@ -180,9 +183,7 @@ def test_packaged_models_toml_equals_top_level():
 
 def _gen(*args: str) -> subprocess.CompletedProcess:
     script = ROOT / "scripts" / "gen_model_table.py"
-    return subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=60
-    )
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=60)
 
 
 def test_readme_models_table_is_in_sync():

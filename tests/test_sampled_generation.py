@@ -23,12 +23,14 @@ def test_greedy_with_repetition_penalty_and_bias_equals_mlx_lm(tiny_pair, block_
     prompt = prompt_ids(12, seed=3)
     processors = make_logits_processors(logit_bias={7: 3.0}, repetition_penalty=1.3, repetition_context_size=8)
     with without_eos(tokenizer) as tok:
-        want = list(mlx_lm_stream_generate(model, tok, mx.array(prompt), max_tokens=120,
-                                           logits_processors=processors))  # fmt: skip
+        want = list(mlx_lm_stream_generate(model, tok, mx.array(prompt), max_tokens=120, logits_processors=processors))
         oracle = OracleProposer([r.token for r in want] + [0] * 16, list(range(block_size)), TINY_VOCAB)
         for proposer in (draft, oracle):
-            got = list(stream_generate(model, proposer, tok, prompt, max_tokens=120,
-                                       block_size=block_size, logits_processors=processors))  # fmt: skip
+            got = list(
+                stream_generate(
+                    model, proposer, tok, prompt, max_tokens=120, block_size=block_size, logits_processors=processors
+                )
+            )
             assert_same_stream(got, want)
     plain = [r.token for r in mlx_lm_stream_generate(model, tokenizer, mx.array(prompt), max_tokens=120)]
     assert plain != [r.token for r in want], "the processors should change this generation"
@@ -39,8 +41,12 @@ def test_seed_makes_sampling_reproducible(tiny_pair):
     prompt = prompt_ids(9, seed=4)
 
     def run(seed):
-        return [r.token for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=40,
-                                                 block_size=4, temperature=1.5, seed=seed)]  # fmt: skip
+        return [
+            r.token
+            for r in stream_generate(
+                model, draft, tokenizer, prompt, max_tokens=40, block_size=4, temperature=1.5, seed=seed
+            )
+        ]
 
     assert run(1) == run(1)
     assert run(1) != run(2)
@@ -49,8 +55,11 @@ def test_seed_makes_sampling_reproducible(tiny_pair):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "settings",
-    [dict(temperature=1.5), dict(temperature=1.0, top_k=20, top_p=0.95),
-     dict(temperature=1.5, draft_sampling="argmax")],
+    [
+        dict(temperature=1.5),
+        dict(temperature=1.0, top_k=20, top_p=0.95),
+        dict(temperature=1.5, draft_sampling="argmax"),
+    ],
 )
 def test_first_two_sampled_tokens_follow_the_target(tiny_pair, settings):
     model, tokenizer, draft = tiny_pair("qwen3")
@@ -62,9 +71,23 @@ def test_xtc_is_refused_with_a_drafter_and_runs_without(tiny_pair):
     prompt = prompt_ids(8, seed=6)
     with pytest.raises(ValueError, match="XTC"):
         next(stream_generate(model, draft, tokenizer, prompt, temperature=1.0, xtc_probability=0.5))
-    runs = [[r.token for r in stream_generate(model, None, tokenizer, prompt, max_tokens=20, temperature=1.0,
-                                              xtc_probability=0.5, xtc_threshold=0.05, seed=4)]
-            for _ in range(2)]  # fmt: skip
+    runs = [
+        [
+            r.token
+            for r in stream_generate(
+                model,
+                None,
+                tokenizer,
+                prompt,
+                max_tokens=20,
+                temperature=1.0,
+                xtc_probability=0.5,
+                xtc_threshold=0.05,
+                seed=4,
+            )
+        ]
+        for _ in range(2)
+    ]
     assert len(runs[0]) == 20 and runs[0] == runs[1]
     with pytest.raises(ValueError, match="draft_sampling"):
         next(stream_generate(model, draft, tokenizer, prompt, temperature=1.0, draft_sampling="top"))

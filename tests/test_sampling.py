@@ -119,9 +119,16 @@ def test_sparse_draft_rows_become_dense():
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [(dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
-     (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
-     (dict(top_k=2.5), "top_k"), (dict(min_p=1.5), "min_p"), (dict(min_tokens_to_keep=0), "min_tokens_to_keep")],
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(min_tokens_to_keep=0), "min_tokens_to_keep"),
+    ],
 )
 def test_invalid_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -42,12 +42,16 @@ CHATS = [
 TEXTS = [PROMPT, "The quick brown fox"]
 PROCESSORS = {  # request fields -> make_logits_processors arguments
     "bias": ({"logit_bias": {"77": 3.5}}, dict(logit_bias={77: 3.5})),
-    "repetition": ({"repetition_penalty": 1.6, "repetition_context_size": 5},
-                   dict(repetition_penalty=1.6, repetition_context_size=5)),
+    "repetition": (
+        {"repetition_penalty": 1.6, "repetition_context_size": 5},
+        dict(repetition_penalty=1.6, repetition_context_size=5),
+    ),
     "presence": ({"presence_penalty": 1.5}, dict(presence_penalty=1.5, presence_context_size=20)),
-    "frequency": ({"frequency_penalty": 0.8, "frequency_context_size": 8},
-                  dict(frequency_penalty=0.8, frequency_context_size=8)),
-}  # fmt: skip
+    "frequency": (
+        {"frequency_penalty": 0.8, "frequency_context_size": 8},
+        dict(frequency_penalty=0.8, frequency_context_size=8),
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +62,18 @@ def pair(constant_pair_dirs):
 
 
 def chat_ids(tokenizer, messages):
-    flat = [{**m, "content": m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]}
-            for m in messages]  # fmt: skip
-    return tokenizer.encode(tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True),
-                            add_special_tokens=False)  # fmt: skip
+    flat = [
+        {**m, "content": m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]} for m in messages
+    ]
+    return tokenizer.encode(
+        tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
 
 
 def greedy(model, tokenizer, ids, max_tokens, processors=None):
-    rs = list(mlx_lm_stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
-                                     logits_processors=processors))  # fmt: skip
+    rs = list(
+        mlx_lm_stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens, logits_processors=processors)
+    )
     return "".join(r.text for r in rs), rs
 
 
@@ -108,7 +115,7 @@ def request(server, method, path, body=None, raw=None):
     payload = response.read().decode()
     conn.close()
     if response.getheader("Content-Type") == "text/event-stream":
-        lines = [line[len("data: "):] for line in payload.split("\n\n") if line.startswith("data: ")]
+        lines = [line[len("data: ") :] for line in payload.split("\n\n") if line.startswith("data: ")]
         assert lines[-1] == "[DONE]"
         return response.status, [json.loads(line) for line in lines[:-1]]
     return response.status, json.loads(payload)
@@ -116,8 +123,11 @@ def request(server, method, path, body=None, raw=None):
 
 def streamed_text(events, kind):
     key = "delta" if kind == "chat" else None
-    return "".join((e["choices"][0][key].get("content", "") if key else e["choices"][0]["text"])
-                   for e in events if e.get("choices"))  # fmt: skip
+    return "".join(
+        (e["choices"][0][key].get("content", "") if key else e["choices"][0]["text"])
+        for e in events
+        if e.get("choices")
+    )
 
 
 def test_models_health_and_unknown_paths(server):
@@ -144,8 +154,9 @@ def test_chat_completion_whole_and_streamed(server, pair, expected, i):
     assert reply["usage"]["total_tokens"] == reply["usage"]["prompt_tokens"] + len(responses)
     stats = reply["dflash"]
     assert stats["cycles"] == len(responses) - 1 and sum(stats["acceptance_histogram"]) == stats["cycles"]
-    status, events = request(server, "POST", "/v1/chat/completions",
-                             {**body, "stream": True, "stream_options": {"include_usage": True}})  # fmt: skip
+    status, events = request(
+        server, "POST", "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
     assert status == 200
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all(e["object"] == "chat.completion.chunk" for e in events)
@@ -176,8 +187,12 @@ def test_stop_sequences_cut_the_text(server, expected):
     stop = want[10:14]
     assert want.count(stop) and want.index(stop) > 0
     for stream in (False, True):
-        status, reply = request(server, "POST", "/v1/completions",
-                                {"prompt": PROMPT, "max_tokens": 40, "stop": ["never there", stop], "stream": stream})
+        status, reply = request(
+            server,
+            "POST",
+            "/v1/completions",
+            {"prompt": PROMPT, "max_tokens": 40, "stop": ["never there", stop], "stream": stream},
+        )
         text = streamed_text(reply, "text") if stream else reply["choices"][0]["text"]
         finish = (reply[-1] if stream else reply)["choices"][0]["finish_reason"]
         assert (status, text, finish) == (200, want[: want.index(stop)], "stop")
@@ -202,24 +217,32 @@ def test_logprobs_match_mlx_lm(server, expected):
     want = [r.logprobs[r.token].item() for r in responses]
     np.testing.assert_allclose(lp["token_logprobs"], want, atol=1e-4)
     assert all(len(top) == 3 for top in lp["top_logprobs"]) and len(lp["text_offset"]) == len(responses)
-    status, reply = request(server, "POST", "/v1/chat/completions",
-                            {"messages": CHATS[0], "max_tokens": 5, "logprobs": True, "top_logprobs": 2})
+    status, reply = request(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        {"messages": CHATS[0], "max_tokens": 5, "logprobs": True, "top_logprobs": 2},
+    )
     content = reply["choices"][0]["logprobs"]["content"]
     assert status == 200 and len(content) == 5
-    assert all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["logprob"] >= c["top_logprobs"][1]["logprob"]
-               for c in content)  # fmt: skip
+    assert all(
+        len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["logprob"] >= c["top_logprobs"][1]["logprob"]
+        for c in content
+    )
 
 
 @pytest.mark.parametrize("name", PROCESSORS)
 def test_penalties_and_logit_bias_are_mlx_lm_processors(server, expected, name):
-    status, reply = request(server, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 40,
-                                                                **PROCESSORS[name][0]})  # fmt: skip
+    status, reply = request(
+        server, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 40, **PROCESSORS[name][0]}
+    )
     assert status == 200 and reply["choices"][0]["text"] == expected[name][0]
 
 
 def test_num_draft_tokens_sets_the_block(server, expected):
-    status, reply = request(server, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 40,
-                                                                "num_draft_tokens": 2})  # fmt: skip
+    status, reply = request(
+        server, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 40, "num_draft_tokens": 2}
+    )
     stats = reply["dflash"]
     assert status == 200 and reply["choices"][0]["text"] == expected["text0"][0]
     assert stats["block_size"] == 3 and len(stats["acceptance_histogram"]) == 3 and stats["acceptance_histogram"][2]
@@ -240,8 +263,9 @@ def test_lookup_false_turns_copy_aware_drafting_off(server, pair, expected, alon
     body = {"prompt": PROMPT, "max_tokens": 40}
     with contextlib.ExitStack() as stack:
         if alone:
-            server = stack.enter_context(make_server(model, tokenizer, draft, port=0, decode_concurrency=1,
-                                                     lookup=False).start())  # fmt: skip
+            server = stack.enter_context(
+                make_server(model, tokenizer, draft, port=0, decode_concurrency=1, lookup=False).start()
+            )
             body["lookup"] = True
         status, on = request(server, "POST", "/v1/completions", body)
         assert status == 200 and on["choices"][0]["text"] == expected["text0"][0]
@@ -253,8 +277,9 @@ def test_lookup_false_turns_copy_aware_drafting_off(server, pair, expected, alon
 
 def test_seeded_sampling_is_reproducible(server):
     body = {"prompt": PROMPT, "max_tokens": 30, "temperature": 3.0, "top_p": 0.95, "top_k": 50, "min_p": 0.01}
-    texts = [request(server, "POST", "/v1/completions", {**body, "seed": s})[1]["choices"][0]["text"]
-             for s in (11, 11, 12)]  # fmt: skip
+    texts = [
+        request(server, "POST", "/v1/completions", {**body, "seed": s})[1]["choices"][0]["text"] for s in (11, 11, 12)
+    ]
     assert texts[0] == texts[1] != texts[2]
 
 
@@ -289,8 +314,11 @@ def test_seeded_sampling_is_reproducible(server):
         ("/v1/chat/completions", {"reasoning_effort": "extreme"}, "reasoning_effort"),
         ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-         "messages[0].content[0]"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]",
+        ),
         ("/v1/chat/completions", {"model": "gpt-4"}, "model"),
         ("/v1/chat/completions", {"adapters": "lora"}, "adapters"),
         ("/v1/chat/completions", {"role_mapping": {"user": "U: "}}, "role_mapping"),
@@ -317,17 +345,20 @@ def test_malformed_bodies(server):
 
 
 def test_four_concurrent_requests_all_get_their_own_text(server, expected):
-    jobs = [("/v1/chat/completions", {"messages": CHATS[0]}, "chat0", False),
-            ("/v1/completions", {"prompt": TEXTS[1]}, "text1", True),
-            ("/v1/chat/completions", {"messages": CHATS[1]}, "chat1", True),
-            ("/v1/completions", {"prompt": TEXTS[0]}, "text0", False)]  # fmt: skip
+    jobs = [
+        ("/v1/chat/completions", {"messages": CHATS[0]}, "chat0", False),
+        ("/v1/completions", {"prompt": TEXTS[1]}, "text1", True),
+        ("/v1/chat/completions", {"messages": CHATS[1]}, "chat1", True),
+        ("/v1/completions", {"prompt": TEXTS[0]}, "text0", False),
+    ]
     results = [None] * len(jobs)
 
     def run(i, path, body, stream):
         results[i] = request(server, "POST", path, {**body, "max_tokens": 40, "stream": stream})
 
-    threads = [threading.Thread(target=run, args=(i, path, body, stream))
-               for i, (path, body, _, stream) in enumerate(jobs)]  # fmt: skip
+    threads = [
+        threading.Thread(target=run, args=(i, path, body, stream)) for i, (path, body, _, stream) in enumerate(jobs)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -356,8 +387,12 @@ def test_a_server_without_drafter_decodes_plainly(pair, expected):
         status, reply = request(srv, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 40})
         assert status == 200 and reply["choices"][0]["text"] == expected["text0"][0] and "dflash" not in reply
         assert request(srv, "POST", "/v1/completions", {"prompt": PROMPT, "num_draft_tokens": 3})[0] == 400
-        status, reply = request(srv, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
-                                                                 "xtc_probability": 0.5, "seed": 1})  # fmt: skip
+        status, reply = request(
+            srv,
+            "POST",
+            "/v1/completions",
+            {"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "xtc_probability": 0.5, "seed": 1},
+        )
         assert status == 200 and reply["usage"]["completion_tokens"] == 8  # XTC runs without a drafter
     assert not srv.worker.alive
 
@@ -369,8 +404,13 @@ def test_stop_is_clean_even_with_a_request_in_flight(pair):
     conn = http.client.HTTPConnection(host, port, timeout=60)
     # The tiny target ends this prompt's reply with EOS (token 0) after 230 tokens, which could finish
     # before stop() cancels it; with EOS barred the reply runs to the 4096-token context, seconds away.
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": list(range(8, 40)), "max_tokens": 100000,
-                                                             "logit_bias": {"0": -100}, "stream": True}))  # fmt: skip
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps(
+            {"prompt": list(range(8, 40)), "max_tokens": 100000, "logit_bias": {"0": -100}, "stream": True}
+        ),
+    )
     response = conn.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data: ")
     tic = time.perf_counter()
@@ -395,9 +435,24 @@ app()
 
 def test_serve_command_serves_and_stops_on_sigint(pair):
     (target_dir, draft_dir), _ = pair
-    proc = subprocess.Popen([sys.executable, "-c", APP, "--model", str(target_dir), "--draft", str(draft_dir),
-                             "--port", "0", "--chat-template-args", '{"enable_thinking": false}'],
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ))  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            APP,
+            "--model",
+            str(target_dir),
+            "--draft",
+            str(draft_dir),
+            "--port",
+            "0",
+            "--chat-template-args",
+            '{"enable_thinking": false}',
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+    )
     try:
         seen = []
         for line in proc.stderr:  # readiness: the "serving ... at URL" line (EOF if the process died)

@@ -32,9 +32,11 @@ pytestmark = pytest.mark.slow  # servers
 openai = pytest.importorskip("openai")
 
 MAX_TOKENS = 24
-CHATS = ["Tom has 3 boxes with 12 apples each. How many apples?",
-         "Sara reads 5 pages a day. How many pages does she read in a week?",
-         "A train goes 60 km per hour for 2 hours. How far does it go?"]  # fmt: skip
+CHATS = [
+    "Tom has 3 boxes with 12 apples each. How many apples?",
+    "Sara reads 5 pages a day. How many pages does she read in a week?",
+    "A train goes 60 km per hour for 2 hours. How far does it go?",
+]
 TEXT = "Question: Ben has 7 pens and buys 5 more. How many pens does he have?\nAnswer:"
 
 
@@ -120,13 +122,15 @@ def test_concurrent_requests_get_the_replies_served_one_at_a_time(batched):
 def test_a_client_going_away_leaves_the_batch(batched):
     client = openai.OpenAI(base_url=batched.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     alone = _ask(client, "chat", {"messages": [{"role": "user", "content": CHATS[0]}]})
-    stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": CHATS[1]}],
-                                            max_tokens=2000, temperature=0.0, stream=True)  # fmt: skip
+    stream = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": CHATS[1]}], max_tokens=2000, temperature=0.0, stream=True
+    )
     chunks = iter(stream)
     next(chunks)
     other: list = []
-    worker = threading.Thread(target=lambda: other.append(
-        _ask(client, "chat", {"messages": [{"role": "user", "content": CHATS[0]}]})))
+    worker = threading.Thread(
+        target=lambda: other.append(_ask(client, "chat", {"messages": [{"role": "user", "content": CHATS[0]}]}))
+    )
     worker.start()
     next(chunks)
     stream.close()  # the client goes away mid-reply
@@ -138,8 +142,9 @@ def test_a_client_going_away_leaves_the_batch(batched):
 
 
 def _completion(url: str, body: dict) -> urllib.request.Request:
-    return urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                  headers={"Content-Type": "application/json"})  # fmt: skip
+    return urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
 
 
 def _post(url: str, body: dict) -> dict:
@@ -193,8 +198,14 @@ def test_a_long_prompt_joins_a_running_request_chunk_by_chunk(tiny_pair, family)
     model, tokenizer, draft = tiny_pair(family)
     short, long = prompt_ids(6, seed=1), prompt_ids(40, seed=2)
     with without_eos(tokenizer) as tok:  # (the first reply outlasts the second's prefill)
-        first, then = _served(model, tok, draft, {"prompt": short, "max_tokens": 200},
-                              {"prompt": long, "max_tokens": 12}, prefill_step_size=8)  # fmt: skip
+        first, then = _served(
+            model,
+            tok,
+            draft,
+            {"prompt": short, "max_tokens": 200},
+            {"prompt": long, "max_tokens": 12},
+            prefill_step_size=8,
+        )
         assert first["choices"][0]["text"] == _greedy(model, tok, short, 200)
         assert then["choices"][0]["text"] == _greedy(model, tok, long, 12)
     assert then["dflash"]["batch_rows"] == 2
@@ -206,8 +217,14 @@ def test_a_request_that_does_not_fit_waits(tiny_pair):
     footprint = Footprint.measure(lambda: make_session(model, draft))
     one_row = weight_bytes(model, draft) + footprint.bytes(len(a) + 100) + footprint.bytes(len(b) + 10) // 2
     with without_eos(tokenizer) as tok:
-        first, then = _served(model, tok, draft, {"prompt": a, "max_tokens": 100}, {"prompt": b, "max_tokens": 10},
-                              max_batch_bytes=one_row)  # fmt: skip
+        first, then = _served(
+            model,
+            tok,
+            draft,
+            {"prompt": a, "max_tokens": 100},
+            {"prompt": b, "max_tokens": 10},
+            max_batch_bytes=one_row,
+        )
         assert first["choices"][0]["text"] == _greedy(model, tok, a, 100)
         assert then["choices"][0]["text"] == _greedy(model, tok, b, 10)
     assert first["dflash"]["batch_rows"] == then["dflash"]["batch_rows"] == 1

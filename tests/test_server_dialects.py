@@ -28,10 +28,17 @@ from helpers.scripted import ANSWER, CALL, REASONING, WEATHER_TOOL, make_scripte
 pytestmark = pytest.mark.slow  # servers
 
 QUESTION = "What is the weather in Paris?"
-TOOL = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
-        "input_schema": WEATHER_TOOL["function"]["parameters"]}  # fmt: skip
-FUNCTION = {"type": "function", "name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
-            "parameters": WEATHER_TOOL["function"]["parameters"]}  # fmt: skip
+TOOL = {
+    "name": "get_weather",
+    "description": WEATHER_TOOL["function"]["description"],
+    "input_schema": WEATHER_TOOL["function"]["parameters"],
+}
+FUNCTION = {
+    "type": "function",
+    "name": "get_weather",
+    "description": WEATHER_TOOL["function"]["description"],
+    "parameters": WEATHER_TOOL["function"]["parameters"],
+}
 ASK = {"model": "scripted", "max_tokens": 64, "messages": [{"role": "user", "content": QUESTION}], "tools": [TOOL]}
 
 
@@ -69,18 +76,27 @@ def post(server, path: str, body, headers: dict | None = None, method: str = "PO
 def answered(reply: dict) -> list:
     """A tool round trip's next messages: the reply's turn and the tool's result."""
     call = next(b for b in reply["content"] if b["type"] == "tool_use")
-    return [{"role": "assistant", "content": reply["content"]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"], "content": "18, sunny"}]}]
+    return [
+        {"role": "assistant", "content": reply["content"]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"], "content": "18, sunny"}]},
+    ]
 
 
 def test_messages_stream_is_anthropics_event_sequence(server):
     status, events = post(server, "/v1/messages", {**ASK, "stream": True})
     assert status == 200
     assert [name for name, _ in events] == [
-        "message_start", "ping",
-        "content_block_start", "content_block_delta", "content_block_stop",  # thinking
-        "content_block_start", "content_block_delta", "content_block_stop",  # tool_use
-        "message_delta", "message_stop"]  # fmt: skip
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",  # thinking
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",  # tool_use
+        "message_delta",
+        "message_stop",
+    ]
     assert all(data["type"] == name for name, data in events)
     start = events[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None and start["role"] == "assistant"
@@ -100,8 +116,10 @@ def test_messages_stream_is_anthropics_event_sequence(server):
     assert whole["content"][0]["thinking"] == REASONING and whole["content"][1]["input"] == CALL["arguments"]
     assert whole["usage"]["output_tokens"] == end["usage"]["output_tokens"] == 7
     use = whole["usage"]
-    assert use["input_tokens"] + use["cache_read_input_tokens"] == start["usage"]["input_tokens"] + start[
-        "usage"]["cache_read_input_tokens"]  # fmt: skip
+    assert (
+        use["input_tokens"] + use["cache_read_input_tokens"]
+        == start["usage"]["input_tokens"] + start["usage"]["cache_read_input_tokens"]
+    )
 
 
 def test_messages_usage_and_text_equal_chat_completions(server):
@@ -110,10 +128,16 @@ def test_messages_usage_and_text_equal_chat_completions(server):
     status, reply = post(server, "/v1/messages", {**ASK, "messages": messages})
     assert status == 200 and reply["content"] == [{"type": "text", "text": ANSWER}]
     assert reply["stop_reason"] == "end_turn" and reply["usage"]["cache_read_input_tokens"] > 0
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                             "arguments": json.dumps(CALL["arguments"])}}  # fmt: skip
-    chat = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "18, sunny"}]  # fmt: skip
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps(CALL["arguments"])},
+    }
+    chat = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18, sunny"},
+    ]
     status, completion = post(server, "/v1/chat/completions", {"messages": chat, "tools": [WEATHER_TOOL]})
     assert completion["choices"][0]["message"]["content"] == ANSWER
     use = reply["usage"]
@@ -130,8 +154,9 @@ def test_messages_stop_reasons(server):
     status, cut = post(server, "/v1/messages", {**ASK, "messages": messages, "stop_sequences": ["sunny"]})
     assert cut["stop_reason"] == "stop_sequence" and cut["stop_sequence"] == "sunny"
     assert cut["content"] == [{"type": "text", "text": ANSWER[: ANSWER.index("sunny")]}]
-    status, events = post(server, "/v1/messages", {**ASK, "messages": messages, "stop_sequences": ["sunny"],
-                                                   "stream": True})  # fmt: skip
+    status, events = post(
+        server, "/v1/messages", {**ASK, "messages": messages, "stop_sequences": ["sunny"], "stream": True}
+    )
     assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "sunny"}
     status, short = post(server, "/v1/messages", {**ASK, "max_tokens": 2})
     assert short["stop_reason"] == "max_tokens" and short["usage"]["output_tokens"] == 2
@@ -143,8 +168,11 @@ def test_thinking_switches_the_templates_reasoning(server):
     assert status == 200 and [b["type"] for b in off["content"]] == ["tool_use"]
     status, on = post(server, "/v1/messages", {**ASK, "thinking": {"type": "enabled", "budget_tokens": 2048}})
     assert [b["type"] for b in on["content"]] == ["thinking", "tool_use"]
-    status, low = post(server, "/v1/responses", {"model": "scripted", "input": QUESTION, "tools": [FUNCTION],
-                                                 "reasoning": {"effort": "none"}})  # fmt: skip
+    status, low = post(
+        server,
+        "/v1/responses",
+        {"model": "scripted", "input": QUESTION, "tools": [FUNCTION], "reasoning": {"effort": "none"}},
+    )
     assert [item["type"] for item in low["output"]] == ["function_call"]
 
 
@@ -153,11 +181,20 @@ def test_responses_stream_is_the_documented_event_sequence(server):
     status, events = post(server, "/v1/responses", body)
     assert status == 200
     assert [name for name, _ in events] == [
-        "response.created", "response.in_progress",
-        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
-        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
-        "response.output_item.added", "response.function_call_arguments.delta",
-        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]  # fmt: skip
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
     assert all(data["type"] == name for name, data in events)
     final = events[-1][1]["response"]
@@ -170,15 +207,20 @@ def test_responses_stream_is_the_documented_event_sequence(server):
     status, whole = post(server, "/v1/responses", {**body, "stream": False})
     assert [i["type"] for i in whole["output"]] == ["reasoning", "function_call"]
     assert whole["output"][0]["content"] == reasoning["content"]
-    assert [whole["usage"][k] for k in ("input_tokens", "output_tokens")] == [final["usage"][k] for k in (
-        "input_tokens", "output_tokens")]  # fmt: skip
+    assert [whole["usage"][k] for k in ("input_tokens", "output_tokens")] == [
+        final["usage"][k] for k in ("input_tokens", "output_tokens")
+    ]
 
 
 def test_responses_continue_a_stored_conversation(server):
     status, first = post(server, "/v1/responses", {"model": "scripted", "input": QUESTION, "tools": [FUNCTION]})
     call = first["output"][-1]
-    follow = {"model": "scripted", "previous_response_id": first["id"], "tools": [FUNCTION],
-              "input": [{"type": "function_call_output", "call_id": call["call_id"], "output": "18, sunny"}]}
+    follow = {
+        "model": "scripted",
+        "previous_response_id": first["id"],
+        "tools": [FUNCTION],
+        "input": [{"type": "function_call_output", "call_id": call["call_id"], "output": "18, sunny"}],
+    }
     status, second = post(server, "/v1/responses", follow)
     assert status == 200 and second["output"][0]["content"][0]["text"] == ANSWER
     assert second["usage"]["input_tokens_details"]["cached_tokens"] > 0
@@ -216,14 +258,26 @@ BAD = [
     ("/v1/messages", {"model": "claude-3-opus"}, "model"),
     ("/v1/messages", {"system": [{"type": "image"}]}, "system[0].type"),
     ("/v1/messages", {"messages": []}, "messages"),
-    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-     "messages[0].content[0].type"),
-    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]},
-     "messages[1]"),
-    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x"}]}]},
-     "messages[0].content[0].tool_use_id"),
-    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": [1]}]}]},
-     "messages[0].content[0].tool_use_id"),
+    (
+        "/v1/messages",
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        "messages[0].content[0].type",
+    ),
+    (
+        "/v1/messages",
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]},
+        "messages[1]",
+    ),
+    (
+        "/v1/messages",
+        {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x"}]}]},
+        "messages[0].content[0].tool_use_id",
+    ),
+    (
+        "/v1/messages",
+        {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": [1]}]}]},
+        "messages[0].content[0].tool_use_id",
+    ),
     ("/v1/messages", {"tools": [{"name": "f"}]}, "tools[0].input_schema"),
     ("/v1/messages", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ("/v1/messages", {"tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
@@ -233,26 +287,38 @@ BAD = [
     ("/v1/messages", {"metadata": {"user_id": 5}}, "metadata.user_id"),
     ("/v1/messages", {"definitely_not_a_field": 1}, "definitely_not_a_field"),
     ("/v1/responses", {"input": []}, "input"),
-    ("/v1/responses", {"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]},
-     "input[0].content[0]"),
-    ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{no"}]},
-     "input[0].arguments"),
-    ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": {"a": 1}, "output": "x"}]},
-     "input[0].call_id"),
+    (
+        "/v1/responses",
+        {"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]},
+        "input[0].content[0]",
+    ),
+    (
+        "/v1/responses",
+        {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{no"}]},
+        "input[0].arguments",
+    ),
+    (
+        "/v1/responses",
+        {"input": [{"type": "function_call_output", "call_id": {"a": 1}, "output": "x"}]},
+        "input[0].call_id",
+    ),
     ("/v1/responses", {"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ("/v1/responses", {"max_output_tokens": 0}, "max_output_tokens"),
     ("/v1/responses", {"top_p": 0}, "top_p"),
     ("/v1/responses", {"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ("/v1/responses", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/responses", {"reasoning": {"effort": "maximal"}}, "reasoning.effort"),
-    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}},
-     "text.format.schema"),
+    (
+        "/v1/responses",
+        {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}},
+        "text.format.schema",
+    ),
     ("/v1/responses", {"previous_response_id": "resp_nope"}, "previous_response_id"),
     ("/v1/responses", {"truncation": "auto"}, "truncation"),
     ("/v1/responses", {"metadata": {"k": "v" * 600}}, "metadata"),
     ("/v1/responses", {"store": "yes"}, "store"),
     ("/v1/responses", {"background": True}, "background"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("path, fields, field", BAD)
@@ -314,9 +380,11 @@ def test_listening_beyond_loopback_without_a_key_warns(pair, caplog):
 def test_the_three_dialects_batch_together(server, monkeypatch):
     """Requests in three dialects decode as rows of one batch (the first admitted waits until the
     others are queued); each reply is what it is alone."""
-    jobs = {"chat": ("/v1/chat/completions", {"messages": ASK["messages"], "tools": [WEATHER_TOOL]}),
-            "messages": ("/v1/messages", ASK),
-            "responses": ("/v1/responses", {"model": "scripted", "input": QUESTION, "tools": [FUNCTION]})}  # fmt: skip
+    jobs = {
+        "chat": ("/v1/chat/completions", {"messages": ASK["messages"], "tools": [WEATHER_TOOL]}),
+        "messages": ("/v1/messages", ASK),
+        "responses": ("/v1/responses", {"model": "scripted", "input": QUESTION, "tools": [FUNCTION]}),
+    }
     alone = {name: post(server, *job)[1] for name, job in jobs.items()}
     worker, prepare, held = server.worker, server.worker.prepare, []
 
@@ -328,44 +396,100 @@ def test_the_three_dialects_batch_together(server, monkeypatch):
 
     monkeypatch.setattr(worker, "prepare", when_all_queued)
     together = {}
-    threads = [threading.Thread(target=lambda n=name, j=job: together.__setitem__(n, post(server, *j)[1]))
-               for name, job in jobs.items()]  # fmt: skip
+    threads = [
+        threading.Thread(target=lambda n=name, j=job: together.__setitem__(n, post(server, *j)[1]))
+        for name, job in jobs.items()
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     monkeypatch.undo()
     assert together["chat"]["choices"][0]["message"] == alone["chat"]["choices"][0]["message"] | {
-        "tool_calls": together["chat"]["choices"][0]["message"]["tool_calls"]}  # (call ids are random)  # fmt: skip
+        "tool_calls": together["chat"]["choices"][0]["message"]["tool_calls"]
+    }  # (call ids are random)
     assert together["messages"]["content"][0] == alone["messages"]["content"][0]
     assert together["messages"]["content"][1]["input"] == alone["messages"]["content"][1]["input"]
     assert together["responses"]["output"][0]["content"] == alone["responses"]["output"][0]["content"]
     assert together["responses"]["output"][1]["arguments"] == alone["responses"]["output"][1]["arguments"]
-    assert [together["chat"]["dflash"]["batch_rows"], together["messages"]["dflash"]["batch_rows"],
-            together["responses"]["dflash"]["batch_rows"]] == [3, 3, 3]  # fmt: skip
+    assert [
+        together["chat"]["dflash"]["batch_rows"],
+        together["messages"]["dflash"]["batch_rows"],
+        together["responses"]["dflash"]["batch_rows"],
+    ] == [3, 3, 3]
 
 
 FULL_MESSAGES = {
-    "model": "scripted", "max_tokens": 8, "system": [{"type": "text", "text": "Be brief.", "cache_control": {}}],
-    "messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION}]},
-                 {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
-                                                   {"type": "tool_use", "id": "t1", "name": "get_weather",
-                                                    "input": {"city": "Paris"}}]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
-                     {"type": "text", "text": "18"}]}, {"type": "text", "text": "Thanks."}]}],
-    "tools": [TOOL], "tool_choice": {"type": "auto"}, "thinking": {"type": "enabled", "budget_tokens": 1024},
-    "metadata": {"user_id": "u"}, "stop_sequences": ["x"], "temperature": 0.5, "top_p": 0.9, "top_k": 5}  # fmt: skip
+    "model": "scripted",
+    "max_tokens": 8,
+    "system": [{"type": "text", "text": "Be brief.", "cache_control": {}}],
+    "messages": [
+        {"role": "user", "content": [{"type": "text", "text": QUESTION}]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "t", "signature": "s"},
+                {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "18"}]},
+                {"type": "text", "text": "Thanks."},
+            ],
+        },
+    ],
+    "tools": [TOOL],
+    "tool_choice": {"type": "auto"},
+    "thinking": {"type": "enabled", "budget_tokens": 1024},
+    "metadata": {"user_id": "u"},
+    "stop_sequences": ["x"],
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "top_k": 5,
+}
 FULL_RESPONSES = {
-    "model": "scripted", "instructions": "Be brief.", "max_output_tokens": 8, "input": [
+    "model": "scripted",
+    "instructions": "Be brief.",
+    "max_output_tokens": 8,
+    "input": [
         {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
         {"type": "reasoning", "id": "r", "summary": [], "content": [{"type": "reasoning_text", "text": "t"}]},
         {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-        {"type": "function_call_output", "call_id": "c1", "output": "18"}],
-    "tools": [FUNCTION], "tool_choice": "auto", "reasoning": {"effort": "low", "summary": "auto"},
-    "text": {"format": {"type": "text"}, "verbosity": "low"}, "include": ["reasoning.encrypted_content"],
-    "store": True, "metadata": {"a": "b"}, "parallel_tool_calls": False, "temperature": 0.3, "top_p": 0.8}  # fmt: skip
-ODD = [None, 0, -1, 2**70, 10**400, 1.5, 1e308, "", "x", [], [1], {}, {"type": "text"}, {"a": [1]}, True, [[]], [{}],
-       [{"type": None}]]  # fmt: skip
+        {"type": "function_call_output", "call_id": "c1", "output": "18"},
+    ],
+    "tools": [FUNCTION],
+    "tool_choice": "auto",
+    "reasoning": {"effort": "low", "summary": "auto"},
+    "text": {"format": {"type": "text"}, "verbosity": "low"},
+    "include": ["reasoning.encrypted_content"],
+    "store": True,
+    "metadata": {"a": "b"},
+    "parallel_tool_calls": False,
+    "temperature": 0.3,
+    "top_p": 0.8,
+}
+ODD = [
+    None,
+    0,
+    -1,
+    2**70,
+    10**400,
+    1.5,
+    1e308,
+    "",
+    "x",
+    [],
+    [1],
+    {},
+    {"type": "text"},
+    {"a": [1]},
+    True,
+    [[]],
+    [{}],
+    [{"type": None}],
+]
 
 
 def _paths(value, prefix=()):
@@ -388,8 +512,11 @@ def _replaced(body: dict, path: tuple, value) -> dict:
 def test_every_field_of_odd_types_is_a_4xx_or_served_never_a_5xx(server):
     """Each place of full Messages, count_tokens and Responses bodies set to a value of every JSON
     type (whole and streamed): never a 5xx, and the server answers the full bodies as before."""
-    counted = {k: v for k, v in FULL_MESSAGES.items() if k not in ("max_tokens", "stop_sequences", "temperature",
-                                                                      "top_p", "top_k")}  # fmt: skip
+    counted = {
+        k: v
+        for k, v in FULL_MESSAGES.items()
+        if k not in ("max_tokens", "stop_sequences", "temperature", "top_p", "top_k")
+    }
     cases = [("/v1/messages", FULL_MESSAGES), ("/v1/messages/count_tokens", counted), ("/v1/responses", FULL_RESPONSES)]
     before = {path: post(server, path, body) for path, body in cases}
     assert all(status == 200 for status, _ in before.values()), before
@@ -405,7 +532,9 @@ def test_every_field_of_odd_types_is_a_4xx_or_served_never_a_5xx(server):
     assert not failures, failures[:5]
     again = {path: post(server, path, body) for path, body in cases}
     assert again["/v1/messages/count_tokens"] == before["/v1/messages/count_tokens"]
-    unnamed = [[{k: v for k, v in b.items() if k != "id"} for b in reply[1]["content"]] for reply in (
-        again["/v1/messages"], before["/v1/messages"])]  # (tool_use ids are random)  # fmt: skip
+    unnamed = [
+        [{k: v for k, v in b.items() if k != "id"} for b in reply[1]["content"]]
+        for reply in (again["/v1/messages"], before["/v1/messages"])
+    ]  # (tool_use ids are random)
     assert unnamed[0] == unnamed[1]
     assert again["/v1/responses"][1]["output"][0]["content"] == before["/v1/responses"][1]["output"][0]["content"]

@@ -69,8 +69,13 @@ HOSTILE = [
     ("temperature 1e-300 (greedy)", CHAT, _chat(temperature=1e-300), None, {200}),
     ("temperature 2**70, an integer", CHAT, _chat(temperature=2**70, seed=1), None, {200}),
     ("repetition_penalty 10**400, beyond a float", CHAT, _chat(repetition_penalty=10**400), None, BAD),
-    ("temperature NaN", CHAT, b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
-     None, BAD),
+    (
+        "temperature NaN",
+        CHAT,
+        b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        None,
+        BAD,
+    ),
     ("top_p zero", CHAT, _chat(top_p=0), None, BAD),
     ("top_k beyond the vocabulary", CHAT, _chat(top_k=10**12), None, BAD),
     ("min_p 5", CHAT, _chat(min_p=5), None, BAD),
@@ -100,17 +105,45 @@ HOSTILE = [
     ("stream_options without stream", CHAT, _chat(stream_options={"include_usage": True}), None, BAD),
     ("an unknown field", CHAT, _chat(definitely_not_a_field=1), None, BAD),
     ("messages empty", CHAT, _chat(messages=[]), None, BAD),
-    ("messages 10,000 levels deep", CHAT, b'{"model": "demo", "messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
-     None, BAD),
+    (
+        "messages 10,000 levels deep",
+        CHAT,
+        b'{"model": "demo", "messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+        None,
+        BAD,
+    ),
     ("chat_template_kwargs 70 levels deep", CHAT, _chat(chat_template_kwargs={"x": _deep(70)}), None, BAD),
-    ("an image part", CHAT, _chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), None, BAD),
+    (
+        "an image part",
+        CHAT,
+        _chat(
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+            ]
+        ),
+        None,
+        BAD,
+    ),
     ("a message without a role", CHAT, _chat(messages=[{"content": "hi"}]), None, BAD),
     ("a prompt of 200,000 words", CHAT, _chat(messages=[{"role": "user", "content": "apples " * 200_000}]), None, BAD),
     ("tools not a list", CHAT, _chat(tools="all"), None, BAD),
-    ("a tool with a deep schema", CHAT, _chat(tools=[{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "array", "items": _deep(40)}}}}}]),
-     None, {200}),
+    (
+        "a tool with a deep schema",
+        CHAT,
+        _chat(
+            tools=[
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"type": "array", "items": _deep(40)}}},
+                    },
+                }
+            ]
+        ),
+        None,
+        {200},
+    ),
     ("tool_choice unknown", CHAT, _chat(tool_choice="sometimes"), None, BAD),
     ("role_mapping with a template", CHAT, _chat(role_mapping={"user": "U:"}), None, BAD),
     ("chat_template_kwargs a string", CHAT, _chat(chat_template_kwargs="x"), None, BAD),
@@ -121,32 +154,119 @@ HOSTILE = [
     ("text: legacy logprobs 10**9", TEXT, {"prompt": "hi", "logprobs": 10**9}, None, BAD),
     ("response_format a string", CHAT, _chat(response_format="json"), None, BAD),
     ("response_format of an unknown type", CHAT, _chat(response_format={"type": "xml"}), None, BAD),
-    ("response_format: a schema with an unknown type", CHAT, _chat(response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
-            "a": {"type": "strin"}}}}}), None, BAD),
-    ("response_format: a schema that is a list", CHAT, _chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": [1, 2]}}), None, BAD),
-    ("response_format: strict with a keyword llguidance cannot enforce", CHAT, _chat(response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {"type": "string",
-                                                                                       "format": "colour"}}}),
-     None, BAD),
-    ("response_format: an enum of 200,000 strings", CHAT, _chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"enum": [f"v{i}" for i in range(200_000)]}}}), None, BAD),
-    ("response_format: an array of at least 10**9 items (cut by max_tokens)", CHAT, _chat(response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "minItems": 10**9,
-                                                                       "items": {"type": "integer"}}}}), None, {200}),
-    ("response_format: a catastrophic pattern", CHAT, _chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "string", "pattern": "(a*)*b" * 50}}}), None, {200}),
-    ("response_format: a recursive $ref", CHAT, _chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"$ref": "#/$defs/a", "$defs": {"a": {"type": "array", "items": {
-            "$ref": "#/$defs/a"}}}}}}), None, {200}),
-    ("response_format: 3,000 required properties", CHAT, _chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(3000)},
-                                "required": [f"k{i}" for i in range(3000)]}}}), None, {200}),
-    ("response_format: a minimum of Infinity (Python's JSON reads it)", CHAT,
-     b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], '
-     b'"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", '
-     b'"minimum": Infinity}}}}', None, BAD),
+    (
+        "response_format: a schema with an unknown type",
+        CHAT,
+        _chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}},
+            }
+        ),
+        None,
+        BAD,
+    ),
+    (
+        "response_format: a schema that is a list",
+        CHAT,
+        _chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": [1, 2]}}),
+        None,
+        BAD,
+    ),
+    (
+        "response_format: strict with a keyword llguidance cannot enforce",
+        CHAT,
+        _chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "strict": True, "schema": {"type": "string", "format": "colour"}},
+            }
+        ),
+        None,
+        BAD,
+    ),
+    (
+        "response_format: an enum of 200,000 strings",
+        CHAT,
+        _chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"enum": [f"v{i}" for i in range(200_000)]}},
+            }
+        ),
+        None,
+        BAD,
+    ),
+    (
+        "response_format: an array of at least 10**9 items (cut by max_tokens)",
+        CHAT,
+        _chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "array", "minItems": 10**9, "items": {"type": "integer"}},
+                },
+            }
+        ),
+        None,
+        {200},
+    ),
+    (
+        "response_format: a catastrophic pattern",
+        CHAT,
+        _chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(a*)*b" * 50}},
+            }
+        ),
+        None,
+        {200},
+    ),
+    (
+        "response_format: a recursive $ref",
+        CHAT,
+        _chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"$ref": "#/$defs/a", "$defs": {"a": {"type": "array", "items": {"$ref": "#/$defs/a"}}}},
+                },
+            }
+        ),
+        None,
+        {200},
+    ),
+    (
+        "response_format: 3,000 required properties",
+        CHAT,
+        _chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {
+                        "type": "object",
+                        "properties": {f"k{i}": {"type": "integer"} for i in range(3000)},
+                        "required": [f"k{i}" for i in range(3000)],
+                    },
+                },
+            }
+        ),
+        None,
+        {200},
+    ),
+    (
+        "response_format: a minimum of Infinity (Python's JSON reads it)",
+        CHAT,
+        b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], '
+        b'"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", '
+        b'"minimum": Infinity}}}}',
+        None,
+        BAD,
+    ),
     ("response_format json_object", CHAT, _chat(response_format={"type": "json_object"}), None, {200}),
     ("reasoning_effort unknown", CHAT, _chat(reasoning_effort="extreme"), None, BAD),
     ("reasoning_effort a number", CHAT, _chat(reasoning_effort=5), None, BAD),
@@ -166,18 +286,42 @@ HOSTILE = [
     ("functions not a list", CHAT, _chat(functions="all"), None, BAD),
     ("functions without a name", CHAT, _chat(functions=[{"parameters": {}}]), None, BAD),
     ("function_call naming a number", CHAT, _chat(function_call={"name": 5}), None, BAD),
-    ("functions with tools", CHAT, _chat(functions=[{"name": "f"}], tools=[{"type": "function", "function": {
-        "name": "f"}}]), None, BAD),
+    (
+        "functions with tools",
+        CHAT,
+        _chat(functions=[{"name": "f"}], tools=[{"type": "function", "function": {"name": "f"}}]),
+        None,
+        BAD,
+    ),
     ("web_search_options", CHAT, _chat(web_search_options={}), None, BAD),
     ("audio", CHAT, _chat(audio={"voice": "alloy", "format": "wav"}), None, BAD),
-    ("stream_options include_obfuscation a string", CHAT, _chat(stream=True, stream_options={
-        "include_obfuscation": "x"}), None, BAD),
-    ("every no-op field at once", CHAT, _chat(store=False, metadata={"a": "b"}, service_tier="flex", user="u",
-                                              safety_identifier="s", prompt_cache_key="k", modalities=["text"],
-                                              parallel_tool_calls=True, verbosity="high", reasoning_effort="none",
-                                              prediction={"type": "content", "content": [{"type": "text",
-                                                                                          "text": "x"}]},
-                                              prompt_cache_retention="in_memory"), None, {200}),
+    (
+        "stream_options include_obfuscation a string",
+        CHAT,
+        _chat(stream=True, stream_options={"include_obfuscation": "x"}),
+        None,
+        BAD,
+    ),
+    (
+        "every no-op field at once",
+        CHAT,
+        _chat(
+            store=False,
+            metadata={"a": "b"},
+            service_tier="flex",
+            user="u",
+            safety_identifier="s",
+            prompt_cache_key="k",
+            modalities=["text"],
+            parallel_tool_calls=True,
+            verbosity="high",
+            reasoning_effort="none",
+            prediction={"type": "content", "content": [{"type": "text", "text": "x"}]},
+            prompt_cache_retention="in_memory",
+        ),
+        None,
+        {200},
+    ),
     ("not JSON", CHAT, b"{'messages': [", None, BAD),
     ("JSON null", CHAT, b"null", None, BAD),
     ("a JSON array", CHAT, b"[1, 2]", None, BAD),
@@ -219,8 +363,13 @@ def _cancel_a_stream(url: str, path: str = CHAT, body: dict | None = None) -> No
     host, port = url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=120) as sock:
         data = json.dumps(body or _chat(max_tokens=200, stream=True)).encode()
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode() +
-                     b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)  # fmt: skip
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+            + b"Content-Length: "
+            + str(len(data)).encode()
+            + b"\r\n\r\n"
+            + data
+        )
         received = b""
         while b"data:" not in received:  # the headers, then the first event
             chunk = sock.recv(4096)
@@ -296,73 +445,169 @@ def _input(**fields) -> dict:
 # (name, path, body, the field a 400 names; None: served, 200)
 DIALECT_HOSTILE = [
     ("messages: max_tokens missing", ANTHROPIC, _ask(max_tokens=None), "max_tokens"),
-    ("messages: max_tokens 2**63 (capped by the context)", ANTHROPIC, _ask(max_tokens=2**63, stop_sequences=["."]),
-     None),
+    (
+        "messages: max_tokens 2**63 (capped by the context)",
+        ANTHROPIC,
+        _ask(max_tokens=2**63, stop_sequences=["."]),
+        None,
+    ),
     ("messages: max_tokens a string", ANTHROPIC, _ask(max_tokens="24"), "max_tokens"),
     ("messages: temperature 1e308", ANTHROPIC, _ask(temperature=1e308), None),
     ("messages: temperature 2**70, an integer", ANTHROPIC, _ask(temperature=2**70), None),
     ("messages: top_k beyond the vocabulary", ANTHROPIC, _ask(top_k=10**12), "top_k"),
     ("messages: 10,000 stop sequences", ANTHROPIC, _ask(stop_sequences=["x"] * 10_000), "stop_sequences"),
-    ("messages: a stop sequence of a million characters", ANTHROPIC, _ask(stop_sequences=["x" * 10**6]),
-     "stop_sequences"),
+    (
+        "messages: a stop sequence of a million characters",
+        ANTHROPIC,
+        _ask(stop_sequences=["x" * 10**6]),
+        "stop_sequences",
+    ),
     ("messages: content not a list", ANTHROPIC, _ask(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
-    ("messages: 100,000 text blocks", ANTHROPIC, _ask(messages=[{"role": "user", "content": [
-        {"type": "text", "text": "a"}] * 100_000}]), "messages"),
+    (
+        "messages: 100,000 text blocks",
+        ANTHROPIC,
+        _ask(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * 100_000}]),
+        "messages",
+    ),
     ("messages: a role of its own", ANTHROPIC, _ask(messages=[{"role": "system", "content": "hi"}]), "messages[0]"),
-    ("messages: a tool_result answering nothing", ANTHROPIC, _ask(messages=[{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}]), "messages[0].content[0].tool_use_id"),
-    ("messages: a tool_use input not an object", ANTHROPIC, _ask(messages=[
-        MESSAGES[0], {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": [1]}]},
-        MESSAGES[0]]), "messages[1].content[0].input"),
-    ("messages: a tool with a 60-level schema", ANTHROPIC, _ask(tools=[{"name": "f", "input_schema": {
-        "type": "object", "properties": {"a": {"type": "array", "items": _deep(55)}}}}]), None),
+    (
+        "messages: a tool_result answering nothing",
+        ANTHROPIC,
+        _ask(
+            messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}]
+        ),
+        "messages[0].content[0].tool_use_id",
+    ),
+    (
+        "messages: a tool_use input not an object",
+        ANTHROPIC,
+        _ask(
+            messages=[
+                MESSAGES[0],
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": [1]}]},
+                MESSAGES[0],
+            ]
+        ),
+        "messages[1].content[0].input",
+    ),
+    (
+        "messages: a tool with a 60-level schema",
+        ANTHROPIC,
+        _ask(
+            tools=[
+                {
+                    "name": "f",
+                    "input_schema": {"type": "object", "properties": {"a": {"type": "array", "items": _deep(55)}}},
+                }
+            ]
+        ),
+        None,
+    ),
     ("messages: a server tool", ANTHROPIC, _ask(tools=[{"type": "bash_20250124", "name": "bash"}]), "tools[0].type"),
     ("messages: system a number", ANTHROPIC, _ask(system=5), "system"),
     ("messages: thinking a string", ANTHROPIC, _ask(thinking="on"), "thinking"),
-    ("messages: budget_tokens 1e30", ANTHROPIC, _ask(thinking={"type": "enabled", "budget_tokens": 1e30}),
-     "thinking.budget_tokens"),
+    (
+        "messages: budget_tokens 1e30",
+        ANTHROPIC,
+        _ask(thinking={"type": "enabled", "budget_tokens": 1e30}),
+        "thinking.budget_tokens",
+    ),
     ("messages: tool_choice a string", ANTHROPIC, _ask(tool_choice="auto"), "tool_choice"),
     ("messages: stream a string", ANTHROPIC, _ask(stream="yes"), "stream"),
     ("messages: an unknown field", ANTHROPIC, _ask(n=2), "n"),
     ("messages: metadata with more", ANTHROPIC, _ask(metadata={"user_id": "u", "x": 1}), "metadata.x"),
-    ("messages: cache_control and context_management (ignored)", ANTHROPIC, _ask(
-        cache_control={"type": "ephemeral"}, context_management={"edits": []}, metadata={"user_id": "u"}), None),
-    ("count_tokens: 200,000 words", "/v1/messages/count_tokens", {"model": "demo", "messages": [
-        {"role": "user", "content": "apples " * 200_000}]}, None),
+    (
+        "messages: cache_control and context_management (ignored)",
+        ANTHROPIC,
+        _ask(cache_control={"type": "ephemeral"}, context_management={"edits": []}, metadata={"user_id": "u"}),
+        None,
+    ),
+    (
+        "count_tokens: 200,000 words",
+        "/v1/messages/count_tokens",
+        {"model": "demo", "messages": [{"role": "user", "content": "apples " * 200_000}]},
+        None,
+    ),
     ("count_tokens: max_tokens", "/v1/messages/count_tokens", _ask(), "max_tokens"),
-    ("messages: a prompt of 200,000 words", ANTHROPIC, _ask(messages=[{"role": "user", "content": "apples " * 200_000}
-                                                                      ]), "messages"),
+    (
+        "messages: a prompt of 200,000 words",
+        ANTHROPIC,
+        _ask(messages=[{"role": "user", "content": "apples " * 200_000}]),
+        "messages",
+    ),
     ("responses: input a number", RESPONSES, _input(input=5), "input"),
     ("responses: 100,000 items", RESPONSES, _input(input=[{"role": "user", "content": "a"}] * 100_000), "input"),
-    ("responses: an item without a role", RESPONSES, _input(input=[{"type": "message", "content": "a"}]),
-     "input[0].role"),
-    ("responses: a call output answering nothing", RESPONSES, _input(input=[
-        {"type": "function_call_output", "call_id": "c", "output": "1"}]), "input[0].call_id"),
-    ("responses: arguments not JSON", RESPONSES, _input(input=[
-        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]), "input[0].arguments"),
+    (
+        "responses: an item without a role",
+        RESPONSES,
+        _input(input=[{"type": "message", "content": "a"}]),
+        "input[0].role",
+    ),
+    (
+        "responses: a call output answering nothing",
+        RESPONSES,
+        _input(input=[{"type": "function_call_output", "call_id": "c", "output": "1"}]),
+        "input[0].call_id",
+    ),
+    (
+        "responses: arguments not JSON",
+        RESPONSES,
+        _input(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]),
+        "input[0].arguments",
+    ),
     ("responses: max_output_tokens 10**30", RESPONSES, _input(max_output_tokens=10**30), None),
     ("responses: max_output_tokens negative", RESPONSES, _input(max_output_tokens=-1), "max_output_tokens"),
     ("responses: temperature NaN-like string", RESPONSES, _input(temperature="nan"), "temperature"),
-    ("responses: previous_response_id unknown", RESPONSES, _input(previous_response_id="resp_" + "x" * 10_000),
-     "previous_response_id"),
+    (
+        "responses: previous_response_id unknown",
+        RESPONSES,
+        _input(previous_response_id="resp_" + "x" * 10_000),
+        "previous_response_id",
+    ),
     ("responses: previous_response_id a number", RESPONSES, _input(previous_response_id=5), "previous_response_id"),
     ("responses: include of 10,000", RESPONSES, _input(include=["x"] * 10_000), "include"),
     ("responses: metadata of 1,000 keys", RESPONSES, _input(metadata={str(i): "v" for i in range(1000)}), "metadata"),
-    ("responses: reasoning effort on a model without a switch", RESPONSES, _input(reasoning={"effort": "high"}),
-     None),
+    ("responses: reasoning effort on a model without a switch", RESPONSES, _input(reasoning={"effort": "high"}), None),
     ("responses: store false", RESPONSES, _input(store=False), None),
-    ("responses: text.format a schema llguidance cannot compile", RESPONSES, _input(text={"format": {
-        "type": "json_schema", "name": "x", "schema": {"type": "strin"}}}), "text.format.schema"),
-    ("responses: text.format with an unknown key", RESPONSES, _input(text={"format": {"type": "json_object",
-                                                                                      "x": 1}}), "text.format.x"),
+    (
+        "responses: text.format a schema llguidance cannot compile",
+        RESPONSES,
+        _input(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}),
+        "text.format.schema",
+    ),
+    (
+        "responses: text.format with an unknown key",
+        RESPONSES,
+        _input(text={"format": {"type": "json_object", "x": 1}}),
+        "text.format.x",
+    ),
     ("responses: text.format a string", RESPONSES, _input(text={"format": "json"}), "text.format"),
     ("responses: text.format json_object", RESPONSES, _input(text={"format": {"type": "json_object"}}), None),
-    ("messages: output_config.format of a list schema", ANTHROPIC, _ask(output_config={"format": {
-        "type": "json_schema", "schema": [1]}}), "output_config.format.schema"),
-    ("messages: output_config.format a schema of 200,000 enum values", ANTHROPIC, _ask(output_config={"format": {
-        "type": "json_schema", "schema": {"enum": [f"v{i}" for i in range(200_000)]}}}), "output_config.format.schema"),
-    ("messages: output_config.format json_schema", ANTHROPIC, _ask(output_config={"format": {
-        "type": "json_schema", "schema": {"type": "object", "properties": {"n": {"type": "integer"}}}}}), None),
+    (
+        "messages: output_config.format of a list schema",
+        ANTHROPIC,
+        _ask(output_config={"format": {"type": "json_schema", "schema": [1]}}),
+        "output_config.format.schema",
+    ),
+    (
+        "messages: output_config.format a schema of 200,000 enum values",
+        ANTHROPIC,
+        _ask(output_config={"format": {"type": "json_schema", "schema": {"enum": [f"v{i}" for i in range(200_000)]}}}),
+        "output_config.format.schema",
+    ),
+    (
+        "messages: output_config.format json_schema",
+        ANTHROPIC,
+        _ask(
+            output_config={
+                "format": {
+                    "type": "json_schema",
+                    "schema": {"type": "object", "properties": {"n": {"type": "integer"}}},
+                }
+            }
+        ),
+        None,
+    ),
     ("responses: an unknown field", RESPONSES, _input(conversation="c"), "conversation"),
 ]
 
@@ -417,8 +662,10 @@ def alone(no_eos_pair):
     """Each request's text served alone."""
     app = make_server(*no_eos_pair, port=0, decode_concurrency=1).start()
     try:
-        return {tuple(p): _post(app.url, TEXT, {"prompt": p, "max_tokens": TOKENS})[1]["choices"][0]["text"]
-                for p in [FAULTY, *OTHERS]}  # fmt: skip
+        return {
+            tuple(p): _post(app.url, TEXT, {"prompt": p, "max_tokens": TOKENS})[1]["choices"][0]["text"]
+            for p in [FAULTY, *OTHERS]
+        }
     finally:
         app.stop()
 
@@ -434,8 +681,9 @@ def _inject(app, stage: str, monkeypatch) -> list:
 
     if stage == "admit":
         prepare = worker.prepare
-        monkeypatch.setattr(worker, "prepare", lambda job: fail([FAULTY]) if _is_faulty(job.request.prompt)
-                            else prepare(job))  # fmt: skip
+        monkeypatch.setattr(
+            worker, "prepare", lambda job: fail([FAULTY]) if _is_faulty(job.request.prompt) else prepare(job)
+        )
     elif stage in ("prefill", "step"):
         make = batching.batch_decoder
 
@@ -462,17 +710,23 @@ def _inject(app, stage: str, monkeypatch) -> list:
         monkeypatch.setattr(batching, "batch_decoder", decoder)
     elif stage == "deliver":
         token_event = worker.token_event
-        monkeypatch.setattr(worker, "token_event", lambda r, text, logprobs, top_n: fail([FAULTY]) if top_n == 3
-                            else token_event(r, text, logprobs, top_n))  # (only the faulty one asks for 3)  # fmt: skip
+        monkeypatch.setattr(
+            worker,
+            "token_event",
+            lambda r, text, logprobs, top_n: fail([FAULTY]) if top_n == 3 else token_event(r, text, logprobs, top_n),
+        )  # (only the faulty one asks for 3)
     elif stage == "save":
         put = worker.sessions.put
-        monkeypatch.setattr(worker.sessions, "put", lambda session: fail([FAULTY]) if _is_faulty(session.tokens)
-                            else put(session))  # fmt: skip
+        monkeypatch.setattr(
+            worker.sessions, "put", lambda session: fail([FAULTY]) if _is_faulty(session.tokens) else put(session)
+        )
     return hit
 
 
-@pytest.mark.parametrize("concurrency, stage", [(4, "admit"), (4, "prefill"), (4, "step"), (4, "deliver"), (4, "save"),
-                                                (1, "admit"), (1, "deliver"), (1, "save")])  # fmt: skip
+@pytest.mark.parametrize(
+    "concurrency, stage",
+    [(4, "admit"), (4, "prefill"), (4, "step"), (4, "deliver"), (4, "save"), (1, "admit"), (1, "deliver"), (1, "save")],
+)
 def test_a_fault_in_one_stage_fails_only_its_requests(no_eos_pair, alone, concurrency, stage, monkeypatch):
     """In the batched loop (4) and the one-at-a-time worker (1)."""
     app = make_server(*no_eos_pair, port=0, decode_concurrency=concurrency).start()
@@ -581,6 +835,10 @@ def test_the_library_refuses_a_block_wider_than_the_drafters():
 
 
 def test_the_cli_refuses_a_block_wider_than_the_drafters():
-    run = subprocess.run(["dflash-mlx", "generate", QUESTION, "-n", "4", "--block-size", "1000000"],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        ["dflash-mlx", "generate", QUESTION, "-n", "4", "--block-size", "1000000"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode != 0 and "--block-size" in run.stderr and "at most 8" in run.stderr, run.stderr

@@ -25,8 +25,9 @@ MAX_TOKENS = 24
 
 
 def _ask(client, messages):
-    reply = client.chat.completions.create(model="default_model", messages=messages, max_tokens=MAX_TOKENS,
-                                           temperature=0.0)  # fmt: skip
+    reply = client.chat.completions.create(
+        model="default_model", messages=messages, max_tokens=MAX_TOKENS, temperature=0.0
+    )
     details = reply.usage.prompt_tokens_details
     return reply.choices[0].message.content, reply.usage.prompt_tokens, details.cached_tokens
 
@@ -45,8 +46,12 @@ def _conversation(*server_args, restart_between_turns: bool = False) -> tuple[di
                 server = ServeProcess(*server_args)
             name = turn[0]
             first = A1 if name == "A" else B1
-            messages = first if turn.endswith("1") else first + [
-                {"role": "assistant", "content": out[name + "1"][0]}, {"role": "user", "content": FOLLOW_UP[name]}]
+            messages = (
+                first
+                if turn.endswith("1")
+                else first
+                + [{"role": "assistant", "content": out[name + "1"][0]}, {"role": "user", "content": FOLLOW_UP[name]}]
+            )
             with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
                 out[turn] = _ask(c, messages)
     finally:

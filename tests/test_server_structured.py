@@ -102,11 +102,15 @@ def test_the_standard_fields_through_the_openai_client(demo):
             _chat(client, **kwargs)
         assert caught.value.body["param"] == outcome, (name, caught.value.body)
         assert caught.value.body["message"].startswith(outcome + ":"), name
-    streamed = "".join(c.choices[0].delta.content or "" for c in _chat(
-        client, stream=True, stream_options={"include_usage": True, "include_obfuscation": False}) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in _chat(client, stream=True, stream_options={"include_usage": True, "include_obfuscation": False})
+        if c.choices
+    )
     assert streamed == plain
-    text = client.completions.create(model="demo", prompt=QUESTION, max_tokens=24, user="u1", n=1, best_of=1,
-                                     echo=False, seed=3, logprobs=2)  # fmt: skip
+    text = client.completions.create(
+        model="demo", prompt=QUESTION, max_tokens=24, user="u1", n=1, best_of=1, echo=False, seed=3, logprobs=2
+    )
     assert text.choices[0].text and all(len(top) == 2 for top in text.choices[0].logprobs.top_logprobs)
     assert "Traceback" not in demo.stderr, demo.stderr
 
@@ -118,27 +122,34 @@ def _cycles_of_more_than_one(dflash: dict) -> int:
 def test_parse_with_a_pydantic_model_returns_a_valid_object_with_dflash_on(demo):
     client = _client(demo.url)
     for model in (Answer, Order):
-        completion = client.chat.completions.parse(model="demo", messages=MESSAGES, response_format=model,
-                                                   max_tokens=200)  # fmt: skip
+        completion = client.chat.completions.parse(
+            model="demo", messages=MESSAGES, response_format=model, max_tokens=200
+        )
         choice = completion.choices[0]
         assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, model), choice
         assert model.model_validate_json(choice.message.content) == choice.message.parsed
         dflash = completion.model_extra["dflash"]
         assert dflash["cycles"] >= 1 and _cycles_of_more_than_one(dflash) >= 1, dflash
-    with client.chat.completions.stream(model="demo", messages=MESSAGES, response_format=Order,
-                                        max_tokens=200) as stream:  # fmt: skip
+    with client.chat.completions.stream(
+        model="demo", messages=MESSAGES, response_format=Order, max_tokens=200
+    ) as stream:
         final = stream.get_final_completion()
     assert isinstance(final.choices[0].message.parsed, Order)
 
 
 def test_the_responses_and_messages_apis_take_a_schema(demo):
-    response = _client(demo.url).responses.parse(model="demo", input=QUESTION, text_format=Answer,
-                                                 max_output_tokens=200)  # fmt: skip
+    response = _client(demo.url).responses.parse(
+        model="demo", input=QUESTION, text_format=Answer, max_output_tokens=200
+    )
     assert isinstance(response.output_parsed, Answer) and response.status == "completed"
     assert _cycles_of_more_than_one(response.model_extra["dflash"]) >= 1
     claude = anthropic.Anthropic(base_url=demo.url, api_key="unused", max_retries=0, timeout=300)
-    message = claude.messages.create(model="demo", max_tokens=200, messages=MESSAGES, output_config={
-        "format": {"type": "json_schema", "schema": Order.model_json_schema()}})  # fmt: skip
+    message = claude.messages.create(
+        model="demo",
+        max_tokens=200,
+        messages=MESSAGES,
+        output_config={"format": {"type": "json_schema", "schema": Order.model_json_schema()}},
+    )
     assert message.stop_reason == "end_turn"
     Order.model_validate_json("".join(b.text for b in message.content if b.type == "text"))
 
@@ -151,13 +162,18 @@ def test_a_schema_the_grammar_library_rejects_is_a_400_naming_the_field(demo):
     assert caught.value.body["param"] == "response_format.json_schema.schema", caught.value.body
     assert "llguidance" in caught.value.body["message"]
     with pytest.raises(openai.BadRequestError) as caught:
-        client.responses.create(model="demo", input=QUESTION, text={"format": {"type": "json_schema", "name": "x",
-                                                                               "schema": bad}})  # fmt: skip
+        client.responses.create(
+            model="demo", input=QUESTION, text={"format": {"type": "json_schema", "name": "x", "schema": bad}}
+        )
     assert caught.value.body["param"] == "text.format.schema", caught.value.body
     claude = anthropic.Anthropic(base_url=demo.url, api_key="unused", max_retries=0, timeout=300)
     with pytest.raises(anthropic.BadRequestError) as caught:
-        claude.messages.create(model="demo", max_tokens=20, messages=MESSAGES,
-                               output_config={"format": {"type": "json_schema", "schema": bad}})  # fmt: skip
+        claude.messages.create(
+            model="demo",
+            max_tokens=20,
+            messages=MESSAGES,
+            output_config={"format": {"type": "json_schema", "schema": bad}},
+        )
     assert caught.value.body["error"]["message"].startswith("output_config.format.schema:")
 
 
@@ -175,24 +191,35 @@ def _post(server, path: str, body: dict) -> tuple[int, dict]:
 
 def _plain(model, tokenizer, messages, response_format, max_tokens) -> str:
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    responses = mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                       logits_processors=[GrammarLogitsProcessor(tokenizer, response_format)])
+    responses = mlx_lm_stream_generate(
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=max_tokens,
+        logits_processors=[GrammarLogitsProcessor(tokenizer, response_format)],
+    )
     return "".join(r.text for r in responses)
 
 
 @pytest.mark.parametrize("pair_name", ["demo", "llama"])
 def test_concurrent_requests_with_their_own_schemas_equal_plain_constrained_decoding(tiny_pair, pair_name):
     model, tokenizer, draft = load("demo") if pair_name == "demo" else tiny_pair("llama")
-    asks = [(MESSAGES, schema_format(Answer)), ([{"role": "user", "content": "Order some fruit."}],
-                                                 schema_format(Order)), (MESSAGES, {"type": "json_object"})]
+    asks = [
+        (MESSAGES, schema_format(Answer)),
+        ([{"role": "user", "content": "Order some fruit."}], schema_format(Order)),
+        (MESSAGES, {"type": "json_object"}),
+    ]
     server = make_server(model, tokenizer, draft, port=0, model_id="m").start()
     try:
         replies: list = [None] * len(asks)
 
         def ask(i):
             messages, response_format = asks[i]
-            replies[i] = _post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 300,
-                                                                "response_format": response_format})
+            replies[i] = _post(
+                server,
+                "/v1/chat/completions",
+                {"messages": messages, "max_tokens": 300, "response_format": response_format},
+            )
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
         for t in threads:
@@ -225,11 +252,13 @@ WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def test_reasoning_effort_switches_the_templates_reasoning(scripted):
-    status, on = _post(scripted, "/v1/chat/completions", {"messages": WEATHER, "tools": [WEATHER_TOOL],
-                                                          "reasoning_effort": "high"})  # fmt: skip
+    status, on = _post(
+        scripted, "/v1/chat/completions", {"messages": WEATHER, "tools": [WEATHER_TOOL], "reasoning_effort": "high"}
+    )
     assert status == 200 and on["choices"][0]["message"]["reasoning"]
-    status, off = _post(scripted, "/v1/chat/completions", {"messages": WEATHER, "tools": [WEATHER_TOOL],
-                                                           "reasoning_effort": "none"})  # fmt: skip
+    status, off = _post(
+        scripted, "/v1/chat/completions", {"messages": WEATHER, "tools": [WEATHER_TOOL], "reasoning_effort": "none"}
+    )
     assert status == 200 and "reasoning" not in off["choices"][0]["message"]
     assert off["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == CALL["name"]
 
@@ -242,8 +271,10 @@ def test_the_legacy_functions_round_trip(scripted):
     call = choice["message"]["function_call"]
     assert call["name"] == CALL["name"] and json.loads(call["arguments"]) == CALL["arguments"]
     assert "tool_calls" not in choice["message"]
-    history = WEATHER + [{"role": "assistant", "content": None, "function_call": call},
-                         {"role": "function", "name": call["name"], "content": "sunny, 24 C"}]
+    history = WEATHER + [
+        {"role": "assistant", "content": None, "function_call": call},
+        {"role": "function", "name": call["name"], "content": "sunny, 24 C"},
+    ]
     status, answer = _post(scripted, "/v1/chat/completions", {**body, "messages": history})
     assert status == 200 and answer["choices"][0]["message"]["content"], answer
     status, refused = _post(scripted, "/v1/chat/completions", {**body, "function_call": {"name": 5}})

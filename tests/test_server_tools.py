@@ -58,18 +58,25 @@ def clients(servers):
 
 
 def _ask(client, messages, **kw):
-    return client.chat.completions.create(model="default_model", messages=messages, max_tokens=64, temperature=0.0,
-                                          **kw)  # fmt: skip
+    return client.chat.completions.create(
+        model="default_model", messages=messages, max_tokens=64, temperature=0.0, **kw
+    )
 
 
 def _fields(reply) -> dict:
     """What must agree between the servers: the message's fields, ids aside."""
     choice = reply.choices[0]
     message = choice.message.model_dump()
-    calls = [{"type": c["type"], "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
-             for c in message.get("tool_calls") or []]  # fmt: skip
-    return {"finish_reason": choice.finish_reason, "content": message.get("content"),
-            "reasoning": message.get("reasoning"), "tool_calls": calls}  # fmt: skip
+    calls = [
+        {"type": c["type"], "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+        for c in message.get("tool_calls") or []
+    ]
+    return {
+        "finish_reason": choice.finish_reason,
+        "content": message.get("content"),
+        "reasoning": message.get("reasoning"),
+        "tool_calls": calls,
+    }
 
 
 def _streamed(client, messages, **kw) -> tuple[dict, list]:
@@ -84,18 +91,28 @@ def _streamed(client, messages, **kw) -> tuple[dict, list]:
         reasoning += delta.get("reasoning") or ""
         deltas.extend(delta.get("tool_calls") or [])
         finish = choice.finish_reason or finish
-    calls = [{"type": d["type"], "name": d["function"]["name"], "arguments": json.loads(d["function"]["arguments"])}
-             for d in deltas]  # fmt: skip
-    return {"finish_reason": finish, "content": content or None, "reasoning": reasoning or None,
-            "tool_calls": calls}, deltas  # fmt: skip
+    calls = [
+        {"type": d["type"], "name": d["function"]["name"], "arguments": json.loads(d["function"]["arguments"])}
+        for d in deltas
+    ]
+    return {
+        "finish_reason": finish,
+        "content": content or None,
+        "reasoning": reasoning or None,
+        "tool_calls": calls,
+    }, deltas
 
 
 def test_a_tool_call_with_reasoning_equals_mlx_lm_server(clients):
     ours, theirs = clients
     got, want = _ask(ours, QUESTION, tools=[WEATHER_TOOL]), _ask(theirs, QUESTION, tools=[WEATHER_TOOL])
     assert _fields(got) == _fields(want)
-    assert _fields(got) == {"finish_reason": "tool_calls", "content": None, "reasoning": REASONING,
-                            "tool_calls": [{"type": "function", **CALL}]}  # fmt: skip
+    assert _fields(got) == {
+        "finish_reason": "tool_calls",
+        "content": None,
+        "reasoning": REASONING,
+        "tool_calls": [{"type": "function", **CALL}],
+    }
     message = got.choices[0].message.model_dump()
     assert message["reasoning_content"] == REASONING  # vLLM's and SGLang's name
     call = got.choices[0].message.tool_calls[0]
@@ -121,8 +138,11 @@ def test_the_turn_after_a_tool_result_equals_mlx_lm_server(clients):
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "sunny"})},
     ]
     got, want = _ask(ours, history, tools=[WEATHER_TOOL]), _ask(theirs, history, tools=[WEATHER_TOOL])
-    assert _fields(got) == _fields(want) == {"finish_reason": "stop", "content": ANSWER, "reasoning": None,
-                                             "tool_calls": []}  # fmt: skip
+    assert (
+        _fields(got)
+        == _fields(want)
+        == {"finish_reason": "stop", "content": ANSWER, "reasoning": None, "tool_calls": []}
+    )
     (streamed, _), (streamed_theirs, _) = (_streamed(c, history, tools=[WEATHER_TOOL]) for c in (ours, theirs))
     assert streamed == streamed_theirs == _fields(got)
 
@@ -149,17 +169,38 @@ def test_a_tool_block_that_does_not_parse_comes_back_as_content(clients):
     assert streamed["finish_reason"] == "stop"
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"tools": {"type": "function"}}, "tools"),
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1, 2]}}]},
-     "tools[0].function.parameters"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"messages": QUESTION + [{"role": "tool", "content": "18 degrees"}]}, "messages[1]"),
-    ({"messages": QUESTION + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}]}]},
-     "messages[1].tool_calls[0].function.arguments"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"tools": {"type": "function"}}, "tools"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1, 2]}}]},
+            "tools[0].function.parameters",
+        ),
+        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"messages": QUESTION + [{"role": "tool", "content": "18 degrees"}]}, "messages[1]"),
+        (
+            {
+                "messages": QUESTION
+                + [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "call_1",
+                                "type": "function",
+                                "function": {"name": "get_weather", "arguments": "{not json"},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+    ],
+)
 def test_bad_tool_input_is_a_400_naming_the_field(clients, body, field):
     ours, _ = clients
     request = {"messages": QUESTION, **body}
@@ -174,8 +215,17 @@ def test_bad_tool_input_is_a_400_naming_the_field(clients, body, field):
 def test_the_upstream_benchmark_client_reads_meta_info(servers):
     benchmark = pytest.importorskip("dflash.benchmark")  # the upstream reference's OpenAI backend (dflash==0.1.0)
     ours, _ = servers
-    reply = benchmark.send_openai(ours.url, QUESTION, model="default_model", max_new_tokens=64, temperature=0.0,
-                                  top_p=1.0, top_k=0, timeout_s=120, reasoning=None)  # fmt: skip
+    reply = benchmark.send_openai(
+        ours.url,
+        QUESTION,
+        model="default_model",
+        max_new_tokens=64,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        timeout_s=120,
+        reasoning=None,
+    )
     meta, use, stats = reply["meta_info"], reply["usage"], reply["dflash"]
     assert meta["completion_tokens"] == use["completion_tokens"] and meta["prompt_tokens"] == use["prompt_tokens"]
     assert meta["spec_verify_ct"] == stats["cycles"] >= 1
@@ -189,8 +239,14 @@ def test_serve_reasoning_off_switches_thinking_for_every_request(scripted_dirs):
     try:
         with _client(server.url) as client:
             off = _fields(_ask(client, QUESTION, tools=[WEATHER_TOOL]))
-            on = _fields(_ask(client, QUESTION, tools=[WEATHER_TOOL],
-                              extra_body={"chat_template_kwargs": {"enable_thinking": True}}))  # fmt: skip
+            on = _fields(
+                _ask(
+                    client,
+                    QUESTION,
+                    tools=[WEATHER_TOOL],
+                    extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+                )
+            )
     finally:
         assert server.stop() == 0, server.stderr
     assert off["reasoning"] is None and off["tool_calls"][0]["name"] == "get_weather"

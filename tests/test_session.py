@@ -36,8 +36,9 @@ def same(got, prompt, max_tokens, model, tokenizer, atol=1e-3):
 
 
 def run(model, draft, tokenizer, session, prompt, max_tokens, block_size=4):
-    return list(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens,
-                                block_size=block_size, session=session))  # fmt: skip
+    return list(
+        stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size, session=session)
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -102,8 +103,19 @@ def test_a_prefill_cancelled_midway_leaves_the_session_usable(tiny_pair, family)
                 raise Cancelled
 
         with pytest.raises(Cancelled):
-            list(stream_generate(model, draft, tok, p2, max_tokens=10, block_size=4, session=session,
-                                 prefill_step_size=8, prompt_progress_callback=cancel))  # fmt: skip
+            list(
+                stream_generate(
+                    model,
+                    draft,
+                    tok,
+                    p2,
+                    max_tokens=10,
+                    block_size=4,
+                    session=session,
+                    prefill_step_size=8,
+                    prompt_progress_callback=cancel,
+                )
+            )
         same(run(model, draft, tok, session, p2, 25), p2, 25, model, tok)
         if family in TRIMMABLE:  # cut back to what the caches held before the cancelled turn
             assert session.reused == len(p1) + len(r1) - 1
@@ -247,8 +259,7 @@ def test_session_must_match_the_model_and_drafter(tiny_pair):
     with pytest.raises(ValueError, match="another model or drafter"):
         list(stream_generate(model, None, tokenizer, [5, 6], max_tokens=2, session=session))
     with pytest.raises(ValueError, match="max_draft_context"):
-        list(stream_generate(model, draft, tokenizer, [5, 6], max_tokens=2, session=session,
-                             max_draft_context=4))  # fmt: skip
+        list(stream_generate(model, draft, tokenizer, [5, 6], max_tokens=2, session=session, max_draft_context=4))
 
 
 def test_plain_decoding_session(tiny_pair):
@@ -278,8 +289,19 @@ def test_the_draft_sampling_choice_belongs_to_its_call(tiny_pair):
     list(stream_generate(model, spy, tokenizer, "the cat", max_tokens=2, temperature=0.8, seed=1, session=session))
     for choice, sampled in (("argmax", False), (None, True), ("sample", True), ("argmax", False), (None, True)):
         seen.clear()
-        list(stream_generate(model, spy, tokenizer, "the cat", max_tokens=12, temperature=0.8, seed=1,
-                             draft_sampling=choice, session=session))  # fmt: skip
+        list(
+            stream_generate(
+                model,
+                spy,
+                tokenizer,
+                "the cat",
+                max_tokens=12,
+                temperature=0.8,
+                seed=1,
+                draft_sampling=choice,
+                session=session,
+            )
+        )
         assert seen and all((s is not None) == sampled for s in seen), choice
     assert session.draft_sampling == "sample"
     argmax_session = make_session(model, spy, draft_sampling="argmax")  # a session's own default

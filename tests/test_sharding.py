@@ -46,8 +46,12 @@ def _ring_problem() -> str | None:
         return "mlx.launch is not installed"
     probe = "import mlx.core as mx; g = mx.distributed.init(); print(mx.distributed.all_sum(mx.array(1.0)).item())"
     try:
-        done = subprocess.run([launch, "--backend", "ring", "-n", "2", sys.executable, "-c", probe],
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        done = subprocess.run(
+            [launch, "--backend", "ring", "-n", "2", sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except subprocess.TimeoutExpired:
         return "mlx.launch --backend ring -n 2 did not finish in 120 s"
     if done.stdout.split() != ["2.0", "2.0"]:
@@ -70,8 +74,14 @@ def launch(*command: str, stdin: str = "") -> subprocess.CompletedProcess:
     read, write = os.pipe()
     os.write(write, stdin.encode())
     try:
-        return subprocess.run([shutil.which("mlx.launch"), "--backend", "ring", "-n", "2", "--", *command],
-                              stdin=read, capture_output=True, text=True, timeout=TIMEOUT, env=ENV)  # fmt: skip
+        return subprocess.run(
+            [shutil.which("mlx.launch"), "--backend", "ring", "-n", "2", "--", *command],
+            stdin=read,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            env=ENV,
+        )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the ranks hung: {command}\n{e.stdout}\n{e.stderr}")
     finally:
@@ -156,8 +166,13 @@ def test_sharded_greedy_on_every_shardable_family(tmp_path):
     for family in families:
         target = make_target(tmp_path / f"{family}-target", family)
         draft = make_draft(tmp_path / f"{family}-draft", target, block_size=8)
-        pairs.append(dict(target=str(target), draft=str(draft), runs=[dict(prompt=prompt, max_tokens=n, block_size=b)
-                                                                      for b in (1, 4)]))  # fmt: skip
+        pairs.append(
+            dict(
+                target=str(target),
+                draft=str(draft),
+                runs=[dict(prompt=prompt, max_tokens=n, block_size=b) for b in (1, 4)],
+            )
+        )
     rank0, rank1 = run_ranks(tmp_path, pairs=pairs)
     assert "error" not in rank0 and "error" not in rank1, (rank0.get("error"), rank1.get("error"))
     assert rank0["runs"] == rank1["runs"]
@@ -206,8 +221,9 @@ def test_cli_errors_family_heads_and_layers(tmp_path):
     done = launch("dflash-mlx", "generate", "hi", "--shard", "tensor", "--model", str(gemma), "--no-dflash")
     _one_error(done, "cannot tensor-shard the 'gemma3_text' family")
 
-    odd = make_target(tmp_path / "odd-heads", "qwen3", hidden_size=48, num_attention_heads=3,
-                      num_key_value_heads=3, head_dim=16)  # fmt: skip
+    odd = make_target(
+        tmp_path / "odd-heads", "qwen3", hidden_size=48, num_attention_heads=3, num_key_value_heads=3, head_dim=16
+    )
     done = launch("dflash-mlx", "generate", "hi", "--shard", "tensor", "--model", str(odd), "--no-dflash")
     _one_error(done, "num_attention_heads = 3", "num_key_value_heads = 3", "not divisible by the 2 ranks")
 
@@ -218,8 +234,9 @@ def test_cli_errors_family_heads_and_layers(tmp_path):
 
 
 def test_pipeline_is_refused_clearly():
-    done = subprocess.run(["dflash-mlx", "generate", "hi", "--shard", "pipeline"], capture_output=True, text=True,
-                          timeout=TIMEOUT)  # fmt: skip
+    done = subprocess.run(
+        ["dflash-mlx", "generate", "hi", "--shard", "pipeline"], capture_output=True, text=True, timeout=TIMEOUT
+    )
     assert done.returncode == 2
     assert "--shard pipeline: shard='pipeline' is not supported" in " ".join(done.stderr.split())
 
@@ -236,8 +253,13 @@ def test_cli_generate_on_the_bundled_pair_prints_once():
     lines = done.stdout.splitlines()
     assert len(lines) == 1, done.stdout  # rank 0 alone prints
     sharded = json.loads(lines[0])
-    alone = subprocess.run(["dflash-mlx", "generate", prompt, "-n", "32", "--json"], capture_output=True, text=True,
-                           timeout=TIMEOUT, env=ENV)  # fmt: skip
+    alone = subprocess.run(
+        ["dflash-mlx", "generate", prompt, "-n", "32", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=ENV,
+    )
     assert alone.returncode == 0, alone.stderr
     assert sharded["text"] == json.loads(alone.stdout)["text"]
     assert sharded["tokens"] == 32 and sharded["acceptance_length"] >= 1
@@ -245,8 +267,20 @@ def test_cli_generate_on_the_bundled_pair_prints_once():
 
 def test_cli_bench_and_chat(tmp_path):
     out = tmp_path / "bench.json"
-    done = launch("dflash-mlx", "bench", "--shard", "tensor", "--num-prompts", "1", "--max-tokens", "24", "-b", "4",
-                  "--out", str(out))  # fmt: skip
+    done = launch(
+        "dflash-mlx",
+        "bench",
+        "--shard",
+        "tensor",
+        "--num-prompts",
+        "1",
+        "--max-tokens",
+        "24",
+        "-b",
+        "4",
+        "--out",
+        str(out),
+    )
     assert exit_codes(done) == {}, done.stderr
     assert done.stdout.count("mlx-lm (baseline)") == 1, done.stdout
     report = json.loads(out.read_text())
@@ -266,11 +300,11 @@ def test_cli_serve_answers_from_rank_0():
     try:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused")
         whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=32, temperature=0)
-        pieces = client.chat.completions.create(model="demo", messages=messages, max_tokens=32, temperature=0,
-                                                stream=True)  # fmt: skip
+        pieces = client.chat.completions.create(
+            model="demo", messages=messages, max_tokens=32, temperature=0, stream=True
+        )
         streamed = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
-        again = client.chat.completions.create(model="demo", messages=messages, max_tokens=32, temperature=0.8,
-                                               seed=3)  # fmt: skip
+        again = client.chat.completions.create(model="demo", messages=messages, max_tokens=32, temperature=0.8, seed=3)
     finally:
         status = server.stop()
     assert status == 0, server.stderr
@@ -297,9 +331,18 @@ def test_the_shard_group_is_found_wherever_shard_puts_it():
     from dflash_mlx.targets.adapter import tensor_group
 
     args = qwen3.ModelArgs(
-        model_type="qwen3", hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2,
-        rms_norm_eps=1e-6, vocab_size=64, num_key_value_heads=1, max_position_embeddings=64, rope_theta=1e4,
-        head_dim=16, tie_word_embeddings=True,
+        model_type="qwen3",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=64,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        rope_theta=1e4,
+        head_dim=16,
+        tie_word_embeddings=True,
     )
     group = mx.distributed.init()
     assert tensor_group(qwen3.Model(args)) is None

@@ -36,15 +36,18 @@ QUESTION = "Tom has 3 boxes with 12 apples each. How many apples? Reply in JSON.
 @pytest.fixture(scope="module")
 def demo():
     model, tokenizer, draft = load("demo")
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
-                                           add_generation_prompt=True)  # fmt: skip
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True
+    )
     return model, tokenizer, draft, prompt
 
 
 def plain(model, tokenizer, prompt, response_format, max_tokens):
     processor = GrammarLogitsProcessor(tokenizer, response_format)
-    return [r.token for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                                    logits_processors=[processor])]  # fmt: skip
+    return [
+        r.token
+        for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, logits_processors=[processor])
+    ]
 
 
 def test_formats_compile_and_what_llguidance_refuses_is_a_value_error():
@@ -53,14 +56,18 @@ def test_formats_compile_and_what_llguidance_refuses_is_a_value_error():
     flat = {"type": "json_schema", "name": "a", "schema": Answer.model_json_schema(), "strict": True}
     assert grammar_text(flat) == grammar_text(schema_format(Answer)) == grammar_text(Answer)
     assert grammar_text(llguidance.grammar_from("regex", "[ab]+"))
-    unknown_keyword = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "string",
-                                                                                       "format": "colour"}}}
+    unknown_keyword = {
+        "type": "json_schema",
+        "json_schema": {"name": "a", "schema": {"type": "string", "format": "colour"}},
+    }
     assert grammar_text(unknown_keyword)  # strict: false ignores what llguidance cannot enforce
     cases = [
         ({"type": "xml"}, "type"),
         ({"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}, "json_schema.schema"),
-        ({"type": "json_schema", "json_schema": {"schema": {"type": "string", "format": "colour"}, "strict": True}},
-         "json_schema.schema"),
+        (
+            {"type": "json_schema", "json_schema": {"schema": {"type": "string", "format": "colour"}, "strict": True}},
+            "json_schema.schema",
+        ),
         ({"type": "json_schema", "json_schema": {"schema": [1]}}, "json_schema.schema"),
         ({"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}, "json_schema.strict"),
         ({"type": "json_schema", "json_schema": {"schema": {}, "extra": 1}}, "json_schema.extra"),
@@ -79,8 +86,11 @@ def test_greedy_under_a_schema_equals_mlx_lm_with_the_same_grammar(demo, model_c
     model, tokenizer, draft, prompt = demo
     response_format = schema_format(model_class)
     want = plain(model, tokenizer, prompt, response_format, 160)
-    got = list(stream_generate(model, draft, tokenizer, prompt, max_tokens=160, block_size=block_size,
-                               response_format=response_format))  # fmt: skip
+    got = list(
+        stream_generate(
+            model, draft, tokenizer, prompt, max_tokens=160, block_size=block_size, response_format=response_format
+        )
+    )
     assert [r.token for r in got] == want
     assert got[-1].finish_reason == "stop"
     model_class.model_validate_json("".join(r.text for r in got))
@@ -93,8 +103,11 @@ def test_greedy_under_a_schema_equals_mlx_lm_with_the_same_grammar(demo, model_c
 def test_json_mode_and_a_pydantic_model_give_valid_json(demo):
     model, tokenizer, draft, prompt = demo
     for response_format in ({"type": "json_object"}, Order):
-        got = list(stream_generate(model, draft, tokenizer, prompt, max_tokens=200, block_size=4,
-                                   response_format=response_format))  # fmt: skip
+        got = list(
+            stream_generate(
+                model, draft, tokenizer, prompt, max_tokens=200, block_size=4, response_format=response_format
+            )
+        )
         text = "".join(r.text for r in got)
         if got[-1].finish_reason == "stop":
             assert isinstance(json.loads(text), dict)
@@ -108,10 +121,20 @@ def test_masked_drafts_are_accepted_more_than_unmasked_ones(demo):
     logits processor masks the target's rows only): the same tokens, more of them per cycle."""
     model, tokenizer, draft, prompt = demo
     response_format = schema_format(Order)
-    masked = list(stream_generate(model, draft, tokenizer, prompt, max_tokens=80, block_size=8,
-                                  response_format=response_format))  # fmt: skip
-    unmasked = list(stream_generate(model, draft, tokenizer, prompt, max_tokens=80, block_size=8,
-                                    logits_processors=[GrammarLogitsProcessor(tokenizer, response_format)]))
+    masked = list(
+        stream_generate(model, draft, tokenizer, prompt, max_tokens=80, block_size=8, response_format=response_format)
+    )
+    unmasked = list(
+        stream_generate(
+            model,
+            draft,
+            tokenizer,
+            prompt,
+            max_tokens=80,
+            block_size=8,
+            logits_processors=[GrammarLogitsProcessor(tokenizer, response_format)],
+        )
+    )
     assert [r.token for r in masked] == [r.token for r in unmasked]  # the processor steps back with the rows
     per_cycle = [np.mean([r.cycle_tokens for r in run if r.cycle_tokens]) for run in (masked, unmasked)]
     assert per_cycle[0] > per_cycle[1] + 0.5, per_cycle
@@ -123,8 +146,11 @@ def test_other_families_under_a_schema_equal_mlx_lm(tiny_pair, family):
     prompt = mx.array(prompt_ids(10, seed=2))
     for model_class, response_format in ((Order, schema_format(Order)), (Answer, Answer)):
         want = plain(model, tokenizer, prompt, response_format, 300)
-        got = list(stream_generate(model, draft, tokenizer, prompt, max_tokens=300, block_size=4,
-                                   response_format=response_format))  # fmt: skip
+        got = list(
+            stream_generate(
+                model, draft, tokenizer, prompt, max_tokens=300, block_size=4, response_format=response_format
+            )
+        )
         assert [r.token for r in got] == want
         assert got[-1].finish_reason == "stop"  # (bounded schemas: the grammar ends every reply)
         model_class.model_validate_json("".join(r.text for r in got))
@@ -140,19 +166,29 @@ def test_a_dflash2_drafter_and_a_proposer_without_logits_follow_the_grammar(tiny
     want = plain(model, tokenizer, prompt, Order, 60)
     oracle = OracleProposer(want[1:] + [0] * 8, [0, 1, 2, 3], TINY_VOCAB)  # some drafts are refused
     for proposer in (draft2, oracle):
-        got = list(stream_generate(model, proposer, tokenizer, prompt, max_tokens=60, block_size=4,
-                                   response_format=Order))  # fmt: skip
+        got = list(
+            stream_generate(model, proposer, tokenizer, prompt, max_tokens=60, block_size=4, response_format=Order)
+        )
         assert [r.token for r in got] == want, type(proposer).__name__
 
 
 def test_batched_rows_each_follow_their_own_grammar(demo):
     model, tokenizer, draft, prompt = demo
-    other = tokenizer.apply_chat_template([{"role": "user", "content": "Order some fruit."}], tokenize=False,
-                                          add_generation_prompt=True)  # fmt: skip
+    other = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Order some fruit."}], tokenize=False, add_generation_prompt=True
+    )
     formats = [schema_format(Answer), None, Order]
     prompts = [prompt, other, other]
-    out = batch_generate(model, draft, tokenizer, prompts, max_tokens=60, block_size=4, return_token_ids=True,
-                         row_settings=[{"response_format": f} for f in formats])  # fmt: skip
+    out = batch_generate(
+        model,
+        draft,
+        tokenizer,
+        prompts,
+        max_tokens=60,
+        block_size=4,
+        return_token_ids=True,
+        row_settings=[{"response_format": f} for f in formats],
+    )
     for p, f, ids in zip(prompts, formats, out.token_ids):
         if f is None:
             want = [r.token for r in mlx_lm_stream_generate(model, tokenizer, p, max_tokens=60)]
@@ -164,8 +200,10 @@ def test_batched_rows_each_follow_their_own_grammar(demo):
 
 def test_a_format_llguidance_cannot_compile_is_a_value_error(demo):
     model, tokenizer, draft, prompt = demo
-    bad = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object", "properties": {
-        "a": {"type": "strin"}}}}}  # fmt: skip
+    bad = {
+        "type": "json_schema",
+        "json_schema": {"name": "a", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}},
+    }
     with pytest.raises(ValueError, match="llguidance"):
         next(stream_generate(model, draft, tokenizer, prompt, max_tokens=4, response_format=bad))
     with pytest.raises(ValueError, match="llguidance"):
@@ -201,8 +239,20 @@ def test_sampled_tokens_follow_the_constrained_target(tiny_pair, draft_sampling)
     firsts, seconds, drafted = [], [], 0
     with without_eos(tokenizer) as tok:
         for seed in range(RUNS):
-            out = list(stream_generate(model, draft, tok, prompt, max_tokens=3, block_size=3, seed=seed,
-                                       temperature=1.5, draft_sampling=draft_sampling, response_format=grammar))
+            out = list(
+                stream_generate(
+                    model,
+                    draft,
+                    tok,
+                    prompt,
+                    max_tokens=3,
+                    block_size=3,
+                    seed=seed,
+                    temperature=1.5,
+                    draft_sampling=draft_sampling,
+                    response_format=grammar,
+                )
+            )
             firsts.append(out[0].token)
             seconds.append(out[1].token)
             drafted += out[1].from_draft

@@ -42,7 +42,7 @@ def test_chunked_loss_equals_the_whole_batch_loss(qwen3_target, softcap):
     for rows in (1, 7, batch.targets.size - 1):
         c_loss, c_tau, c_grads = chunked_step(
             draft, target, features, batch.block_ids, batch.anchors, batch.targets, batch.valid, whole.weights, rows
-        )  # fmt: skip
+        )
         assert c_loss.item() == pytest.approx(loss.item(), rel=1e-5)
         assert c_tau.item() == pytest.approx(tau.item(), rel=1e-6)
         flat, c_flat = dict(tree_flatten(grads)), dict(tree_flatten(c_grads))

@@ -33,8 +33,22 @@ pytestmark = pytest.mark.slow  # training runs
 CYCLE, PROMPTS_PER_KIND, GAIN, HIDDEN = 32, 40, 16.0, 160
 MARKERS = {"A": "<|im_start|>", "B": "<|im_end|>"}
 SCRATCH = ["--target-layers", "0,1", "--draft-layers", "2"]
-COMMON = ["--block-size", "4", "--max-tokens", "24", "--batch-size", "8",
-          "--anchors-per-seq", "8", "--holdout", "8", "--val-max-tokens", "24", "--save-every", "1000"]  # fmt: skip
+COMMON = [
+    "--block-size",
+    "4",
+    "--max-tokens",
+    "24",
+    "--batch-size",
+    "8",
+    "--anchors-per-seq",
+    "8",
+    "--holdout",
+    "8",
+    "--val-max-tokens",
+    "24",
+    "--save-every",
+    "1000",
+]
 
 
 def roundtrip_tokens(tokenizer) -> list[int]:
@@ -207,13 +221,34 @@ def test_long_context_finetuning(two_kinds, runs):
     data = write_prompts(root / "A-long.jsonl", longs)
     short_held, long_held = held_out(two_kinds["prompts"]["A"], 0), held_out(longs, 0)
     before_long, before_short = (held_acceptance(target, root / "on-A", p) for p in (long_held, short_held))
-    train_ok("--model", target, "--responses", root / "responses.jsonl", *COMMON, "--data", data,
-             "--out", root / "long", "--init", root / "on-A", "--steps", "12", "--lr", "1e-3",
-             "--max-length", "1024", "--feature-chunk", "128", "--cache-features")  # fmt: skip
+    train_ok(
+        "--model",
+        target,
+        "--responses",
+        root / "responses.jsonl",
+        *COMMON,
+        "--data",
+        data,
+        "--out",
+        root / "long",
+        "--init",
+        root / "on-A",
+        "--steps",
+        "12",
+        "--lr",
+        "1e-3",
+        "--max-length",
+        "1024",
+        "--feature-chunk",
+        "128",
+        "--cache-features",
+    )
     after = report(root / "long")
     after_short = held_acceptance(target, root / "long", short_held)
-    print(f"\nA at ~{min(lengths)}-token prompts: {before_long:.2f} -> {after['mean_acceptance_length']:.2f} after "
-          f"12 steps with --max-length 1024; at short prompts {before_short:.2f} -> {after_short:.2f}")  # fmt: skip
+    print(
+        f"\nA at ~{min(lengths)}-token prompts: {before_long:.2f} -> {after['mean_acceptance_length']:.2f} after "
+        f"12 steps with --max-length 1024; at short prompts {before_short:.2f} -> {after_short:.2f}"
+    )
     assert after["max_length"] == 1024 and after["dropped_sequences"] == 0
     assert before_long < 1.8 and before_short > 2.8
     assert after["mean_acceptance_length"] > before_long + 0.8

@@ -241,8 +241,18 @@ def test_a_step_trains_the_drafter_only(qwen3_model, tmp_path):
     from dflash_mlx.train.options import TrainOptions
     from dflash_mlx.train.trainer import StepRunner, make_optimizer
 
-    options = TrainOptions(model="t", data="d", out="o", steps=10, block_size=B, draft_layers=1, batch_size=2,
-                           anchors_per_seq=4, lr=1e-2, target_layers=[1, 2])  # fmt: skip
+    options = TrainOptions(
+        model="t",
+        data="d",
+        out="o",
+        steps=10,
+        block_size=B,
+        draft_layers=1,
+        batch_size=2,
+        anchors_per_seq=4,
+        lr=1e-2,
+        target_layers=[1, 2],
+    )
     config = drafter_config(qwen3_model, num_layers=1, block_size=B, mask_token_id=MASK_ID, target_layer_ids=[1, 2])
     draft = new_drafter(config)
     target = TargetAdapter(qwen3_model, (1, 2))

@@ -29,8 +29,9 @@ def data(tmp_path_factory) -> Path:
 
 
 def test_init_keeps_the_drafters_config_and_uses_finetuning_defaults(qwen3_target, qwen3_draft, data, tmp_path):
-    code, out = run_train("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", qwen3_draft,
-                          *QUICK)  # fmt: skip
+    code, out = run_train(
+        "--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", qwen3_draft, *QUICK
+    )
     assert code == 0, out
     report = json.loads((tmp_path / "o" / "training_report.json").read_text())
     assert report["lr"] == FINETUNE_LR and report["warmup"] == FINETUNE_WARMUP and report["init"] == str(qwen3_draft)
@@ -42,8 +43,21 @@ def test_init_keeps_the_drafters_config_and_uses_finetuning_defaults(qwen3_targe
     assert after["dflash_config"] == before["dflash_config"] and after["num_hidden_layers"] == 2
     model, _, _ = tm.load_pair(str(qwen3_target))
     load_draft(tmp_path / "o", model)
-    code, out = run_train("--model", qwen3_target, "--data", data, "--out", tmp_path / "p", "--init", qwen3_draft,
-                          *QUICK, "--block-size", "4", "--lr", "1e-3")  # fmt: skip
+    code, out = run_train(
+        "--model",
+        qwen3_target,
+        "--data",
+        data,
+        "--out",
+        tmp_path / "p",
+        "--init",
+        qwen3_draft,
+        *QUICK,
+        "--block-size",
+        "4",
+        "--lr",
+        "1e-3",
+    )
     assert code == 0, out
     report = json.loads((tmp_path / "p" / "training_report.json").read_text())
     assert report["lr"] == 1e-3 and report["block_size"] == 4
@@ -59,8 +73,9 @@ def test_init_refuses_dflash2_and_drafters_of_another_target(qwen3_target, tiny_
     code, out = run_train("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", foreign, *QUICK)
     assert code == 1 and f"Draft '{foreign}' does not fit target '{qwen3_target}'" in out, out
     assert "hidden_size is 32 in the draft but the target has 64" in out
-    code, out = run_train("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", tmp_path / "none",
-                          *QUICK)  # fmt: skip
+    code, out = run_train(
+        "--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", tmp_path / "none", *QUICK
+    )
     assert code == 1 and "--init" in out and "neither an existing directory" in out, out
 
 
@@ -94,9 +109,32 @@ def test_init_with_replay_resumes_exactly(qwen3_target, qwen3_draft, data, tmp_p
 
     replay = tmp_path / "replay.jsonl"
     replay.write_text("".join(json.dumps({"prompt": " ".join(WORDS[-i - 3 :])}) + "\n" for i in range(6)))
-    common = ["--model", qwen3_target, "--data", data, "--init", qwen3_draft, "--replay", replay,
-              "--responses", tmp_path / "responses.jsonl", "--steps", "6", "--max-tokens", "6", "--batch-size", "4",
-              "--anchors-per-seq", "2", "--holdout", "2", "--save-every", "3", "--block-size", "4"]  # fmt: skip
+    common = [
+        "--model",
+        qwen3_target,
+        "--data",
+        data,
+        "--init",
+        qwen3_draft,
+        "--replay",
+        replay,
+        "--responses",
+        tmp_path / "responses.jsonl",
+        "--steps",
+        "6",
+        "--max-tokens",
+        "6",
+        "--batch-size",
+        "4",
+        "--anchors-per-seq",
+        "2",
+        "--holdout",
+        "2",
+        "--save-every",
+        "3",
+        "--block-size",
+        "4",
+    ]
     for args in (["--out", tmp_path / "full"], ["--out", tmp_path / "split", "--stop-at", "3"]):
         code, out = run_train(*common, *args)
         assert code == 0, out
@@ -115,8 +153,15 @@ def test_init_with_replay_resumes_exactly(qwen3_target, qwen3_draft, data, tmp_p
 
 
 def test_init_from_a_flat_schema_sliding_drafter(qwen3_target, data, tmp_path):
-    init = tm.make_draft(tmp_path / "sliding", qwen3_target, target_layer_ids=[1, 2], block_size=5, schema="flat",
-                         layer_types=["sliding_attention", "full_attention"], sliding_window=4)  # fmt: skip
+    init = tm.make_draft(
+        tmp_path / "sliding",
+        qwen3_target,
+        target_layer_ids=[1, 2],
+        block_size=5,
+        schema="flat",
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+    )
     code, out = run_train("--model", qwen3_target, "--data", data, "--out", tmp_path / "o", "--init", init, *QUICK)
     assert code == 0, out
     config = json.loads((tmp_path / "o" / "config.json").read_text())

@@ -23,12 +23,49 @@ from helpers.train_cli import run_train, train_ok
 pytestmark = pytest.mark.slow  # training runs
 
 
-WORDS = ["the", "river", "ran", "past", "old", "mill", "under", "stone", "bridge", "near",
-         "market", "every", "morning", "baker", "opened", "shop"]  # fmt: skip
+WORDS = [
+    "the",
+    "river",
+    "ran",
+    "past",
+    "old",
+    "mill",
+    "under",
+    "stone",
+    "bridge",
+    "near",
+    "market",
+    "every",
+    "morning",
+    "baker",
+    "opened",
+    "shop",
+]
 PROMPTS = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(3 + i % 4)) for i in range(36)]
-ARGS = ["--steps", "24", "--block-size", "4", "--draft-layers", "2", "--max-tokens", "20",
-        "--batch-size", "4", "--anchors-per-seq", "8", "--save-every", "8", "--holdout", "3",
-        "--lr", "3e-3", "--target-layers", "1,2", "--val-max-tokens", "16"]  # fmt: skip
+ARGS = [
+    "--steps",
+    "24",
+    "--block-size",
+    "4",
+    "--draft-layers",
+    "2",
+    "--max-tokens",
+    "20",
+    "--batch-size",
+    "4",
+    "--anchors-per-seq",
+    "8",
+    "--save-every",
+    "8",
+    "--holdout",
+    "3",
+    "--lr",
+    "3e-3",
+    "--target-layers",
+    "1,2",
+    "--val-max-tokens",
+    "16",
+]
 
 
 def _weights(path: Path) -> dict:
@@ -39,8 +76,10 @@ def _weights(path: Path) -> dict:
 def data_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("train-data") / "prompts.jsonl"
     lines = [json.dumps({"prompt": p}) for p in PROMPTS[:30]]
-    lines += [json.dumps({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "x"}]})
-              for p in PROMPTS[30:]]  # fmt: skip
+    lines += [
+        json.dumps({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "x"}]})
+        for p in PROMPTS[30:]
+    ]
     path.write_text("\n".join(lines) + "\n\n")
     return path
 
@@ -142,8 +181,20 @@ def _copy_target(src: Path, dst: Path, edit) -> Path:
 
 def test_mask_token_from_tokenizer_or_option(qwen3_target, data_file, tmp_path):
     no_mask = _copy_target(qwen3_target, tmp_path / "t", lambda c: c.pop("mask_token", None))
-    base = ["--data", data_file, "--steps", "2", "--block-size", "3", "--draft-layers", "1", "--max-tokens", "4",
-            "--holdout", "0"]  # fmt: skip
+    base = [
+        "--data",
+        data_file,
+        "--steps",
+        "2",
+        "--block-size",
+        "3",
+        "--draft-layers",
+        "1",
+        "--max-tokens",
+        "4",
+        "--holdout",
+        "0",
+    ]
     code, out = run_train("--model", no_mask, *base, "--out", tmp_path / "a")
     assert code == 1 and "has no mask token" in out and "--mask-token-id" in out
     train_ok("--model", no_mask, *base, "--out", tmp_path / "b", "--mask-token-id", "4")
@@ -179,14 +230,15 @@ def test_option_and_file_errors(qwen3_target, data_file, tmp_path):
     assert code == 1 and "--model" in out and "no such directory" in out
     code, out = run_train("--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o", "--block-size", "1")
     assert code == 1 and "--block-size must be >= 2" in out
-    code, out = run_train("--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o",
-                          "--holdout", "99")  # fmt: skip
+    code, out = run_train("--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o", "--holdout", "99")
     assert code == 1 and "--holdout 99 leaves no training prompts" in out
-    code, out = run_train("--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o",
-                          "--target-layers", "1,9")  # fmt: skip
+    code, out = run_train(
+        "--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o", "--target-layers", "1,9"
+    )
     assert code == 1 and "--target-layers [1, 9]" in out and "0..3" in out
-    code, out = run_train("--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o",
-                          "--chat-template-kwargs", "[1]")  # fmt: skip
+    code, out = run_train(
+        "--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o", "--chat-template-kwargs", "[1]"
+    )
     assert code == 2 and "expected a JSON object" in out
 
 

@@ -34,8 +34,10 @@ def batch_cost_model(session: Session, max_block: int, *, force: bool = False) -
         blocks = key["grid"]
         rounds = measure(session, max_block)
         lines = [fitted_curve(blocks, table) for table in rounds]
-        return CostTable(blocks, lines, ROWS), {"rounds": ROUNDS - 1,
-                                                "instability": round(max(instability(blocks, t) for t in rounds), 4)}
+        return CostTable(blocks, lines, ROWS), {
+            "rounds": ROUNDS - 1,
+            "instability": round(max(instability(blocks, t) for t in rounds), 4),
+        }
 
     return model_for(key, measure_table, force=force)
 

@@ -70,8 +70,7 @@ def propose_rows(rows: list, count: int) -> list[Proposal]:
     proposers = [r.session.proposer for r in rows]
     batchable = all(type(p) is DFlashProposer for p in proposers) and len({id(p.drafter) for p in proposers}) == 1
     if not batchable or len(rows) == 1:
-        return [r.acceptor.propose(r.session.proposer, mx.array([r.anchor], mx.int32), r.position, count)
-                for r in rows]  # fmt: skip
+        return [r.acceptor.propose(r.session.proposer, mx.array([r.anchor], mx.int32), r.position, count) for r in rows]
     for r, p in zip(rows, proposers):
         if p.context_end != r.position:
             raise RuntimeError(f"Drafter context ends at {p.context_end} but the anchor sits at {r.position}.")

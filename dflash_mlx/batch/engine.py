@@ -105,9 +105,18 @@ class BatchDecoder:
 
     # -- rows joining and leaving ---------------------------------------------------------------
 
-    def insert(self, session: Session, prompt: mx.array, acceptor: Acceptor, *, max_tokens: int,
-               stop_tokens=(), prefill_step_size: int = 2048, max_block: int | None = None,
-               lookup: bool = False) -> RowTokens:  # fmt: skip
+    def insert(
+        self,
+        session: Session,
+        prompt: mx.array,
+        acceptor: Acceptor,
+        *,
+        max_tokens: int,
+        stop_tokens=(),
+        prefill_step_size: int = 2048,
+        max_block: int | None = None,
+        lookup: bool = False,
+    ) -> RowTokens:
         """Prefill a request alone and add it to the batch; returns its first token.
 
         `max_block` fixes this row's block (default: the decoder's block, or its choice): a step
@@ -117,40 +126,82 @@ class BatchDecoder:
         if session.model is not self.target.model:
             raise ValueError("The session was made for another target model.")
         self._unbatch()
-        cycles = speculative_cycles(session.target, prompt, session.proposer, max_tokens=1, block_size=1,
-                                    prefill_step_size=prefill_step_size, acceptor=acceptor,
-                                    stop_tokens=stop_tokens, session=session)  # fmt: skip
+        cycles = speculative_cycles(
+            session.target,
+            prompt,
+            session.proposer,
+            max_tokens=1,
+            block_size=1,
+            prefill_step_size=prefill_step_size,
+            acceptor=acceptor,
+            stop_tokens=stop_tokens,
+            session=session,
+        )
         first = next(cycles)
         cycles.close()
-        return self._add_row(session, prompt, acceptor, max_tokens, stop_tokens, first.tokens, first.logprobs,
-                             first.stopped, max_block, lookup)  # fmt: skip
+        return self._add_row(
+            session,
+            prompt,
+            acceptor,
+            max_tokens,
+            stop_tokens,
+            first.tokens,
+            first.logprobs,
+            first.stopped,
+            max_block,
+            lookup,
+        )
 
     def insert_many(self, requests: list[tuple], *, stop_tokens=(), prefill_step_size: int = 2048) -> list[RowTokens]:
         """`insert` for several (session, prompt, acceptor, max_tokens[, max_block[, lookup]]) at once: fresh
         sessions are prefilled together in one forward (`prefill`), the others alone; results in
         request order."""
         requests = [tuple(r) + (None, False)[len(r) - 4 :] for r in requests]
-        together = [k for k, (session, prompt, *_) in enumerate(requests)
-                    if self.prefills_together(session, prompt.size, prefill_step_size)]  # fmt: skip
+        together = [
+            k
+            for k, (session, prompt, *_) in enumerate(requests)
+            if self.prefills_together(session, prompt.size, prefill_step_size)
+        ]
         if len(together) < 2:
-            return [self.insert(s, p, a, max_tokens=m, stop_tokens=stop_tokens, prefill_step_size=prefill_step_size,
-                                max_block=cap, lookup=look) for s, p, a, m, cap, look in requests]  # fmt: skip
+            return [
+                self.insert(
+                    s,
+                    p,
+                    a,
+                    max_tokens=m,
+                    stop_tokens=stop_tokens,
+                    prefill_step_size=prefill_step_size,
+                    max_block=cap,
+                    lookup=look,
+                )
+                for s, p, a, m, cap, look in requests
+            ]
         for session, *_ in requests:
             if session.model is not self.target.model:
                 raise ValueError("The session was made for another target model.")
         self._unbatch()
         chosen = [requests[k] for k in together]
-        firsts = prefill_together(self.target, [r[0] for r in chosen], [r[1].tolist() for r in chosen],
-                                  [r[2] for r in chosen])  # fmt: skip
+        firsts = prefill_together(
+            self.target, [r[0] for r in chosen], [r[1].tolist() for r in chosen], [r[2] for r in chosen]
+        )
         results: dict[int, RowTokens] = {}
         for k, (token, logprobs) in zip(together, firsts):
             session, prompt, acceptor, max_tokens, cap, look = requests[k]
-            results[k] = self._add_row(session, prompt, acceptor, max_tokens, stop_tokens, [token], logprobs,
-                                       token in stop_tokens, cap, look)  # fmt: skip
+            results[k] = self._add_row(
+                session, prompt, acceptor, max_tokens, stop_tokens, [token], logprobs, token in stop_tokens, cap, look
+            )
         for k, (session, prompt, acceptor, max_tokens, cap, look) in enumerate(requests):
             if k not in results:
-                results[k] = self.insert(session, prompt, acceptor, max_tokens=max_tokens, stop_tokens=stop_tokens,
-                                         prefill_step_size=prefill_step_size, max_block=cap, lookup=look)  # fmt: skip
+                results[k] = self.insert(
+                    session,
+                    prompt,
+                    acceptor,
+                    max_tokens=max_tokens,
+                    stop_tokens=stop_tokens,
+                    prefill_step_size=prefill_step_size,
+                    max_block=cap,
+                    lookup=look,
+                )
         return [results[k] for k in range(len(requests))]
 
     @staticmethod
@@ -159,8 +210,19 @@ class BatchDecoder:
         (a fresh session and a prompt of one chunk), not alone."""
         return not session.tokens and 2 <= prompt_tokens <= prefill_step_size
 
-    def _add_row(self, session, prompt, acceptor, max_tokens, stop_tokens, tokens, logprobs, stopped,
-                 max_block=None, lookup=False) -> RowTokens:  # fmt: skip
+    def _add_row(
+        self,
+        session,
+        prompt,
+        acceptor,
+        max_tokens,
+        stop_tokens,
+        tokens,
+        logprobs,
+        stopped,
+        max_block=None,
+        lookup=False,
+    ) -> RowTokens:
         if session.proposer is not None:
             check_block_size(max_block, session.proposer, "max_block")
         elif max_block is not None and max_block < 1:
@@ -174,11 +236,28 @@ class BatchDecoder:
             sampled = not acceptor.settings.greedy
             if (cap, sampled) not in self._costs:  # (looking a model up reads the models' facts)
                 self._costs[cap, sampled] = cost_model(self.target, session.proposer, cap, sampled=sampled)
-            policy = adaptive_policy(self.target, session.proposer, cap, carry=not sampled,
-                                     cost=self._costs[cap, sampled], frozen=acceptor.seeded)  # fmt: skip
-        row = BatchRow(self._next_uid, session, acceptor, max_tokens, frozenset(stop_tokens), cap, fixed,
-                       policy.estimate if policy else AcceptanceEstimate(max(cap - 1, 0)), policy,
-                       anchor=tokens[0], position=prompt.size, committed=1)  # fmt: skip
+            policy = adaptive_policy(
+                self.target,
+                session.proposer,
+                cap,
+                carry=not sampled,
+                cost=self._costs[cap, sampled],
+                frozen=acceptor.seeded,
+            )
+        row = BatchRow(
+            self._next_uid,
+            session,
+            acceptor,
+            max_tokens,
+            frozenset(stop_tokens),
+            cap,
+            fixed,
+            policy.estimate if policy else AcceptanceEstimate(max(cap - 1, 0)),
+            policy,
+            anchor=tokens[0],
+            position=prompt.size,
+            committed=1,
+        )
         if lookup and cap > 1 and acceptor.constraint is None:
             row.lookup = session.lookup_index(prompt.tolist() + list(tokens))
         self._next_uid += 1
@@ -229,8 +308,14 @@ class BatchDecoder:
             b = self.choice.choose(self.rows)
         chosen = b
         if block_size is None:  # widened for a run a row's grammar forces (free drafts)
-            b = max([b] + [r.acceptor.constraint.forced_block(r.max_block) for r in self.rows
-                           if r.acceptor.constraint is not None and r.session.proposer is not None])  # fmt: skip
+            b = max(
+                [b]
+                + [
+                    r.acceptor.constraint.forced_block(r.max_block)
+                    for r in self.rows
+                    if r.acceptor.constraint is not None and r.session.proposer is not None
+                ]
+            )
         cache = self.rows[0].session.cache if single else self._batch()
         anchors = [mx.array([row.anchor], mx.int32) for row in self.rows]
         spans = [0] * len(self.rows)  # lookup spans' lengths (0: the drafter's drafts)
@@ -273,8 +358,17 @@ class BatchDecoder:
             row.position += len(tokens)
             row.anchor = tokens[-1]
             row.finish = finish
-            out.append(RowTokens(row.uid, tokens, log_softmax(rows[i][: len(tokens)]), min(accepted, len(tokens)),
-                                 min(b, row.max_block), finish, "lookup" if spans[i] else "dflash"))  # fmt: skip
+            out.append(
+                RowTokens(
+                    row.uid,
+                    tokens,
+                    log_softmax(rows[i][: len(tokens)]),
+                    min(accepted, len(tokens)),
+                    min(b, row.max_block),
+                    finish,
+                    "lookup" if spans[i] else "dflash",
+                )
+            )
         if b == chosen and single and self.rows[0].policy is not None:  # (not timed: plain steps not pipelined here)
             self.rows[0].policy.observe(b, accepts[0], None)
         elif b == chosen and self.choice is not None:  # (policies learn from their own blocks)

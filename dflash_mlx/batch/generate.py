@@ -81,13 +81,20 @@ class RowStream:
                     detokenizer.finalize()
             closes = last and step.block_size > 0
             yield DFlashResponse(
-                text=detokenizer.last_segment, token=token, logprobs=step.logprobs[k],
-                from_draft=k < step.drafted, source=step.source if k < step.drafted else "target",
-                prompt_tokens=self.prompt_tokens, prompt_tps=0.0,
-                generation_tokens=self.count, generation_tps=0.0, peak_memory=mx.get_peak_memory() / 1e9,
-                finish_reason=finish, cycle_tokens=len(step.tokens) if closes else None,
+                text=detokenizer.last_segment,
+                token=token,
+                logprobs=step.logprobs[k],
+                from_draft=k < step.drafted,
+                source=step.source if k < step.drafted else "target",
+                prompt_tokens=self.prompt_tokens,
+                prompt_tps=0.0,
+                generation_tokens=self.count,
+                generation_tps=0.0,
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+                cycle_tokens=len(step.tokens) if closes else None,
                 cycle_block_size=step.block_size if closes else None,
-            )  # fmt: skip
+            )
 
 
 def batch_decoder(session, block_size: int | str | None) -> BatchDecoder:
@@ -104,12 +111,27 @@ def batch_decoder(session, block_size: int | str | None) -> BatchDecoder:
     return BatchDecoder(session.target, block_size)
 
 
-def stream_batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens: int | list[int] = 128,
-                          block_size: int | str | None = None, max_batch: int = 8, temperature: float = 0.0,
-                          top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
-                          logits_processors: list | None = None, row_settings: list[dict] | None = None,
-                          prefill_step_size: int = 2048, response_format=None, lookup: bool = True,
-                          stats: BatchStats | None = None) -> Iterator[tuple[int, DFlashResponse]]:  # fmt: skip
+def stream_batch_generate(
+    model,
+    draft,
+    tokenizer,
+    prompts: list,
+    *,
+    max_tokens: int | list[int] = 128,
+    block_size: int | str | None = None,
+    max_batch: int = 8,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    logits_processors: list | None = None,
+    row_settings: list[dict] | None = None,
+    prefill_step_size: int = 2048,
+    response_format=None,
+    lookup: bool = True,
+    stats: BatchStats | None = None,
+) -> Iterator[tuple[int, DFlashResponse]]:
     """Yield (prompt index, response) for every generated token, rows interleaved as they decode.
 
     `block_size`: the block every step verifies; None (or "auto"): chosen each step for the
@@ -126,8 +148,15 @@ def stream_batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens:
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
     if any(p.size == 0 for p in encoded):
         raise ValueError("A prompt is empty: at least one token is needed.")
-    defaults = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                    logits_processors=logits_processors, response_format=response_format)  # fmt: skip
+    defaults = dict(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        logits_processors=logits_processors,
+        response_format=response_format,
+    )
     rows = _rows(encoded, max_tokens, row_settings, defaults)
     for row in rows:  # compiled once per distinct format, before any prompt runs
         row["grammar"] = Grammar.of(tokenizer, row["response_format"])
@@ -144,10 +173,15 @@ def stream_batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens:
         while waiting and len(decoder.rows) + len(joining) < max_batch:
             i = waiting.popleft()
             row = rows[i]
-            acceptor = Acceptor(SamplingSettings(temperature=row["temperature"], top_p=row["top_p"],
-                                                 top_k=row["top_k"], min_p=row["min_p"]),
-                                encoded[i], row["logits_processors"], row["seed"],
-                                constraint=row["grammar"].constraint() if row["grammar"] else None)  # fmt: skip
+            acceptor = Acceptor(
+                SamplingSettings(
+                    temperature=row["temperature"], top_p=row["top_p"], top_k=row["top_k"], min_p=row["min_p"]
+                ),
+                encoded[i],
+                row["logits_processors"],
+                row["seed"],
+                constraint=row["grammar"].constraint() if row["grammar"] else None,
+            )
             joining.append((i, (sessions[i], encoded[i], acceptor, row["max_tokens"], None, lookup)))
         if joining:
             tic = time.perf_counter()
@@ -170,8 +204,17 @@ def stream_batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens:
     stats.peak_memory = mx.get_peak_memory() / 1e9
 
 
-def batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens: int | list[int] = 128,
-                   return_token_ids: bool = False, verbose: bool = False, **kwargs) -> BatchResponse:  # fmt: skip
+def batch_generate(
+    model,
+    draft,
+    tokenizer,
+    prompts: list,
+    *,
+    max_tokens: int | list[int] = 128,
+    return_token_ids: bool = False,
+    verbose: bool = False,
+    **kwargs,
+) -> BatchResponse:
     """Every prompt's reply as mlx-lm's `BatchResponse` (texts in prompt order; see `stream_batch_generate`)."""
     stats = BatchStats()
     texts = [[] for _ in prompts]
@@ -181,6 +224,8 @@ def batch_generate(model, draft, tokenizer, prompts: list, *, max_tokens: int | 
         if r.finish_reason != "stop":
             ids[i].append(r.token)
     if verbose:
-        print(f"[batch_generate] Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.3f} "
-              f"tokens-per-sec; peak memory {stats.peak_memory:.3f} GB")  # fmt: skip
+        print(
+            f"[batch_generate] Generation: {stats.generation_tokens} tokens, {stats.generation_tps:.3f} "
+            f"tokens-per-sec; peak memory {stats.peak_memory:.3f} GB"
+        )
     return BatchResponse(["".join(t) for t in texts], stats, None, ids if return_token_ids else None)

@@ -203,9 +203,16 @@ def restore_rows(record: GDNRecord, cache, keep: list[int]) -> None:
         return
     conv, state = [], []
     for i, n in enumerate(keep):
-        row = GDNRecord(record.layer, record.conv_input[i : i + 1], record.q[i : i + 1], record.k[i : i + 1],
-                        record.v[i : i + 1], record.a[i : i + 1], record.b[i : i + 1],
-                        None if record.state is None else record.state[i : i + 1])  # fmt: skip
+        row = GDNRecord(
+            record.layer,
+            record.conv_input[i : i + 1],
+            record.q[i : i + 1],
+            record.k[i : i + 1],
+            record.v[i : i + 1],
+            record.a[i : i + 1],
+            record.b[i : i + 1],
+            None if record.state is None else record.state[i : i + 1],
+        )
         single = [None, None]
         row.restore(single, n)
         conv.append(single[0])

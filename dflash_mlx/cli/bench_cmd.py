@@ -26,8 +26,20 @@ from ..models.dtype import dtype_name, target_float_dtype
 from ..models.resolve import BlockChoice, choose_block_size
 from ..utils.io import write_json_atomic
 from .common import (
-    KV_DEFAULTS, DraftOpt, KVBitsOpt, KVGroupSizeOpt, ModelOpt, QuantizedKVStartOpt, ReasoningOpt, ShardOpt, console,
-    fail, kv_settings, load_models, sharding_group, user_errors,
+    KV_DEFAULTS,
+    DraftOpt,
+    KVBitsOpt,
+    KVGroupSizeOpt,
+    ModelOpt,
+    QuantizedKVStartOpt,
+    ReasoningOpt,
+    ShardOpt,
+    console,
+    fail,
+    kv_settings,
+    load_models,
+    sharding_group,
+    user_errors,
 )
 
 
@@ -38,9 +50,15 @@ def bench(
     num_prompts: Annotated[int, typer.Option("--num-prompts", min=1, help="Prompts (fixed-seed sample).")] = 10,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Tokens per reply.")] = 256,
     block_size: Annotated[
-        list[str] | None, typer.Option("--block-size", "-b", metavar="auto|N", help="A DFlash leg: auto (adaptive) "
-                                       "or a fixed block; repeat to compare several (default: auto and the "
-                                       "drafter's block).")
+        list[str] | None,
+        typer.Option(
+            "--block-size",
+            "-b",
+            metavar="auto|N",
+            help="A DFlash leg: auto (adaptive) "
+            "or a fixed block; repeat to compare several (default: auto and the "
+            "drafter's block).",
+        ),
     ] = None,
     temperature: Annotated[float, typer.Option("--temperature", "--temp", min=0.0, help="0: greedy.")] = 0.0,
     seed: Annotated[int, typer.Option("--seed", help="Seed for sampled runs.")] = 0,
@@ -56,20 +74,29 @@ def bench(
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="Top-k sampling (0: off).")] = 0,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the JSON report here.")] = None,
     backend: Annotated[str, typer.Option("--backend", help="local (this process) or openai (servers).")] = "local",
-    base_url: Annotated[str | None, typer.Option("--base-url", help="openai: the DFlash server (with or without "
-                                                 "/v1).")] = None,
-    baseline_url: Annotated[str | None, typer.Option("--baseline-url", help="openai: the same model served "
-                                                     "without speculation.")] = None,
+    base_url: Annotated[
+        str | None, typer.Option("--base-url", help="openai: the DFlash server (with or without /v1).")
+    ] = None,
+    baseline_url: Annotated[
+        str | None, typer.Option("--baseline-url", help="openai: the same model served without speculation.")
+    ] = None,
     concurrency: Annotated[int, typer.Option("--concurrency", min=1, help="openai: requests in flight.")] = 1,
-    api_key: Annotated[str, typer.Option("--api-key", envvar="OPENAI_API_KEY", help="openai: the servers' key.",
-                                         show_envvar=True)] = "unused",
+    api_key: Annotated[
+        str, typer.Option("--api-key", envvar="OPENAI_API_KEY", help="openai: the servers' key.", show_envvar=True)
+    ] = "unused",
     timeout_s: Annotated[float, typer.Option("--timeout-s", min=1.0, help="openai: seconds per request.")] = 600.0,
     shard: ShardOpt = None,
     kv_bits: KVBitsOpt = KV_DEFAULTS["kv_bits"],
     kv_group_size: KVGroupSizeOpt = KV_DEFAULTS["kv_group_size"],
     quantized_kv_start: QuantizedKVStartOpt = KV_DEFAULTS["quantized_kv_start"],
-    lookup: Annotated[str, typer.Option("--lookup", metavar="on|off|both", help="Copy-aware drafting in the "
-                                        "DFlash legs (both: each leg with it and without).")] = "on",
+    lookup: Annotated[
+        str,
+        typer.Option(
+            "--lookup",
+            metavar="on|off|both",
+            help="Copy-aware drafting in the DFlash legs (both: each leg with it and without).",
+        ),
+    ] = "on",
 ) -> None:
     """Benchmark DFlash against mlx-lm's plain decoding on the same prompts."""
     lookups = {"on": (True,), "off": (False,), "both": (True, False)}.get(lookup)
@@ -85,18 +112,34 @@ def bench(
         if shard is not None:
             fail("--shard is for --backend local (a sharded server is started with `serve --shard tensor`).")
         if draft is not None or block_size or baseline != "mlx-lm" or draft_model is not None:
-            fail("--draft, --block-size, --baseline and --draft-model are for --backend local: a server "
-                 "runs the drafter and blocks it was started with.")
+            fail(
+                "--draft, --block-size, --baseline and --draft-model are for --backend local: a server "
+                "runs the drafter and blocks it was started with."
+            )
         if kv_bits is not None:
             fail("--kv-bits is for --backend local (a server quantizes with `serve --kv-bits`).")
         if lookup != "on":
-            fail("--lookup is for --backend local (a request to a server may send \"lookup\": false).")
+            fail('--lookup is for --backend local (a request to a server may send "lookup": false).')
         if base_url is None:
             fail("--backend openai needs --base-url URL (the DFlash server).")
         from .bench_openai_cmd import bench_openai
 
-        bench_openai(base_url, baseline_url, model, dataset, num_prompts, max_tokens, temperature, top_p, top_k,
-                     reasoning, concurrency, api_key, timeout_s, out)  # fmt: skip
+        bench_openai(
+            base_url,
+            baseline_url,
+            model,
+            dataset,
+            num_prompts,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            reasoning,
+            concurrency,
+            api_key,
+            timeout_s,
+            out,
+        )
         return
     if base_url is not None or baseline_url is not None or concurrency != 1:
         fail("--base-url, --baseline-url and --concurrency are for --backend openai.")
@@ -112,19 +155,35 @@ def bench(
         auto = choose_block_size(None, choice.entry, model_, drafter)
         if drafter is None:
             fail("bench needs a drafter: the model has none (pass --draft).")
-        blocks = [choose_block_size(b, choice.entry, model_, drafter) for b in block_size] if block_size else [
-            auto, BlockChoice(auto.size)]
+        blocks = (
+            [choose_block_size(b, choice.entry, model_, drafter) for b in block_size]
+            if block_size
+            else [auto, BlockChoice(auto.size)]
+        )
         conversations = sample(dataset, num_prompts)
         assistant = None
         if draft_model is not None:
             from mlx_lm import load as mlx_lm_load
 
             assistant = mlx_lm_load(draft_model)[0]
-    settings = BenchSettings(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                             template_kwargs=template_kwargs, num_draft_tokens=num_draft_tokens, kv=kv)  # fmt: skip
+    settings = BenchSettings(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        template_kwargs=template_kwargs,
+        num_draft_tokens=num_draft_tokens,
+        kv=kv,
+    )
     progress = Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.fields[leg]}"), console=console, transient=True,
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[leg]}"),
+        console=console,
+        transient=True,
     )
     with progress:
         task = progress.add_task(f"{dataset} (warm-up)", total=len(conversations), leg="")
@@ -132,16 +191,39 @@ def bench(
         def on_prompt(i: int, leg: str) -> None:
             progress.update(task, completed=i, description=dataset, leg=leg)
 
-        legs = run_benchmark(model_, tokenizer, drafter, conversations, blocks, settings,
-                             draft_model=assistant, on_prompt=on_prompt, lookups=lookups)  # fmt: skip
+        legs = run_benchmark(
+            model_,
+            tokenizer,
+            drafter,
+            conversations,
+            blocks,
+            settings,
+            draft_model=assistant,
+            on_prompt=on_prompt,
+            lookups=lookups,
+        )
         progress.update(task, completed=len(conversations))
     dtype = dtype_name(target_float_dtype(model_))
     environment = describe(dtype=dtype) | ({"tensor_ranks": group.size()} if group is not None else {})
-    doc = report(legs, environment, {
-        "model": choice.label, "target": choice.target, "draft": choice.draft, "dataset": dataset,
-        "num_prompts": len(conversations), "max_tokens": max_tokens, "temperature": temperature,
-        "top_p": top_p, "top_k": top_k, "seed": seed, "baseline": "mlx_lm.stream_generate", "backend": "local",
-    } | kv)
+    doc = report(
+        legs,
+        environment,
+        {
+            "model": choice.label,
+            "target": choice.target,
+            "draft": choice.draft,
+            "dataset": dataset,
+            "num_prompts": len(conversations),
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "seed": seed,
+            "baseline": "mlx_lm.stream_generate",
+            "backend": "local",
+        }
+        | kv,
+    )
     _print_table(doc, legs)
     if out is not None and (group is None or group.rank() == 0):
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -163,20 +245,28 @@ def _print_table(doc: dict, legs) -> None:
             name = f"DFlash auto (≤{run['max_block_size']}, mean {run['mean_block_size'] or 0:.1f})"
         name += "" if run["lookup"] else ", lookup off"
         table.add_row(
-            name, f"{run['dflash_tps']:.1f}", f"{run['speedup']:.2f}x",
-            f"{acc:.2f}" if acc is not None else "-", "yes" if run["greedy_matches"] else "no",
+            name,
+            f"{run['dflash_tps']:.1f}",
+            f"{run['speedup']:.2f}x",
+            f"{acc:.2f}" if acc is not None else "-",
+            "yes" if run["greedy_matches"] else "no",
         )
     if "mlx_lm_draft" in doc:
         d = doc["mlx_lm_draft"]
-        table.add_row("mlx-lm draft model", f"{d['tps']:.1f}", f"{d['speedup']:.2f}x", "-",
-                      "yes" if d["greedy_matches"] else "no")  # fmt: skip
+        table.add_row(
+            "mlx-lm draft model", f"{d['tps']:.1f}", f"{d['speedup']:.2f}x", "-", "yes" if d["greedy_matches"] else "no"
+        )
     console.print(table)
     for run in doc["runs"]:
         tokens = "  ".join(f"{k}:{v}" for k, v in run["histogram"].items())
         blocks = "  ".join(f"{k}:{v}" for k, v in run["block_sizes"].items())
         sources = "  ".join(f"{k}:{v}" for k, v in run["sources"].items())
-        console.print(f"[dim]b={run['block_size']}{'' if run['lookup'] else ' lookup off'}: tokens per cycle "
-                      f"{tokens} · blocks {blocks} · tokens from {sources}[/]")  # fmt: skip
+        console.print(
+            f"[dim]b={run['block_size']}{'' if run['lookup'] else ' lookup off'}: tokens per cycle "
+            f"{tokens} · blocks {blocks} · tokens from {sources}[/]"
+        )
     if doc["temperature"] == 0 and not all(r["greedy_matches"] for r in doc["runs"]):
-        console.print("[yellow]Some greedy DFlash replies differ from the baseline's (see the JSON "
-                      "'prompts'): near-tie logits in low precision can flip a token.[/]")  # fmt: skip
+        console.print(
+            "[yellow]Some greedy DFlash replies differ from the baseline's (see the JSON "
+            "'prompts'): near-tie logits in low precision can flip a token.[/]"
+        )

@@ -35,27 +35,62 @@ def remote_reasoning(level: str | None) -> dict:
     fail(f"--reasoning: expected on, off, low, medium, high or xhigh, got {level!r}.")
 
 
-def bench_openai(base_url: str, baseline_url: str | None, model: str | None, dataset: str, num_prompts: int,
-                 max_tokens: int, temperature: float, top_p: float, top_k: int, reasoning: str | None,
-                 concurrency: int, api_key: str, timeout_s: float, out: Path | None) -> None:  # fmt: skip
-    settings = RemoteSettings(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              concurrency=concurrency, timeout_s=timeout_s, api_key=api_key,
-                              template_kwargs=remote_reasoning(reasoning))  # fmt: skip
+def bench_openai(
+    base_url: str,
+    baseline_url: str | None,
+    model: str | None,
+    dataset: str,
+    num_prompts: int,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    reasoning: str | None,
+    concurrency: int,
+    api_key: str,
+    timeout_s: float,
+    out: Path | None,
+) -> None:
+    settings = RemoteSettings(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        concurrency=concurrency,
+        timeout_s=timeout_s,
+        api_key=api_key,
+        template_kwargs=remote_reasoning(reasoning),
+    )
     conversations = sample(dataset, num_prompts)
     urls = {"dflash": base_url, **({"baseline": baseline_url} if baseline_url else {})}
     try:
         warn = lambda message: err_console.print(f"[yellow]{message}[/]")  # noqa: E731
-        servers = {name: describe_server(url, model if name == "dflash" else None, settings, warn)
-                   for name, url in urls.items()}  # --model names the DFlash server's model  # fmt: skip
+        servers = {
+            name: describe_server(url, model if name == "dflash" else None, settings, warn)
+            for name, url in urls.items()
+        }  # --model names the DFlash server's model
         records = {}
         for name, url in urls.items():
             served, card = servers[name]
-            progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), console=console, transient=True)  # fmt: skip
+            progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            )
             with progress:
                 task = progress.add_task(f"{name} · {api_url(url)}", total=len(conversations))
-                leg = run_leg(name, url, served, card, conversations, settings,
-                              on_request=lambda done: progress.update(task, completed=done))  # fmt: skip
+                leg = run_leg(
+                    name,
+                    url,
+                    served,
+                    card,
+                    conversations,
+                    settings,
+                    on_request=lambda done: progress.update(task, completed=done),
+                )
             records[name] = leg_record(leg, concurrency)
     except RemoteError as e:
         fail(str(e))
@@ -63,11 +98,18 @@ def bench_openai(base_url: str, baseline_url: str | None, model: str | None, dat
         base = records["baseline"]["throughput_tps"]
         records["dflash"]["speedup"] = round(records["dflash"]["throughput_tps"] / base, 4) if base else None
     doc = {
-        "backend": "openai", "dataset": dataset, "num_prompts": len(conversations), "max_tokens": max_tokens,
-        "temperature": temperature, "top_p": top_p, "top_k": top_k, "concurrency": concurrency,
-        "legs": records, "speedup": records["dflash"].get("speedup"),
+        "backend": "openai",
+        "dataset": dataset,
+        "num_prompts": len(conversations),
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "concurrency": concurrency,
+        "legs": records,
+        "speedup": records["dflash"].get("speedup"),
         "environment": {"client": describe(), "servers": {name: card for name, (_, card) in servers.items()}},
-    }  # fmt: skip
+    }
     _print_table(doc)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -76,22 +118,28 @@ def bench_openai(base_url: str, baseline_url: str | None, model: str | None, dat
 
 
 def _print_table(doc: dict) -> None:
-    table = Table(title=f"{doc['dataset']} · {doc['num_prompts']} prompts · concurrency {doc['concurrency']}",
-                  box=box.SIMPLE_HEAD)  # fmt: skip
+    table = Table(
+        title=f"{doc['dataset']} · {doc['num_prompts']} prompts · concurrency {doc['concurrency']}", box=box.SIMPLE_HEAD
+    )
     for col in ("leg", "server", "tok/s", "speedup", "TTFT p50", "latency p50", "decode tok/s p50", "accept len"):
         table.add_column(col, justify="left" if col in ("leg", "server") else "right", no_wrap=col == "leg")
     for name, rec in doc["legs"].items():
         acc = rec["acceptance_length"]
         speedup = rec.get("speedup")
         table.add_row(
-            name, rec["url"], f"{rec['throughput_tps']:.1f}",
+            name,
+            rec["url"],
+            f"{rec['throughput_tps']:.1f}",
             f"{speedup:.2f}x" if speedup else ("1.00x" if name == "baseline" else "-"),
-            f"{rec['ttft_s']['p50']:.2f}s", f"{rec['latency_s']['p50']:.2f}s",
+            f"{rec['ttft_s']['p50']:.2f}s",
+            f"{rec['latency_s']['p50']:.2f}s",
             f"{rec['decode_tps']['p50']:.1f}" if rec["decode_tps"]["p50"] is not None else "-",
             f"{acc:.2f}" if acc is not None else "-",
         )
     console.print(table)
     for name, rec in doc["legs"].items():
         if rec["acceptance_length"] is None and name == "dflash":
-            err_console.print(f"[yellow]{rec['url']} reports no acceptance statistics (no dflash object, no "
-                              "meta_info.spec_accept_length, no vLLM spec-decode counters on /metrics).[/]")
+            err_console.print(
+                f"[yellow]{rec['url']} reports no acceptance statistics (no dflash object, no "
+                "meta_info.spec_accept_length, no vLLM spec-decode counters on /metrics).[/]"
+            )

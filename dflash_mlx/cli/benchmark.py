@@ -71,9 +71,18 @@ def _prompt_text(tokenizer, messages: list[dict], settings: BenchSettings) -> st
 def _stream(leg: Leg, model, tokenizer, drafter, draft_model, prompt: str, settings: BenchSettings, max_tokens: int):
     if leg.name == "dflash":
         return stream_generate(
-            model, drafter, tokenizer, prompt, max_tokens=max_tokens, **leg.block.generation_kwargs(),
-            temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed,
-            lookup=leg.lookup, **settings.kv,
+            model,
+            drafter,
+            tokenizer,
+            prompt,
+            max_tokens=max_tokens,
+            **leg.block.generation_kwargs(),
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
+            seed=settings.seed,
+            lookup=leg.lookup,
+            **settings.kv,
         )
     kwargs = {"sampler": make_sampler(settings.temperature, top_p=settings.top_p, top_k=settings.top_k), **settings.kv}
     if settings.temperature > 0:
@@ -123,8 +132,9 @@ def run_benchmark(
     if draft_model is not None:
         legs.append(Leg("mlx-lm-draft"))
     for leg in legs:  # warm-up: compile kernels, touch the weights
-        _run_conversation(leg, model, tokenizer, drafter, draft_model, conversations[0][:1], settings,
-                          WARMUP_TOKENS, record=False)  # fmt: skip
+        _run_conversation(
+            leg, model, tokenizer, drafter, draft_model, conversations[0][:1], settings, WARMUP_TOKENS, record=False
+        )
     mx.reset_peak_memory()
     for i, turns in enumerate(conversations):
         baseline_tokens = None
@@ -140,16 +150,18 @@ def run_benchmark(
                 leg.stats.peak_memory_gb = max(leg.stats.peak_memory_gb, mx.get_peak_memory() / 1e9)
             if baseline_tokens is None:
                 baseline_tokens = tokens
-            leg.prompts.append({
-                "index": i,
-                "turns": len(turns),
-                "prompt_tokens": stats.prompt_tokens,
-                "tokens": stats.tokens,
-                "tps": round(stats.tps, 3),
-                "acceptance_length": stats.acceptance_length,
-                "matches_baseline": tokens == baseline_tokens,
-                "text": texts,
-            })
+            leg.prompts.append(
+                {
+                    "index": i,
+                    "turns": len(turns),
+                    "prompt_tokens": stats.prompt_tokens,
+                    "tokens": stats.tokens,
+                    "tps": round(stats.tps, 3),
+                    "acceptance_length": stats.acceptance_length,
+                    "matches_baseline": tokens == baseline_tokens,
+                    "text": texts,
+                }
+            )
     return legs
 
 
@@ -175,8 +187,7 @@ def _run_record(baseline: Leg, leg: Leg) -> dict:
         "dflash_tokens": leg.stats.tokens,
         "greedy_matches": all(p["matches_baseline"] for p in leg.prompts),
         "prompts": [
-            dict(p, baseline_tps=b["tps"], baseline_tokens=b["tokens"])
-            for p, b in zip(leg.prompts, baseline.prompts)
+            dict(p, baseline_tps=b["tps"], baseline_tokens=b["tokens"]) for p, b in zip(leg.prompts, baseline.prompts)
         ],
     }
 

@@ -23,8 +23,17 @@ from ..policy.calibration import STABLE, calibration_dir, calibration_key, clear
 from ..session import make_session
 from ..targets.quantized_kv import kv_quantization
 from .common import (
-    KV_DEFAULTS, DraftOpt, KVBitsOpt, KVGroupSizeOpt, ModelOpt, QuantizedKVStartOpt, console, fail, kv_settings,
-    load_models, user_errors,
+    KV_DEFAULTS,
+    DraftOpt,
+    KVBitsOpt,
+    KVGroupSizeOpt,
+    ModelOpt,
+    QuantizedKVStartOpt,
+    console,
+    fail,
+    kv_settings,
+    load_models,
+    user_errors,
 )
 
 
@@ -34,8 +43,14 @@ def calibrate(
     force: Annotated[bool, typer.Option("--force", help="Measure again, replacing the cached curve.")] = False,
     clear: Annotated[bool, typer.Option("--clear", help="Delete every cached calibration, then exit.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    sampled: Annotated[bool, typer.Option("--sampled", help="The curve of sampled decoding (temperature > 0), "
-                                          "whose verify is dearer per row than greedy decoding's.")] = False,
+    sampled: Annotated[
+        bool,
+        typer.Option(
+            "--sampled",
+            help="The curve of sampled decoding (temperature > 0), "
+            "whose verify is dearer per row than greedy decoding's.",
+        ),
+    ] = False,
     kv_bits: KVBitsOpt = KV_DEFAULTS["kv_bits"],
     kv_group_size: KVGroupSizeOpt = KV_DEFAULTS["kv_group_size"],
     quantized_kv_start: QuantizedKVStartOpt = KV_DEFAULTS["quantized_kv_start"],
@@ -63,14 +78,24 @@ def calibrate(
     notes = cost.notes
     measured = notes.get("measured_at") is not None and not notes.get("read")
     curve = cost.table
-    rows = [{"block": b, "ms_per_cycle": round(1000 * t, 3),
-             "break_even_tokens_per_cycle": round(t / curve.line()[0], 3)}
-            for b, t in zip(curve.blocks, curve.line())]  # fmt: skip
+    rows = [
+        {"block": b, "ms_per_cycle": round(1000 * t, 3), "break_even_tokens_per_cycle": round(t / curve.line()[0], 3)}
+        for b, t in zip(curve.blocks, curve.line())
+    ]
     instability = notes.get("instability")
-    summary = {"model": choice.label, "max_block_size": largest, "sampled": sampled, "cached": not measured,
-               "seconds": round(took, 3), "file": str(path), "source": notes.get("source", "measured"),
-               "instability": instability, "stable": instability is None or instability <= STABLE,
-               "written": path.exists() and (not measured or bool(notes.get("stable"))), "curve": rows}  # fmt: skip
+    summary = {
+        "model": choice.label,
+        "max_block_size": largest,
+        "sampled": sampled,
+        "cached": not measured,
+        "seconds": round(took, 3),
+        "file": str(path),
+        "source": notes.get("source", "measured"),
+        "instability": instability,
+        "stable": instability is None or instability <= STABLE,
+        "written": path.exists() and (not measured or bool(notes.get("stable"))),
+        "curve": rows,
+    }
     if as_json:
         typer.echo(json.dumps(summary))
         return
@@ -82,8 +107,9 @@ def calibrate(
         table.add_row(str(r["block"]), f"{r['ms_per_cycle']:.2f}", f"{r['break_even_tokens_per_cycle']:.2f}")
     console.print(table)
     if instability is not None:
-        agree = (f"its rounds agree on T(b) / T(1) within {instability:.0%} "
-                 f"(a calibration is cached within {STABLE:.0%})")
+        agree = (
+            f"its rounds agree on T(b) / T(1) within {instability:.0%} (a calibration is cached within {STABLE:.0%})"
+        )
     else:
         agree = "its rounds' agreement was not recorded"
     if not measured:
@@ -92,5 +118,7 @@ def calibrate(
     elif summary["written"]:
         console.print(f"[dim]measured in {took:.2f} s, {agree}: {path}[/]")
     else:
-        console.print(f"[yellow]measured in {took:.2f} s, but not cached: {agree}; the machine looks busy. "
-                      "The loop corrects the curve as it runs; or run this again when the machine is quiet.[/]")
+        console.print(
+            f"[yellow]measured in {took:.2f} s, but not cached: {agree}; the machine looks busy. "
+            "The loop corrects the curve as it runs; or run this again when the machine is quiet.[/]"
+        )

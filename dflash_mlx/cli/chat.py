@@ -27,8 +27,20 @@ from ..models.resolve import BlockChoice, choose_block_size
 from ..session import make_session
 from ..stats import RunStats
 from .common import (
-    BlockOpt, DraftOpt, KVBitsOpt, KVGroupSizeOpt, LookupOpt, ModelOpt, QuantizedKVStartOpt, ReasoningOpt, SeedOpt,
-    ShardOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
+    BlockOpt,
+    DraftOpt,
+    KVBitsOpt,
+    KVGroupSizeOpt,
+    LookupOpt,
+    ModelOpt,
+    QuantizedKVStartOpt,
+    ReasoningOpt,
+    SeedOpt,
+    ShardOpt,
+    SystemOpt,
+    TemperatureOpt,
+    TopKOpt,
+    TopPOpt,
 )
 from .common import KV_DEFAULTS, console, fail, kv_settings, load_models, lookup_flag, sharding_group, user_errors
 from .live_panel import LiveReply, stats_panel, summary_line
@@ -89,8 +101,13 @@ def chat(
         template_kwargs = reasoning_kwargs(tokenizer, reasoning, choice.entry, choice.label)
         b = choose_block_size(block_size, choice.entry, model_, drafter)
     largest = choose_block_size(None, choice.entry, model_, drafter).size
-    state = ChatState(system=system, temperature=temperature, block=b, largest=largest,
-                      widest=widest_block(drafter) if drafter is not None else None)  # fmt: skip
+    state = ChatState(
+        system=system,
+        temperature=temperature,
+        block=b,
+        largest=largest,
+        widest=widest_block(drafter) if drafter is not None else None,
+    )
     state.totals.block_size, state.totals.adaptive = b.size, b.adaptive
     session = make_session(model_, drafter)
     mode = f"DFlash, {b.label}" if drafter is not None else "plain decoding"
@@ -116,9 +133,15 @@ def chat(
         reply = ""
         try:
             prompt = encode_prompt(tokenizer, render(tokenizer, state.conversation(), template_kwargs))
-            reply = _reply(model_, drafter, tokenizer, prompt, session, state,
-                           dict(max_tokens=max_tokens, top_p=top_p, top_k=top_k, seed=seed, lookup=use_lookup,
-                                **kv))  # fmt: skip
+            reply = _reply(
+                model_,
+                drafter,
+                tokenizer,
+                prompt,
+                session,
+                state,
+                dict(max_tokens=max_tokens, top_p=top_p, top_k=top_k, seed=seed, lookup=use_lookup, **kv),
+            )
         except KeyboardInterrupt:  # outside the token loop (which turns Ctrl-C into a flag)
             console.print("\n[yellow](reply interrupted)[/]")
         state.messages.append({"role": "assistant", "content": reply})
@@ -129,8 +152,14 @@ def _reply(model, drafter, tokenizer, prompt, session, state: ChatState, options
     stats = RunStats(block_size=state.block.size, adaptive=state.block.adaptive)
     pieces: list[str] = []
     stream = stream_generate(
-        model, drafter, tokenizer, prompt, **state.block.generation_kwargs(), temperature=state.temperature,
-        session=session, **options,
+        model,
+        drafter,
+        tokenizer,
+        prompt,
+        **state.block.generation_kwargs(),
+        temperature=state.temperature,
+        session=session,
+        **options,
     )
     with _ctrl_c_sets_flag() as interrupted:
         console.print("[bold blue]assistant>[/]")
@@ -197,8 +226,10 @@ def _command(line: str, state: ChatState, session, has_drafter: bool) -> bool:
             state.totals.block_size, state.totals.adaptive = state.largest, True
             console.print(f"[dim]Adaptive block, at most {state.largest}.[/]")
         elif not arg.isdigit() or not 1 <= int(arg) <= state.widest:
-            console.print(f"[red]/block: expected auto or an integer from 1 to {state.widest} (the drafter's block), "
-                          f"got {escape(arg or 'nothing')}.[/]")
+            console.print(
+                f"[red]/block: expected auto or an integer from 1 to {state.widest} (the drafter's block), "
+                f"got {escape(arg or 'nothing')}.[/]"
+            )
         else:
             state.block = BlockChoice(int(arg))
             state.totals.block_size, state.totals.adaptive = int(arg), False

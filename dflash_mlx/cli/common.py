@@ -38,23 +38,40 @@ console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
 
 USER_ERRORS = (
-    ModelChoiceError, ReasoningError, DraftConfigError, DraftWeightsError, PairMismatchError,
-    RegistryError, UnsupportedTargetError, FileNotFoundError, HfHubHTTPError, LocalEntryNotFoundError, ShardError,
+    ModelChoiceError,
+    ReasoningError,
+    DraftConfigError,
+    DraftWeightsError,
+    PairMismatchError,
+    RegistryError,
+    UnsupportedTargetError,
+    FileNotFoundError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    ShardError,
 )
 
 ModelOpt = Annotated[
     str | None,
-    typer.Option("--model", "-m", help="Registry name, Hugging Face repo id or local mlx-lm directory "
-                 "(default: the bundled demo pair)."),
+    typer.Option(
+        "--model",
+        "-m",
+        help="Registry name, Hugging Face repo id or local mlx-lm directory (default: the bundled demo pair).",
+    ),
 ]
 DraftOpt = Annotated[
     str | None, typer.Option("--draft", help="DFlash drafter (directory or repo id); overrides the registry.")
 ]
 BlockOpt = Annotated[
     str | None,
-    typer.Option("--block-size", "-b", metavar="auto|N", help="Tokens per draft/verify cycle, anchor included: "
-                 "auto (default) chooses per cycle, up to the registry's or the drafter's block (at most 5 for "
-                 "<=4-bit models), plain decoding included; N fixes it."),
+    typer.Option(
+        "--block-size",
+        "-b",
+        metavar="auto|N",
+        help="Tokens per draft/verify cycle, anchor included: "
+        "auto (default) chooses per cycle, up to the registry's or the drafter's block (at most 5 for "
+        "<=4-bit models), plain decoding included; N fixes it.",
+    ),
 ]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", "--temp", min=0.0, help="0: greedy.")]
 TopPOpt = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)]
@@ -63,15 +80,22 @@ SystemOpt = Annotated[str | None, typer.Option("--system", help="System prompt."
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for sampled runs.")]
 ReasoningOpt = Annotated[
     str | None,
-    typer.Option("--reasoning", help="on|off|low|medium|high|xhigh, mapped onto the chat template's "
-                 "enable_thinking, reasoning_effort or reasoning_strength."),
+    typer.Option(
+        "--reasoning",
+        help="on|off|low|medium|high|xhigh, mapped onto the chat template's "
+        "enable_thinking, reasoning_effort or reasoning_strength.",
+    ),
 ]
 
 
 LookupOpt = Annotated[
     str,
-    typer.Option("--lookup", metavar="on|off", help="Copy-aware drafting: a cycle may verify the tokens that "
-                 "followed the sequence's end where it occurred earlier in the prompt or reply (on by default)."),
+    typer.Option(
+        "--lookup",
+        metavar="on|off",
+        help="Copy-aware drafting: a cycle may verify the tokens that "
+        "followed the sequence's end where it occurred earlier in the prompt or reply (on by default).",
+    ),
 ]
 
 
@@ -84,8 +108,11 @@ def lookup_flag(value: str) -> bool:
 
 KVBitsOpt = Annotated[
     int | None,
-    typer.Option("--kv-bits", help="Quantize the target's KV cache to 2, 3, 4, 5, 6 or 8 bits, as mlx-lm's "
-                 "--kv-bits does (output equal to mlx-lm's with the same flags; not for sliding-window targets)."),
+    typer.Option(
+        "--kv-bits",
+        help="Quantize the target's KV cache to 2, 3, 4, 5, 6 or 8 bits, as mlx-lm's "
+        "--kv-bits does (output equal to mlx-lm's with the same flags; not for sliding-window targets).",
+    ),
 ]
 KVGroupSizeOpt = Annotated[int, typer.Option("--kv-group-size", help="Group size of the quantized KV cache.")]
 QuantizedKVStartOpt = Annotated[
@@ -117,8 +144,12 @@ def kv_settings(model, kv_bits: int | None, kv_group_size: int, quantized_kv_sta
 
 ShardOpt = Annotated[
     str | None,
-    typer.Option("--shard", metavar="tensor", help="Tensor-shard the target over the ranks mlx.launch started "
-                 "(`mlx.launch --hosts ... -- dflash-mlx COMMAND --shard tensor ...`); the drafter is replicated."),
+    typer.Option(
+        "--shard",
+        metavar="tensor",
+        help="Tensor-shard the target over the ranks mlx.launch started "
+        "(`mlx.launch --hosts ... -- dflash-mlx COMMAND --shard tensor ...`); the drafter is replicated.",
+    ),
 ]
 
 
@@ -152,8 +183,10 @@ def sharding_group(shard: str | None):
         fail(f"--shard {shard}: {str(e).removeprefix('shard: ')}")
     group = world()
     if group.size() == 1:
-        err_console.print("[yellow]--shard: this is a single process (start every rank with `mlx.launch -n 2 -- "
-                          "dflash-mlx ...` or `mlx.launch --hosts ...`); the target is not split.[/]")  # fmt: skip
+        err_console.print(
+            "[yellow]--shard: this is a single process (start every rank with `mlx.launch -n 2 -- "
+            "dflash-mlx ...` or `mlx.launch --hosts ...`); the target is not split.[/]"
+        )
         return None
     if group.rank() != 0:
         quiet_follower()
@@ -175,8 +208,9 @@ def quiet_follower() -> None:
     disable_progress_bars()
 
 
-def load_models(model: str | None, draft: str | None, use_draft: bool = True, draft_bits: int | None = None,
-                group=None):  # fmt: skip
+def load_models(
+    model: str | None, draft: str | None, use_draft: bool = True, draft_bits: int | None = None, group=None
+):
     """(choice, model, tokenizer, drafter) with a status line while loading (`group`: sharded over it)."""
     with user_errors():
         choice: ModelChoice = choose_model(model, draft, use_draft=use_draft)

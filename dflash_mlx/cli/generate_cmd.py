@@ -13,8 +13,20 @@ from ..generation import stream_generate
 from ..models.resolve import choose_block_size
 from ..stats import RunStats
 from .common import (
-    BlockOpt, DraftOpt, KVBitsOpt, KVGroupSizeOpt, LookupOpt, ModelOpt, QuantizedKVStartOpt, ReasoningOpt, SeedOpt,
-    ShardOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
+    BlockOpt,
+    DraftOpt,
+    KVBitsOpt,
+    KVGroupSizeOpt,
+    LookupOpt,
+    ModelOpt,
+    QuantizedKVStartOpt,
+    ReasoningOpt,
+    SeedOpt,
+    ShardOpt,
+    SystemOpt,
+    TemperatureOpt,
+    TopKOpt,
+    TopPOpt,
 )
 from .common import KV_DEFAULTS, err_console, fail, kv_settings, load_models, lookup_flag, sharding_group, user_errors
 
@@ -68,8 +80,18 @@ def generate(
     stats.begin()
     try:
         for response in stream_generate(
-            model_, drafter, tokenizer, text, max_tokens=max_tokens, **b.generation_kwargs(),
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, lookup=use_lookup, **kv,
+            model_,
+            drafter,
+            tokenizer,
+            text,
+            max_tokens=max_tokens,
+            **b.generation_kwargs(),
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            lookup=use_lookup,
+            **kv,
         ):
             stats.add(response)
             pieces.append(response.text)
@@ -106,6 +128,5 @@ def generate(
         if drafter is not None and stats.sources_line():
             accept += f" ({stats.sources_line()})"
         err_console.print(
-            f"[dim]{stats.tokens} tokens, {stats.tps:.1f} tok/s{accept}, "
-            f"peak memory {stats.peak_memory_gb:.2f} GB[/]"
+            f"[dim]{stats.tokens} tokens, {stats.tps:.1f} tok/s{accept}, peak memory {stats.peak_memory_gb:.2f} GB[/]"
         )

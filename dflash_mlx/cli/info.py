@@ -69,8 +69,10 @@ def _selftest(model: str | None, draft: str | None, num_prompts: int, max_tokens
     with user_errors():
         template_kwargs = reasoning_kwargs(tokenizer, None, choice.entry, choice.label)
         block = choose_block_size(None, choice.entry, model_, drafter)
-    console.print(f"[bold]Self-test[/]: {escape(choice.label)}, {num_prompts} GSM8K prompts, "
-                  f"{max_tokens} tokens each, greedy, {block.label}…")  # fmt: skip
+    console.print(
+        f"[bold]Self-test[/]: {escape(choice.label)}, {num_prompts} GSM8K prompts, "
+        f"{max_tokens} tokens each, greedy, {block.label}…"
+    )
     settings = BenchSettings(max_tokens=max_tokens, template_kwargs=template_kwargs)
     legs = run_benchmark(model_, tokenizer, drafter, sample("gsm8k", num_prompts), [block], settings)
     run = report(legs, {}, {})

@@ -67,8 +67,15 @@ def stats_panel(stats: RunStats) -> Panel:
         body = Group(histogram_table(stats), blocks_line(stats), sources_text(stats))
     else:
         body = Group(histogram_table(stats), sources_text(stats))
-    return Panel(body, title=stats_title(stats), title_align="left", subtitle="tokens per cycle",
-                 subtitle_align="left", border_style="blue", expand=False)  # fmt: skip
+    return Panel(
+        body,
+        title=stats_title(stats),
+        title_align="left",
+        subtitle="tokens per cycle",
+        subtitle_align="left",
+        border_style="blue",
+        expand=False,
+    )
 
 
 def reply_view(text: str, stats: RunStats) -> Group:
@@ -100,6 +107,4 @@ def summary_line(stats: RunStats) -> str:
         accept += f" ({stats.sources_line()})"
     if stats.adaptive and stats.mean_block_size is not None:
         accept += f", mean block {stats.mean_block_size:.1f}"
-    return (
-        f"{stats.tokens} tokens, {stats.tps:.1f} tok/s{accept}, peak memory {stats.peak_memory_gb:.2f} GB"
-    )
+    return f"{stats.tokens} tokens, {stats.tps:.1f} tok/s{accept}, peak memory {stats.peak_memory_gb:.2f} GB"

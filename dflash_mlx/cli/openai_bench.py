@@ -99,8 +99,9 @@ def _explain(url: str, error: Exception) -> RemoteError:
     return RemoteError(f"{url}: {type(error).__name__}: {error}")
 
 
-def describe_server(url: str, model: str | None, settings: RemoteSettings,
-                    warn: Callable[[str], None] = lambda message: None) -> tuple[str, dict]:  # fmt: skip
+def describe_server(
+    url: str, model: str | None, settings: RemoteSettings, warn: Callable[[str], None] = lambda message: None
+) -> tuple[str, dict]:
     """(the model id to use, its /v1/models entry); the first served id when `model` is None.
 
     A /v1/models that answers 200 with something that is not a model list (mlx_lm.server 0.32
@@ -114,8 +115,10 @@ def describe_server(url: str, model: str | None, settings: RemoteSettings,
     except (openai.APIStatusError, openai.APIConnectionError) as e:
         raise _explain(url, e) from None
     except (ValueError, TypeError, AttributeError, openai.OpenAIError) as e:
-        warn(f"{api_url(url)}/models did not answer with a model list ({type(e).__name__}); "
-             f"using the model id {model or 'default_model'!r}")  # fmt: skip
+        warn(
+            f"{api_url(url)}/models did not answer with a model list ({type(e).__name__}); "
+            f"using the model id {model or 'default_model'!r}"
+        )
         return model or "default_model", {"id": None, "models_error": f"{type(e).__name__}: {e}"}
     ids = [c.get("id") for c in cards]
     if not ids:
@@ -154,8 +157,14 @@ def _one_request(client, model: str, messages: list[dict], settings: RemoteSetti
     tic = time.perf_counter()
     first, text, usage, acceptance = None, "", None, None
     stream = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=settings.temperature,
-        top_p=settings.top_p, stream=True, stream_options={"include_usage": True}, extra_body=extra,
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
     )
     for chunk in stream:
         extra_fields = chunk.model_extra or {}
@@ -176,12 +185,24 @@ def _one_request(client, model: str, messages: list[dict], settings: RemoteSetti
     done = time.perf_counter()
     tokens = usage.completion_tokens if usage is not None else 0
     source, value = acceptance or (None, None)
-    return text, Request(ttft_s=(first or done) - tic, latency_s=done - tic, completion_tokens=tokens,
-                         acceptance=value, acceptance_source=source)  # fmt: skip
+    return text, Request(
+        ttft_s=(first or done) - tic,
+        latency_s=done - tic,
+        completion_tokens=tokens,
+        acceptance=value,
+        acceptance_source=source,
+    )
 
 
-def run_leg(name: str, url: str, model: str, card: dict, conversations: list[list[str]], settings: RemoteSettings,
-            on_request: Callable[[int], None] | None = None) -> LegResult:  # fmt: skip
+def run_leg(
+    name: str,
+    url: str,
+    model: str,
+    card: dict,
+    conversations: list[list[str]],
+    settings: RemoteSettings,
+    on_request: Callable[[int], None] | None = None,
+) -> LegResult:
     """Warm up, then every conversation with `settings.concurrency` in flight."""
     import openai
 
@@ -206,8 +227,14 @@ def run_leg(name: str, url: str, model: str, card: dict, conversations: list[lis
         with _client(url, settings) as client:
             warm = [[c[0]] for c in conversations[: max(1, settings.concurrency)]]
             with ThreadPoolExecutor(settings.concurrency) as pool:
-                list(pool.map(lambda c: _one_request(client, model, [{"role": "user", "content": c[0]}], settings,
-                                                     WARMUP_TOKENS), warm))  # fmt: skip
+                list(
+                    pool.map(
+                        lambda c: _one_request(
+                            client, model, [{"role": "user", "content": c[0]}], settings, WARMUP_TOKENS
+                        ),
+                        warm,
+                    )
+                )
             before = _vllm_counters(url)
             tic = time.perf_counter()
             with ThreadPoolExecutor(settings.concurrency) as pool:
@@ -234,16 +261,24 @@ def _spread(values: list[float], with_p90: bool = True) -> dict:
 
 def leg_record(leg: LegResult, concurrency: int) -> dict:
     tokens = sum(r.completion_tokens for r in leg.requests)
-    decode = [(r.completion_tokens - 1) / (r.latency_s - r.ttft_s) for r in leg.requests
-              if r.completion_tokens > 1 and r.latency_s > r.ttft_s]  # fmt: skip
+    decode = [
+        (r.completion_tokens - 1) / (r.latency_s - r.ttft_s)
+        for r in leg.requests
+        if r.completion_tokens > 1 and r.latency_s > r.ttft_s
+    ]
     reported = [r.acceptance for r in leg.requests if r.acceptance is not None]
     acceptance = statistics.fmean(reported) if reported else leg.vllm_acceptance
     return {
-        "url": leg.url, "model": leg.model, "concurrency": concurrency, "requests": len(leg.requests),
-        "output_tokens": tokens, "wall_s": round(leg.wall_s, 4),
+        "url": leg.url,
+        "model": leg.model,
+        "concurrency": concurrency,
+        "requests": len(leg.requests),
+        "output_tokens": tokens,
+        "wall_s": round(leg.wall_s, 4),
         "throughput_tps": round(tokens / leg.wall_s, 3) if leg.wall_s > 0 else 0.0,
-        "latency_s": _spread([r.latency_s for r in leg.requests]), "ttft_s": _spread([r.ttft_s for r in leg.requests]),
+        "latency_s": _spread([r.latency_s for r in leg.requests]),
+        "ttft_s": _spread([r.ttft_s for r in leg.requests]),
         "decode_tps": _spread(decode, with_p90=False),
         "acceptance_length": round(acceptance, 4) if acceptance is not None else None,
         "acceptance_source": leg.acceptance_source,
-    }  # fmt: skip
+    }

@@ -75,10 +75,7 @@ def derive_target_layer_ids(num_draft_layers: int, num_target_layers: int) -> tu
         return (num_target_layers // 2,)
     span = num_target_layers - 4
     last = max(num_target_layers - 1, 0)
-    return tuple(
-        min(max(int(round(1 + i * span / (num_draft_layers - 1))), 0), last)
-        for i in range(num_draft_layers)
-    )
+    return tuple(min(max(int(round(1 + i * span / (num_draft_layers - 1))), 0), last) for i in range(num_draft_layers))
 
 
 def read_raw_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
@@ -113,8 +110,7 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
     known = [a for a in architectures if a in (V1_ARCHITECTURE, V2_ARCHITECTURE)]
     if not known:
         raise DraftConfigError(
-            f"{source}: 'architectures' is {architectures}; expected "
-            f"['{V1_ARCHITECTURE}'] or ['{V2_ARCHITECTURE}']."
+            f"{source}: 'architectures' is {architectures}; expected ['{V1_ARCHITECTURE}'] or ['{V2_ARCHITECTURE}']."
         )
 
     num_layers = fields.int("num_hidden_layers", minimum=1)
@@ -135,25 +131,23 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
                 "'num_target_layers' to derive it from."
             )
         ids = derive_target_layer_ids(num_layers, int(raw["num_target_layers"]))
-    if not isinstance(ids, (list, tuple)) or not ids or not all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+    if (
+        not isinstance(ids, (list, tuple))
+        or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
     ):
         raise DraftConfigError(
-            f"{source}: 'dflash_config.target_layer_ids' must be a non-empty list of "
-            f"layer indices >= 0, got {ids!r}."
+            f"{source}: 'dflash_config.target_layer_ids' must be a non-empty list of layer indices >= 0, got {ids!r}."
         )
 
     layer_types = tuple(raw.get("layer_types") or ("full_attention",) * num_layers)
     if len(layer_types) != num_layers:
         raise DraftConfigError(
-            f"{source}: 'layer_types' has {len(layer_types)} entries but "
-            f"'num_hidden_layers' is {num_layers}."
+            f"{source}: 'layer_types' has {len(layer_types)} entries but 'num_hidden_layers' is {num_layers}."
         )
     unknown = sorted(set(layer_types) - set(LAYER_TYPES))
     if unknown:
-        raise DraftConfigError(
-            f"{source}: 'layer_types' holds {unknown}; expected only {list(LAYER_TYPES)}."
-        )
+        raise DraftConfigError(f"{source}: 'layer_types' holds {unknown}; expected only {list(LAYER_TYPES)}.")
     sliding_window = raw.get("sliding_window")
     if "sliding_attention" in layer_types:
         if not isinstance(sliding_window, int) or sliding_window < 2:

@@ -61,8 +61,9 @@ class DFlash2Layer(DraftLayer):
         self.attention_conv = GroupedDynamicConv(H, K, G)
         self.mlp_conv = GroupedDynamicConv(H, K, G)
 
-    def __call__(self, x: mx.array, cache: DraftContextCache, heads: HeadProjection, context: mx.array | None = None
-                 ) -> mx.array:  # fmt: skip
+    def __call__(
+        self, x: mx.array, cache: DraftContextCache, heads: HeadProjection, context: mx.array | None = None
+    ) -> mx.array:
         u, dynamic = self.attention_conv.prepare(rms_norm(self.input_layernorm, x))
         h = x + self.attention_conv.finish(self.self_attn(u, cache, heads, context), dynamic)
         u, dynamic = self.mlp_conv.prepare(rms_norm(self.post_attention_layernorm, h))

@@ -28,8 +28,9 @@ class DraftWeightsError(ValueError):
     """A draft checkpoint's safetensors do not match its config."""
 
 
-def resolve_model_dir(path_or_repo: str | Path, what: str = "draft model",
-                      allow_patterns: list[str] | None = None) -> Path:  # fmt: skip
+def resolve_model_dir(
+    path_or_repo: str | Path, what: str = "draft model", allow_patterns: list[str] | None = None
+) -> Path:
     """A local directory as is; otherwise a Hugging Face repo id, downloaded (the files matching
     `allow_patterns`, by default json + safetensors)."""
     path = Path(path_or_repo).expanduser()
@@ -40,8 +41,7 @@ def resolve_model_dir(path_or_repo: str | Path, what: str = "draft model",
     repo = str(path_or_repo)
     if not is_repo_id(repo):
         raise FileNotFoundError(
-            f"The {what} '{repo}' is neither an existing directory nor a Hugging Face "
-            "repo id of the form 'org/name'."
+            f"The {what} '{repo}' is neither an existing directory nor a Hugging Face repo id of the form 'org/name'."
         )
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -68,8 +68,11 @@ def read_weights(model_dir: Path) -> dict[str, mx.array]:
 def build_draft(config: DraftConfig, weights: dict[str, mx.array], source: str) -> DFlashDraftModel:
     """Instantiate the drafter for `config` and load `weights`, checking names and shapes."""
     if config.is_dflash2:
-        missing = [f for f in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-                   if getattr(config, f) <= 0]  # fmt: skip
+        missing = [
+            f
+            for f in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+            if getattr(config, f) <= 0
+        ]
         if missing:
             raise DraftConfigError(
                 f"{source}: a DFlash2DraftModel needs dflash_config fields {missing} (positive integers)."

@@ -179,8 +179,9 @@ class DraftAttention(nn.Module):
             context = context[:, -cache.max_rows :]
         cache.append(*self._keys_values(context, heads, cache.end))
 
-    def __call__(self, x: mx.array, cache: DraftContextCache, heads: HeadProjection, context: mx.array | None = None
-                 ) -> mx.array:  # fmt: skip
+    def __call__(
+        self, x: mx.array, cache: DraftContextCache, heads: HeadProjection, context: mx.array | None = None
+    ) -> mx.array:
         """The block `x`'s attention output; `context` (fused rows of newly committed positions, at
         `cache.end..`) is added to the cache on the way, in the same K/V projection as the block."""
         B, L, _ = x.shape
@@ -225,8 +226,9 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: DraftContextCache, heads: HeadProjection, context: mx.array | None = None
-                 ) -> mx.array:  # fmt: skip
+    def __call__(
+        self, x: mx.array, cache: DraftContextCache, heads: HeadProjection, context: mx.array | None = None
+    ) -> mx.array:
         h = x + self.self_attn(rms_norm(self.input_layernorm, x), cache, heads, context)
         return h + self.mlp(rms_norm(self.post_attention_layernorm, h))
 
@@ -272,8 +274,9 @@ class DFlashDraftModel(nn.Module):
         for layer, c in zip(self.layers, cache):
             layer.self_attn.extend_context(context, c, self.heads)
 
-    def hidden_states(self, block_ids: mx.array, cache, target: TargetHooks, features: mx.array | None = None
-                      ) -> mx.array:  # fmt: skip
+    def hidden_states(
+        self, block_ids: mx.array, cache, target: TargetHooks, features: mx.array | None = None
+    ) -> mx.array:
         """Final normed hidden states of block rows 1.. (the anchor row dropped). `features` (target
         features of positions committed right before the block) are ingested by the same forward."""
         h = target.embed(block_ids)
@@ -293,7 +296,6 @@ class DFlashDraftModel(nn.Module):
             logits = mx.tanh(logits / cap) * cap
         return logits
 
-    def __call__(self, block_ids: mx.array, cache, target: TargetHooks, features: mx.array | None = None
-                 ) -> mx.array:  # fmt: skip
+    def __call__(self, block_ids: mx.array, cache, target: TargetHooks, features: mx.array | None = None) -> mx.array:
         """Draft logits [B, b - 1, V] for the block `[anchor, mask, ...]` (`features`: see `hidden_states`)."""
         return self.logits(self.hidden_states(block_ids, cache, target, features), target)

@@ -38,8 +38,7 @@ def check_pair(draft, target_model: nn.Module, draft_name: str, target_name: str
 
     def fail(field: str, draft_value, target_value, expectation: str) -> None:
         raise PairMismatchError(
-            f"{where}: {field} is {draft_value} in the draft but the target has "
-            f"{target_value} ({expectation})."
+            f"{where}: {field} is {draft_value} in the draft but the target has {target_value} ({expectation})."
         )
 
     if facts["hidden_size"] is not None and config.hidden_size != facts["hidden_size"]:

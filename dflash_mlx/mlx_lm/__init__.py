@@ -16,6 +16,11 @@ from .api import (
 )
 
 __all__ = [
-    "DFlashPromptCache", "generate", "load", "make_prompt_cache", "remember_draft", "remembered_draft",
+    "DFlashPromptCache",
+    "generate",
+    "load",
+    "make_prompt_cache",
+    "remember_draft",
+    "remembered_draft",
     "stream_generate",
 ]

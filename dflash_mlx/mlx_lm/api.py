@@ -45,10 +45,21 @@ from ..targets.adapter import target_problem
 from ..targets.quantized_kv import kv_quantization
 
 # Every keyword mlx_lm.stream_generate passes on to generate_step / speculative_generate_step.
-OPTIONS = frozenset({
-    "sampler", "logits_processors", "max_kv_size", "prompt_cache", "prefill_step_size", "kv_bits",
-    "kv_group_size", "quantized_kv_start", "prompt_progress_callback", "input_embeddings", "num_draft_tokens",
-})
+OPTIONS = frozenset(
+    {
+        "sampler",
+        "logits_processors",
+        "max_kv_size",
+        "prompt_cache",
+        "prefill_step_size",
+        "kv_bits",
+        "kv_group_size",
+        "quantized_kv_start",
+        "prompt_progress_callback",
+        "input_embeddings",
+        "num_draft_tokens",
+    }
+)
 
 _drafters: dict[int, object] = {}  # id(model) -> drafter; entries leave with their model
 _warned: set[str] = set()
@@ -91,8 +102,14 @@ def load(
     if entry is not None and not Path(target).expanduser().exists() and target.lower() == entry.name.lower():
         target = _registered(entry, "target")
     loaded = mlx_lm.load(
-        target, tokenizer_config=tokenizer_config, model_config=model_config, adapter_path=adapter_path,
-        lazy=lazy, return_config=return_config, revision=revision, trust_remote_code=trust_remote_code,
+        target,
+        tokenizer_config=tokenizer_config,
+        model_config=model_config,
+        adapter_path=adapter_path,
+        lazy=lazy,
+        return_config=return_config,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
     )
     model = loaded[0]
     if draft is None and entry is not None:
@@ -222,19 +239,36 @@ def stream_generate(
         if reason:
             _warn_once(reason)
         plain_draft = None if _is_dflash(draft_model) else draft_model
-        return mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens, draft_model=plain_draft, stream=stream,
-                                      **kwargs)  # fmt: skip
+        return mlx_lm.stream_generate(
+            model, tokenizer, prompt, max_tokens, draft_model=plain_draft, stream=stream, **kwargs
+        )
     return _dflash(model, tokenizer, prompt, max_tokens, draft, lookup=lookup, **kwargs)
 
 
-def _dflash(model, tokenizer, prompt, max_tokens, draft, *, sampler=None, logits_processors=None,
-            prompt_cache=None, prefill_step_size=2048, prompt_progress_callback=None,
-            num_draft_tokens=None, kv_bits=None, kv_group_size=64, quantized_kv_start=DEFAULT_QUANTIZED_KV_START,
-            lookup=True, **_unused_none):  # fmt: skip
+def _dflash(
+    model,
+    tokenizer,
+    prompt,
+    max_tokens,
+    draft,
+    *,
+    sampler=None,
+    logits_processors=None,
+    prompt_cache=None,
+    prefill_step_size=2048,
+    prompt_progress_callback=None,
+    num_draft_tokens=None,
+    kv_bits=None,
+    kv_group_size=64,
+    quantized_kv_start=DEFAULT_QUANTIZED_KV_START,
+    lookup=True,
+    **_unused_none,
+):
     # _unused_none holds max_kv_size and input_embeddings, both None here.
     settings = sampler_settings(sampler)
-    if num_draft_tokens is not None and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int)
-                                         or num_draft_tokens < 0):  # fmt: skip
+    if num_draft_tokens is not None and (
+        isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 0
+    ):
         raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}.")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -260,12 +294,25 @@ def _dflash(model, tokenizer, prompt, max_tokens, draft, *, sampler=None, logits
     # the seed is taken from it here, so the run counts as seeded (its blocks follow no timing)
     seed = None if settings.greedy else seed_from_mlx()
     responses = dflash_stream_generate(
-        model, draft, tokenizer, earlier + ids, max_tokens=max_tokens, seed=seed,
+        model,
+        draft,
+        tokenizer,
+        earlier + ids,
+        max_tokens=max_tokens,
+        seed=seed,
         block_size=None if num_draft_tokens is None else num_draft_tokens + 1,
-        temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p,
-        logits_processors=logits_processors, prefill_step_size=prefill_step_size,
-        prompt_progress_callback=prompt_progress_callback, session=session,
-        kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, lookup=lookup,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        min_p=settings.min_p,
+        logits_processors=logits_processors,
+        prefill_step_size=prefill_step_size,
+        prompt_progress_callback=prompt_progress_callback,
+        session=session,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
+        lookup=lookup,
     )
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     return _relabelled(responses, len(ids), prompt_cache, session, earlier + ids, kv)

@@ -46,10 +46,10 @@ def build_parser():
     helps = {
         "model": "The target: a local mlx-lm directory, a Hugging Face repo id or a models.toml name.",
         "draft_model": "A DFlash drafter (directory or repo id); default: the one models.toml registers "
-                       "for --model. An ordinary mlx-lm model runs mlx-lm's speculative decoding.",
+        "for --model. An ordinary mlx-lm model runs mlx-lm's speculative decoding.",
         "num_draft_tokens": "Tokens drafted per cycle (blocks of n + 1); default: the drafter's block "
-                            "size (3 for an ordinary mlx-lm draft model).",
-    }  # fmt: skip
+        "size (3 for an ordinary mlx-lm draft model).",
+    }
     for action in parser._actions:
         if action.dest in helps:
             action.help = helps[action.dest]
@@ -103,8 +103,11 @@ def _prompt(args, tokenizer) -> list[int]:
         if has_prefill:
             messages.append({"role": "assistant", "content": args.prefill_response})
         prompt = tokenizer.apply_chat_template(
-            messages, tokenize=False, continue_final_message=has_prefill,
-            add_generation_prompt=not has_prefill, **template_kwargs,
+            messages,
+            tokenize=False,
+            continue_final_message=has_prefill,
+            add_generation_prompt=not has_prefill,
+            **template_kwargs,
         )
     return tokenizer.encode(prompt, add_special_tokens=not use_chat_template)
 
@@ -117,8 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.image:
         parser.error("--image: dflash-mlx decodes text only; use `mlx_lm generate` for images.")
     if args.prompt_cache_file is not None:
-        parser.error("--prompt-cache-file holds mlx-lm caches, which cannot hold a DFlash drafter's state; "
-                     "use `mlx_lm generate` for it.")  # fmt: skip
+        parser.error(
+            "--prompt-cache-file holds mlx-lm caches, which cannot hold a DFlash drafter's state; "
+            "use `mlx_lm generate` for it."
+        )
     if args.use_default_chat_template:
         print("[WARNING] --use-default-chat-template has no effect (as in mlx_lm generate).", file=sys.stderr)
     if args.seed is not None:
@@ -128,14 +133,27 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer.add_eos_token(eos_token)
     prompt = _prompt(args, tokenizer)
     sampler = make_sampler(
-        args.temp, args.top_p, args.min_p, args.min_tokens_to_keep, top_k=args.top_k,
-        xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
+        args.temp,
+        args.top_p,
+        args.min_p,
+        args.min_tokens_to_keep,
+        top_k=args.top_k,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
         xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
     )
     responses = plugin.stream_generate(
-        model, tokenizer, prompt, max_tokens=args.max_tokens, draft_model=draft_model, sampler=sampler,
-        max_kv_size=args.max_kv_size, prefill_step_size=args.prefill_step_size, kv_bits=args.kv_bits,
-        kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=args.max_tokens,
+        draft_model=draft_model,
+        sampler=sampler,
+        max_kv_size=args.max_kv_size,
+        prefill_step_size=args.prefill_step_size,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        quantized_kv_start=args.quantized_kv_start,
         num_draft_tokens=args.num_draft_tokens,
     )
     _print(responses, args.verbose)
@@ -148,8 +166,10 @@ def _print(responses, verbose: bool) -> None:
     if not verbose:
         print(text)
     elif text and stats.cycles:
-        print(f"DFlash: {stats.cycles} cycles, {stats.acceptance_length:.2f} tokens per cycle, "
-              f"{stats.drafted} drafted tokens accepted")  # fmt: skip
+        print(
+            f"DFlash: {stats.cycles} cycles, {stats.acceptance_length:.2f} tokens per cycle, "
+            f"{stats.drafted} drafted tokens accepted"
+        )
 
 
 if __name__ == "__main__":

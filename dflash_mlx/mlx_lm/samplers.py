@@ -40,8 +40,7 @@ def _cells(fn) -> dict:
 _REFERENCE = make_sampler(1.0, top_p=0.5, min_p=0.1, min_tokens_to_keep=2, top_k=2, xtc_probability=0.5)
 _SAMPLER_CODE = _REFERENCE.__code__
 _FILTERS = {  # filter lambda code -> the names of the settings it closes over
-    method.__code__: frozenset(method.__code__.co_freevars)
-    for method in _cells(_REFERENCE)["sampling_methods"]
+    method.__code__: frozenset(method.__code__.co_freevars) for method in _cells(_REFERENCE)["sampling_methods"]
 }
 _TOP_P, _MIN_P, _TOP_K = frozenset({"top_p"}), frozenset({"min_p", "min_tokens_to_keep"}), frozenset({"top_k"})
 _XTC = frozenset({"xtc_probability", "xtc_threshold", "xtc_special_tokens"})
@@ -59,8 +58,7 @@ def sampler_settings(sampler) -> SamplingSettings:
     if getattr(sampler, "__code__", None) is not _SAMPLER_CODE or not _FILTERS:
         name = getattr(sampler, "__qualname__", type(sampler).__name__)
         raise UnsupportedSampler(
-            f"the sampler {name} was not made by mlx_lm.sample_utils.make_sampler, so its "
-            "distribution is unknown"
+            f"the sampler {name} was not made by mlx_lm.sample_utils.make_sampler, so its distribution is unknown"
         )
     cells = _cells(sampler)
     found = {"temperature": cells["temp"]}

@@ -54,5 +54,7 @@ def check_block_size(size, draft, name: str = "block_size") -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {size!r}.")
     if draft is not None and size > widest_block(draft):
         widest = widest_block(draft)
-        raise ValueError(f"{name} must be at most {widest}, the drafter's block (it drafts at most {widest - 1} "
-                         f"tokens per cycle), got {size}.")  # fmt: skip
+        raise ValueError(
+            f"{name} must be at most {widest}, the drafter's block (it drafts at most {widest - 1} "
+            f"tokens per cycle), got {size}."
+        )

@@ -70,10 +70,17 @@ def model_facts(model) -> dict:
         return {"type": type(model).__name__}
     facts = read_facts(model)
     config = model_config(model)
-    shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
-                                                    "block_size", "intermediate_size")}  # fmt: skip
-    return {"type": type(model).__name__, "parameters": facts.parameters, "float_dtypes": list(facts.float_dtypes),
-            "bits": facts.bits, **shape}  # fmt: skip
+    shape = {
+        k: getattr(config, k, None)
+        for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "block_size", "intermediate_size")
+    }
+    return {
+        "type": type(model).__name__,
+        "parameters": facts.parameters,
+        "float_dtypes": list(facts.float_dtypes),
+        "bits": facts.bits,
+        **shape,
+    }
 
 
 def _getter(node):

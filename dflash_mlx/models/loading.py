@@ -21,8 +21,15 @@ from .dtype import as_float32, on_cpu, target_float_dtype
 from .resolve import ModelChoice, choose_model
 
 
-def load_choice(choice: ModelChoice, *, draft_bits: int | None = None, draft_group_size: int = 64,
-                shard: str | None = None, group=None, **mlx_lm_load_kwargs):  # fmt: skip
+def load_choice(
+    choice: ModelChoice,
+    *,
+    draft_bits: int | None = None,
+    draft_group_size: int = 64,
+    shard: str | None = None,
+    group=None,
+    **mlx_lm_load_kwargs,
+):
     """(model, tokenizer, drafter or None) for a choice, by the CPU dtype rule (`models.dtype`).
 
     huggingface_hub shows download progress; extra keyword arguments go to ``mlx_lm.load``.
@@ -33,8 +40,10 @@ def load_choice(choice: ModelChoice, *, draft_bits: int | None = None, draft_gro
     check_shard_mode(shard)
     if shard is not None:
         if mlx_lm_load_kwargs:
-            raise ValueError(f"shard='tensor' loads through mlx_lm.utils.sharded_load, which takes none of "
-                             f"{', '.join(sorted(mlx_lm_load_kwargs))}.")  # fmt: skip
+            raise ValueError(
+                f"shard='tensor' loads through mlx_lm.utils.sharded_load, which takes none of "
+                f"{', '.join(sorted(mlx_lm_load_kwargs))}."
+            )
         return load_sharded(choice, group, draft_bits=draft_bits, draft_group_size=draft_group_size)
 
     model, tokenizer = mlx_lm_load(choice.target, **mlx_lm_load_kwargs)[:2]
@@ -45,8 +54,14 @@ def load_choice(choice: ModelChoice, *, draft_bits: int | None = None, draft_gro
         as_float32(model)
     drafter = None
     if choice.draft is not None:
-        drafter = load_draft(choice.draft, model, bits=draft_bits, group_size=draft_group_size,
-                             dtype=target_float_dtype(model), target_name=choice.label)  # fmt: skip
+        drafter = load_draft(
+            choice.draft,
+            model,
+            bits=draft_bits,
+            group_size=draft_group_size,
+            dtype=target_float_dtype(model),
+            target_name=choice.label,
+        )
     return model, tokenizer, drafter
 
 
@@ -75,5 +90,6 @@ def load(
     `dflash_mlx.sharding.loading`).
     """
     choice = choose_model(str(target), None if draft is None else str(draft), api=True)
-    return load_choice(choice, draft_bits=draft_bits, draft_group_size=draft_group_size, shard=shard, group=group,
-                       **mlx_lm_load_kwargs)  # fmt: skip
+    return load_choice(
+        choice, draft_bits=draft_bits, draft_group_size=draft_group_size, shard=shard, group=group, **mlx_lm_load_kwargs
+    )

@@ -146,7 +146,7 @@ def _check_reasoning(value: Any) -> str | None:
 def _check_levels(value: Any) -> str | None:
     if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
         return None
-    return "expected a non-empty list of strings such as [\"low\", \"medium\", \"high\"]"
+    return 'expected a non-empty list of strings such as ["low", "medium", "high"]'
 
 
 def _check_bool(value: Any) -> str | None:

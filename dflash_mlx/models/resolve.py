@@ -69,8 +69,9 @@ def default_available() -> bool:
     return entry is not None and (Path(entry.target_path()) / "config.json").exists()
 
 
-def choose_model(model: str | None, draft: str | None = None, *, use_draft: bool = True,
-                 api: bool = False) -> ModelChoice:  # fmt: skip
+def choose_model(
+    model: str | None, draft: str | None = None, *, use_draft: bool = True, api: bool = False
+) -> ModelChoice:
     """What to load for a target (registry name, repo id, local directory; None: the bundled default).
 
     Errors name what to change: command-line flags (``--model``, ``--draft``,
@@ -111,8 +112,11 @@ def choose_model(model: str | None, draft: str | None = None, *, use_draft: bool
         return ModelChoice(target, None, entry, model, is_default)
     if draft is None:
         if entry is None:
-            todo = ("pass draft=<path or repo id of a DFlash drafter>" if api else
-                    "Pass --draft PATH_OR_REPO (a DFlash drafter for it), or --no-dflash for plain decoding")
+            todo = (
+                "pass draft=<path or repo id of a DFlash drafter>"
+                if api
+                else "Pass --draft PATH_OR_REPO (a DFlash drafter for it), or --no-dflash for plain decoding"
+            )
             raise ModelChoiceError(
                 f"{where}: no drafter is registered for this target in models.toml (a local "
                 f"directory is matched by its name, e.g. Qwen3-4B-4bit). {todo}."
@@ -147,7 +151,7 @@ class BlockChoice:
 
 
 def parse_block_flag(flag: int | str | None, name: str = "--block-size") -> int | None:
-    """"auto" or None -> None (adaptive); an integer >= 1 (or its text) -> that integer."""
+    """ "auto" or None -> None (adaptive); an integer >= 1 (or its text) -> that integer."""
     if flag is None or (isinstance(flag, str) and flag.strip().lower() == "auto"):
         return None
     try:
@@ -168,8 +172,10 @@ def choose_block_size(flag: int | str | None, entry: RegistryEntry | None, model
     widest = widest_block(drafter)
     if fixed is not None:
         if fixed > widest:
-            raise ModelChoiceError(f"--block-size: at most {widest}, the drafter's block (it drafts at most "
-                                   f"{widest - 1} tokens per cycle), got {fixed}.")  # fmt: skip
+            raise ModelChoiceError(
+                f"--block-size: at most {widest}, the drafter's block (it drafts at most "
+                f"{widest - 1} tokens per cycle), got {fixed}."
+            )
         return BlockChoice(fixed)
     largest = min(entry.block_size, widest) if entry is not None else widest
     return BlockChoice(capped_block_size(largest, model, drafter), adaptive=True)

@@ -181,8 +181,13 @@ class DrafterHistory:
 
 
 class AdaptiveBlock:
-    def __init__(self, cost: CostModel | CostTable, max_block: int, estimate: AcceptanceEstimate | None = None,
-                 history: DrafterHistory | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cost: CostModel | CostTable,
+        max_block: int,
+        estimate: AcceptanceEstimate | None = None,
+        history: DrafterHistory | None = None,
+    ):
         """`cost`: the setup's model (a table: a model of it that does not learn); `history`: the drafter's,
         which the estimate's priors and the probe schedule came from and which this generation keeps."""
         if max_block < 1:
@@ -326,8 +331,17 @@ _histories: dict[int, DrafterHistory] = {}  # id(drafter) -> its history, while 
 _histories_lock = threading.Lock()
 
 
-def adaptive_policy(target, proposer, max_block: int, *, carry: bool = False, cost: CostModel | CostTable | None = None,
-                    kv=None, sampled: bool = False, frozen: bool = False) -> AdaptiveBlock:  # fmt: skip
+def adaptive_policy(
+    target,
+    proposer,
+    max_block: int,
+    *,
+    carry: bool = False,
+    cost: CostModel | CostTable | None = None,
+    kv=None,
+    sampled: bool = False,
+    frozen: bool = False,
+) -> AdaptiveBlock:
     """An adaptive policy for one generation, on this machine's cost model (`calibration.cost_model`).
 
     `carry`: the generation continues the drafter's history (`DrafterHistory`): its estimate starts from

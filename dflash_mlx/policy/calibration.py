@@ -121,8 +121,14 @@ def _group(target):
 @functools.lru_cache(maxsize=1)
 def _machine_facts() -> dict:
     """What cannot change within a process (read once)."""
-    return {"machine": platform.machine(), "system": platform.system(), "chip": chip(),
-            "cpu_count": os.cpu_count(), "blas": loaded_blas(), "mlx": mx.__version__}  # fmt: skip
+    return {
+        "machine": platform.machine(),
+        "system": platform.system(),
+        "chip": chip(),
+        "cpu_count": os.cpu_count(),
+        "blas": loaded_blas(),
+        "mlx": mx.__version__,
+    }
 
 
 def digest(key: dict) -> str:
@@ -148,8 +154,13 @@ def read_table(key: dict) -> tuple[CostTable, dict] | None:
 def write_table(key: dict, table: CostTable, notes: dict) -> bool:
     """Cache `table` for `key` (atomically), with `notes`; False (and a warning) where it cannot be written."""
     path = file_for(key)
-    doc = {**notes, "key": key, "rows": list(table.rows), "blocks": list(table.blocks),
-           "seconds": [list(line) for line in table.seconds]}  # fmt: skip
+    doc = {
+        **notes,
+        "key": key,
+        "rows": list(table.rows),
+        "blocks": list(table.blocks),
+        "seconds": [list(line) for line in table.seconds],
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, json.loads(json.dumps(doc, default=str)))
@@ -159,8 +170,9 @@ def write_table(key: dict, table: CostTable, notes: dict) -> bool:
         return False
 
 
-def model_for(key: dict, measure: Callable[[], tuple[CostTable, dict]], *, force: bool = False,
-              group=None) -> CostModel:  # fmt: skip
+def model_for(
+    key: dict, measure: Callable[[], tuple[CostTable, dict]], *, force: bool = False, group=None
+) -> CostModel:
     """This process's model of `key`'s table: made from the cached file, else from `measure()` (its table
     and notes, `instability` among them; measured again while unstable, ATTEMPTS at most, and cached
     only once stable). `force`: measure again. `group`: sharded ranks, which take rank 0's table."""
@@ -174,10 +186,13 @@ def model_for(key: dict, measure: Callable[[], tuple[CostTable, dict]], *, force
             model = _follow_the_leader(key, group, found, measure)
         elif found is not None:
             table, doc = found
-            model = _learning(key, table, learns=doc.get("learns", True) is not False,
-                              confirmed=doc.get("source") == "learnt")  # fmt: skip
-            model.notes = {**{k: v for k, v in doc.items() if k not in ("key", "rows", "blocks", "seconds")},
-                           "read": True}  # fmt: skip
+            model = _learning(
+                key, table, learns=doc.get("learns", True) is not False, confirmed=doc.get("source") == "learnt"
+            )
+            model.notes = {
+                **{k: v for k, v in doc.items() if k not in ("key", "rows", "blocks", "seconds")},
+                "read": True,
+            }
         else:
             table, notes = _measured(measure)
             if notes["stable"]:
@@ -198,9 +213,14 @@ def _measured(measure) -> tuple[CostTable, dict]:
         if notes["instability"] <= STABLE:
             break
     table, notes = best
-    return table, {**notes, "stable": notes["instability"] <= STABLE, "attempts": attempt,
-                   "calibration_seconds": round(time.perf_counter() - tic, 3), "measured_at": time.time(),
-                   "source": "measured"}  # fmt: skip
+    return table, {
+        **notes,
+        "stable": notes["instability"] <= STABLE,
+        "attempts": attempt,
+        "calibration_seconds": round(time.perf_counter() - tic, 3),
+        "measured_at": time.time(),
+        "source": "measured",
+    }
 
 
 def _learning(key: dict, table: CostTable, learns: bool = True, confirmed: bool = False) -> CostModel:
@@ -241,16 +261,32 @@ def cost_model(target, proposer, max_block: int, *, kv=None, sampled: bool = Fal
     group = _group(target)
 
     def measure_curve() -> tuple[CostTable, dict]:
-        table = measure(target, proposer, key["grid"], rounds=SHARDED_ROUNDS if group else ROUNDS,
-                        budget=None if group else BUDGET_SECONDS, kv=kv, sampled=sampled)  # fmt: skip
+        table = measure(
+            target,
+            proposer,
+            key["grid"],
+            rounds=SHARDED_ROUNDS if group else ROUNDS,
+            budget=None if group else BUDGET_SECONDS,
+            kv=kv,
+            sampled=sampled,
+        )
         return CostTable.curve(key["grid"], fitted_curve(key["grid"], table)), {
-            "rounds": len(table), "instability": round(instability(key["grid"], table), 4)}
+            "rounds": len(table),
+            "instability": round(instability(key["grid"], table), 4),
+        }
 
     return model_for(key, measure_curve, force=force, group=group)
 
 
-def measure(target, proposer, grid: list[int], rounds: int = ROUNDS, budget: float | None = BUDGET_SECONDS,
-            kv=None, sampled: bool = False) -> list[list[float]]:  # fmt: skip
+def measure(
+    target,
+    proposer,
+    grid: list[int],
+    rounds: int = ROUNDS,
+    budget: float | None = BUDGET_SECONDS,
+    kv=None,
+    sampled: bool = False,
+) -> list[list[float]]:
     """Seconds per cycle at each grid block, one row per round (after a warm-up cycle of each block),
     measured by the loop itself on private state. Once MIN_ROUNDS rounds are done, no round starts
     that would end after `budget` seconds (`another_round`; None: all `rounds`, as sharded ranks must
@@ -272,9 +308,16 @@ def measure(target, proposer, grid: list[int], rounds: int = ROUNDS, budget: flo
     policy = ScheduledBlocks(list(grid), then=after_warm_up)
     prompt = _prompt(target)
     acceptor = Acceptor(SamplingSettings(temperature=1.0 if sampled else 0.0), prompt, seed=0 if sampled else None)
-    cycles = speculative_cycles(target, prompt, private, max_tokens=-1, block_size=policy, acceptor=acceptor,
-                                session=Session(target, private),
-                                kv=dataclasses.replace(kv, start=0) if kv is not None else None)  # fmt: skip
+    cycles = speculative_cycles(
+        target,
+        prompt,
+        private,
+        max_tokens=-1,
+        block_size=policy,
+        acceptor=acceptor,
+        session=Session(target, private),
+        kv=dataclasses.replace(kv, start=0) if kv is not None else None,
+    )
     last_end = began  # when the warm-up or the last round ended (each cycle is handed out once)
     try:
         for _ in cycles:

@@ -101,8 +101,14 @@ class CostModel:
     generations in this process (under a lock). `learns=False`: the table as given, always (a curve a
     test injects, sharded ranks, seeded requests: `frozen`)."""
 
-    def __init__(self, table: CostTable, *, learns: bool = True,
-                 on_replace: Callable[[CostTable, dict], None] | None = None, confirmed: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        table: CostTable,
+        *,
+        learns: bool = True,
+        on_replace: Callable[[CostTable, dict], None] | None = None,
+        confirmed: bool = False,
+    ):
         """`on_replace(table, notes)`: told of every line replaced, and of the table as it is the first time
         the loop's comparisons agree with it, unless `confirmed` (by an earlier process's loop)."""
         self.table = table  # what every choice reads; replaced whole, never changed in place
@@ -225,8 +231,9 @@ class CostModel:
         blocks = self.table.blocks
         prior = [math.log(t) for t in self.table.line(rows)]
         index = {b: i for i, b in enumerate(blocks)}
-        windows = [(index[b], index[d], w) for (n, b, d), w in self._pairs.items()
-                   if n == rows and len(w) >= MIN_PAIR_SAMPLES]  # fmt: skip
+        windows = [
+            (index[b], index[d], w) for (n, b, d), w in self._pairs.items() if n == rows and len(w) >= MIN_PAIR_SAMPLES
+        ]
         tolerance = math.log1p(REPLACE_TOLERANCE)
 
         def contradicts(i: int, j: int, window) -> bool:

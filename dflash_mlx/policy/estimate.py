@@ -21,9 +21,15 @@ LEARNT_PRIOR_WEIGHT = 2.0  # pseudo-observations behind the history's own prior 
 
 
 class AcceptanceEstimate:
-    def __init__(self, positions: int, prior: float = PRIOR_RATE, weight: float = PRIOR_WEIGHT,
-                 discount: float = DISCOUNT, priors: list[float] | None = None,
-                 record: Callable[[int, int], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        positions: int,
+        prior: float = PRIOR_RATE,
+        weight: float = PRIOR_WEIGHT,
+        discount: float = DISCOUNT,
+        priors: list[float] | None = None,
+        record: Callable[[int, int], None] | None = None,
+    ):
         """`priors`: per position, the drafter's long-run rates (`DrafterHistory`), each weighing
         LEARNT_WEIGHT cycles, instead of the fixed prior; `record(drafted, accepted)` is told every
         observation (the history's)."""

@@ -26,7 +26,6 @@ from typing import Protocol, runtime_checkable
 import mlx.core as mx
 
 
-
 @dataclass
 class Proposal:
     """Drafted tokens [count] (int32, may still be lazy) and, when they were

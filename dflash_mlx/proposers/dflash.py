@@ -115,9 +115,7 @@ class DFlashProposer:
     def _block(self, anchor: mx.array, position: int, count: int) -> tuple[mx.array, mx.array | None]:
         """The block's ids (the anchor, then mask tokens) and the context features its forward ingests."""
         if self.context_end != position:
-            raise RuntimeError(
-                f"Drafter context ends at {self.context_end} but the anchor sits at {position}."
-            )
+            raise RuntimeError(f"Drafter context ends at {self.context_end} but the anchor sits at {position}.")
         masks = mx.full((count,), self._mask_id, dtype=mx.int32)
         block = mx.concatenate([anchor.reshape(1).astype(mx.int32), masks])[None]
         features, self._pending = self._pending, None
@@ -158,6 +156,5 @@ def as_proposer(draft, target_model, max_context: int | None = None) -> Proposer
         check_pair(draft, target_model, draft_name=getattr(draft, "source", "the drafter"))
         return proposer_for(draft, max_context)
     raise TypeError(
-        f"draft must be a DFlash drafter (from dflash_mlx.load_draft), a Proposer or None, "
-        f"not {type(draft).__name__}."
+        f"draft must be a DFlash drafter (from dflash_mlx.load_draft), a Proposer or None, not {type(draft).__name__}."
     )

@@ -44,8 +44,14 @@ from .formats import response_format
 from .fields import Fields, listed, reasoning_args
 from .request import GenerationRequest, check_model, sampling, stops
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}  # fmt: skip
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
 IGNORED_OBJECTS = ("metadata", "cache_control", "context_management", "output_config", "diagnostics")
 IGNORED_STRINGS = ("service_tier", "inference_geo", "speed", "user_profile_id", "workspace_id")
 COUNT = {"model", "messages", "system", "tools", "tool_choice", "thinking", *IGNORED_OBJECTS, *IGNORED_STRINGS}
@@ -164,8 +170,9 @@ def _assistant(blocks: list, where: str) -> dict:
                 raise RequestError(f"{at}.input", f"expected an object, got {arguments!r}")
             calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
         elif kind != "redacted_thinking":
-            raise RequestError(f"{at}.type", f"an assistant turn takes text, thinking and tool_use blocks, "
-                                             f"got {kind!r}")  # fmt: skip
+            raise RequestError(
+                f"{at}.type", f"an assistant turn takes text, thinking and tool_use blocks, got {kind!r}"
+            )
     message = {"role": "assistant", "content": text}
     if thinking:
         message["reasoning_content"] = thinking
@@ -184,13 +191,20 @@ def _user(blocks: list, where: str, calls: set) -> list[dict]:
         elif kind == "tool_result":
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or call_id not in calls:
-                raise RequestError(f"{at}.tool_use_id", f"{call_id!r} answers no tool_use block of the assistant "
-                                                        f"turn before it ({sorted(calls)})")  # fmt: skip
+                raise RequestError(
+                    f"{at}.tool_use_id",
+                    f"{call_id!r} answers no tool_use block of the assistant turn before it ({sorted(calls)})",
+                )
             if not isinstance(block.get("is_error", False), bool):
                 raise RequestError(f"{at}.is_error", f"expected true or false, got {block['is_error']!r}")
             content = block.get("content")
-            out.append({"role": "tool", "tool_call_id": call_id,
-                        "content": "" if content is None else _texts(content, f"{at}.content")})  # fmt: skip
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "content": "" if content is None else _texts(content, f"{at}.content"),
+                }
+            )
         else:
             raise RequestError(f"{at}.type", f"a user turn takes text and tool_result blocks, got {kind!r}")
     if texts or not out:
@@ -205,8 +219,10 @@ def _tools(value) -> list[dict]:
         if not isinstance(tool, dict):
             raise RequestError(where, "expected an object with 'name' and 'input_schema'")
         if tool.get("type", "custom") != "custom":
-            raise RequestError(f"{where}.type", f"server tools are not supported (only tools with an input_schema), "
-                                                f"got {tool['type']!r}")  # fmt: skip
+            raise RequestError(
+                f"{where}.type",
+                f"server tools are not supported (only tools with an input_schema), got {tool['type']!r}",
+            )
         name, schema, description = tool.get("name"), tool.get("input_schema"), tool.get("description", "")
         if not isinstance(name, str) or not name:
             raise RequestError(f"{where}.name", "expected a non-empty string")
@@ -257,8 +273,12 @@ def usage(counts, completion_tokens: int = 0) -> dict:
     """Anthropic's usage for `counts` (a `Started` or an `Outcome`): input_tokens are those the cache
     did not hold (their total is input_tokens + cache_read_input_tokens, as Anthropic counts)."""
     prompt, cached = counts.prompt_tokens, counts.cached_tokens
-    return {"input_tokens": prompt - cached, "output_tokens": completion_tokens, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0}  # fmt: skip
+    return {
+        "input_tokens": prompt - cached,
+        "output_tokens": completion_tokens,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def stop_reason(outcome: Outcome) -> str:
@@ -272,8 +292,12 @@ def stop_reason(outcome: Outcome) -> str:
 def tool_use(call: dict) -> dict:
     """A tool call (OpenAI's shape, from `channels`) as a tool_use block."""
     arguments = json.loads(call["function"]["arguments"])
-    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
-            "input": arguments if isinstance(arguments, dict) else {"arguments": arguments}}  # fmt: skip
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call["id"].removeprefix("call_"),
+        "name": call["function"]["name"],
+        "input": arguments if isinstance(arguments, dict) else {"arguments": arguments},
+    }
 
 
 class Messages(Exchange):
@@ -291,13 +315,22 @@ class Messages(Exchange):
         return cls(parse(body, server.info, CREATE), server.model_id)
 
     def _message(self, content: list, usage_: dict, outcome: Outcome | None = None) -> dict:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": stop_reason(outcome) if outcome else None,
-                "stop_sequence": outcome.stop_sequence if outcome else None, "usage": usage_}  # fmt: skip
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason(outcome) if outcome else None,
+            "stop_sequence": outcome.stop_sequence if outcome else None,
+            "usage": usage_,
+        }
 
     def start(self, started) -> list:
-        return [("message_start", {"type": "message_start", "message": self._message([], usage(started))}),
-                ("ping", {"type": "ping"})]  # fmt: skip
+        return [
+            ("message_start", {"type": "message_start", "message": self._message([], usage(started))}),
+            ("ping", {"type": "ping"}),
+        ]
 
     def feed(self, delta, token=None, holding: bool = False) -> list:
         steps = self.blocks.feed(delta)
@@ -307,9 +340,11 @@ class Messages(Exchange):
         events = self.feed(delta) + [e for step in self.blocks.close() for e in _events(step)]
         if not self.request.stream:
             return []
-        end = {"type": "message_delta", "delta": {"stop_reason": stop_reason(outcome),
-                                                  "stop_sequence": outcome.stop_sequence},
-               "usage": usage(outcome, outcome.completion_tokens)}  # fmt: skip
+        end = {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason(outcome), "stop_sequence": outcome.stop_sequence},
+            "usage": usage(outcome, outcome.completion_tokens),
+        }
         if outcome.dflash:
             end["dflash"] = outcome.dflash
         return events + [("message_delta", end), ("message_stop", {"type": "message_stop"})]
@@ -337,8 +372,11 @@ def _events(step: tuple) -> list:
     """A `dialect.Blocks` step as Anthropic's stream events."""
     what, index = step[0], step[1]
     if what == "open":
-        empty = {"type": "thinking", "thinking": "", "signature": ""} if step[2] == "reasoning" else {
-            "type": "text", "text": ""}  # fmt: skip
+        empty = (
+            {"type": "thinking", "thinking": "", "signature": ""}
+            if step[2] == "reasoning"
+            else {"type": "text", "text": ""}
+        )
         return [("content_block_start", {"type": "content_block_start", "index": index, "content_block": empty})]
     if what == "text":
         kind = BLOCK_NAME[step[2]]
@@ -349,9 +387,14 @@ def _events(step: tuple) -> list:
         return [stop]
     block = tool_use(step[2])
     arguments = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-    return [("content_block_start", {"type": "content_block_start", "index": index,
-                                     "content_block": {**block, "input": {}}}),
-            ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": arguments}), stop]
+    return [
+        (
+            "content_block_start",
+            {"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}},
+        ),
+        ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": arguments}),
+        stop,
+    ]
 
 
 class CountTokens(Messages):

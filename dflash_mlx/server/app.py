@@ -38,9 +38,18 @@ class DFlashServer(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = socket.SOMAXCONN  # socketserver's 5 resets clients that connect at once
 
-    def __init__(self, address: tuple[str, int], worker: GenerationWorker, info: ServerInfo, *,
-                 model_id: str, draft_id: str | None, log_requests: bool = False, api_key: str | None = None,
-                 response_store_size: int = DEFAULT_STORED):  # fmt: skip
+    def __init__(
+        self,
+        address: tuple[str, int],
+        worker: GenerationWorker,
+        info: ServerInfo,
+        *,
+        model_id: str,
+        draft_id: str | None,
+        log_requests: bool = False,
+        api_key: str | None = None,
+        response_store_size: int = DEFAULT_STORED,
+    ):
         infos = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         self.address_family = infos[0][0]
         super().__init__(infos[0][4][:2], Handler)
@@ -50,8 +59,11 @@ class DFlashServer(ThreadingHTTPServer):
         self.api_key = api_key or None
         self.conversations = Conversations(response_store_size)  # the Responses API's previous_response_id
         if self.api_key is None and not ipaddress.ip_address(self.server_address[0].split("%")[0]).is_loopback:
-            logging.warning("Listening on %s without an API key: anyone who can reach this address can use the "
-                            "model (set --api-key).", self.server_address[0])  # fmt: skip
+            logging.warning(
+                "Listening on %s without an API key: anyone who can reach this address can use the "
+                "model (set --api-key).",
+                self.server_address[0],
+            )
         self.created = int(time.time())
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -66,12 +78,19 @@ class DFlashServer(ThreadingHTTPServer):
         """`/v1/models`' entry (OpenAI's fields and Anthropic's), with what this server computes: drafter,
         default block (and whether it is adaptive, up to block_size), dtype."""
         has_draft = self.worker.draft is not None
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "dflash-mlx",
-                "type": "model", "display_name": self.model_id,
-                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created)),
-                "draft": self.draft_id, "block_size": self.worker.block_size if has_draft else None,
-                "adaptive_block": self.worker.adaptive,
-                "dtype": dtype_name(target_float_dtype(self.worker.model))}  # fmt: skip
+        return {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "dflash-mlx",
+            "type": "model",
+            "display_name": self.model_id,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created)),
+            "draft": self.draft_id,
+            "block_size": self.worker.block_size if has_draft else None,
+            "adaptive_block": self.worker.adaptive,
+            "dtype": dtype_name(target_float_dtype(self.worker.model)),
+        }
 
     def start(self) -> "DFlashServer":
         """Serve from a background thread; returns at once."""
@@ -102,15 +121,33 @@ def vocab_size(model, tokenizer) -> int:
     return embedding_shape(embedding)[0] if embedding is not None else len(tokenizer.vocab)
 
 
-def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: int = 8080,
-                model_id: str = "default", draft_id: str | None = None, max_tokens: int = 512,
-                block_size: int | None = None, chat_template_args: dict | None = None,
-                log_requests: bool = False, adaptive: bool | None = None,
-                prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
-                prompt_cache_dir=None, group=None, decode_concurrency: int = 32, prefill_step_size: int = 2048,
-                max_batch_bytes: int | None = None, kv: dict | None = None, api_key: str | None = None,
-                response_store_size: int = DEFAULT_STORED, registry_entry=None,
-                lookup: bool = True) -> DFlashServer:  # fmt: skip
+def make_server(
+    model,
+    tokenizer,
+    draft=None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    model_id: str = "default",
+    draft_id: str | None = None,
+    max_tokens: int = 512,
+    block_size: int | None = None,
+    chat_template_args: dict | None = None,
+    log_requests: bool = False,
+    adaptive: bool | None = None,
+    prompt_cache_size: int = DEFAULT_SESSIONS,
+    prompt_cache_bytes: int | None = None,
+    prompt_cache_dir=None,
+    group=None,
+    decode_concurrency: int = 32,
+    prefill_step_size: int = 2048,
+    max_batch_bytes: int | None = None,
+    kv: dict | None = None,
+    api_key: str | None = None,
+    response_store_size: int = DEFAULT_STORED,
+    registry_entry=None,
+    lookup: bool = True,
+) -> DFlashServer:
     """A server for a loaded pair (`draft=None`: plain decoding), bound but not yet serving.
 
     `port=0` picks a free port (see `server.url`). `max_tokens` is the default
@@ -142,32 +179,80 @@ def make_server(model, tokenizer, draft=None, *, host: str = "127.0.0.1", port: 
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
     if not isinstance(tokenizer, TokenizerWrapper):  # its think / tool-call markers split the replies
         tokenizer = TokenizerWrapper(tokenizer)
-    worker = make_worker(model, tokenizer, draft, block_size=block_size, adaptive=adaptive,
-                         prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
-                         prompt_cache_dir=prompt_cache_dir, group=group, decode_concurrency=decode_concurrency,
-                         prefill_step_size=prefill_step_size, max_batch_bytes=max_batch_bytes, kv=kv)  # fmt: skip
-    info = ServerInfo(
-        vocab_size=vocab_size(model, tokenizer), has_draft=draft is not None,
-        has_chat_template=bool(tokenizer.has_chat_template), model_id=model_id, max_tokens=max_tokens,
-        chat_template_args=dict(chat_template_args or {}), max_block=worker.block_size,
-        context_length=worker.context_length, reasoning=reasoning_switches(tokenizer, registry_entry, model_id),
-        grammars=worker.grammars, lookup=lookup,
+    worker = make_worker(
+        model,
+        tokenizer,
+        draft,
+        block_size=block_size,
+        adaptive=adaptive,
+        prompt_cache_size=prompt_cache_size,
+        prompt_cache_bytes=prompt_cache_bytes,
+        prompt_cache_dir=prompt_cache_dir,
+        group=group,
+        decode_concurrency=decode_concurrency,
+        prefill_step_size=prefill_step_size,
+        max_batch_bytes=max_batch_bytes,
+        kv=kv,
     )
-    server = DFlashServer((host, port), worker, info, model_id=model_id, draft_id=draft_id, log_requests=log_requests,
-                          api_key=api_key, response_store_size=response_store_size)  # fmt: skip
+    info = ServerInfo(
+        vocab_size=vocab_size(model, tokenizer),
+        has_draft=draft is not None,
+        has_chat_template=bool(tokenizer.has_chat_template),
+        model_id=model_id,
+        max_tokens=max_tokens,
+        chat_template_args=dict(chat_template_args or {}),
+        max_block=worker.block_size,
+        context_length=worker.context_length,
+        reasoning=reasoning_switches(tokenizer, registry_entry, model_id),
+        grammars=worker.grammars,
+        lookup=lookup,
+    )
+    server = DFlashServer(
+        (host, port),
+        worker,
+        info,
+        model_id=model_id,
+        draft_id=draft_id,
+        log_requests=log_requests,
+        api_key=api_key,
+        response_store_size=response_store_size,
+    )
     worker.start()
     return server
 
 
-def make_worker(model, tokenizer, draft=None, *, block_size: int | None = None, adaptive: bool | None = None,
-                prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
-                prompt_cache_dir=None, group=None, decode_concurrency: int = 1, prefill_step_size: int = 2048,
-                max_batch_bytes: int | None = None, kv: dict | None = None) -> GenerationWorker:  # fmt: skip
+def make_worker(
+    model,
+    tokenizer,
+    draft=None,
+    *,
+    block_size: int | None = None,
+    adaptive: bool | None = None,
+    prompt_cache_size: int = DEFAULT_SESSIONS,
+    prompt_cache_bytes: int | None = None,
+    prompt_cache_dir=None,
+    group=None,
+    decode_concurrency: int = 1,
+    prefill_step_size: int = 2048,
+    max_batch_bytes: int | None = None,
+    kv: dict | None = None,
+) -> GenerationWorker:
     """The generation worker `make_server` puts behind its listener (not started)."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    return GenerationWorker(model, tokenizer, draft, block_size=block_size, context_length=context_length(model),
-                            adaptive=block_size is None if adaptive is None else adaptive,
-                            prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
-                            prompt_cache_dir=prompt_cache_dir, group=group, decode_concurrency=decode_concurrency,
-                            prefill_step_size=prefill_step_size, max_batch_bytes=max_batch_bytes, kv=kv)  # fmt: skip
+    return GenerationWorker(
+        model,
+        tokenizer,
+        draft,
+        block_size=block_size,
+        context_length=context_length(model),
+        adaptive=block_size is None if adaptive is None else adaptive,
+        prompt_cache_size=prompt_cache_size,
+        prompt_cache_bytes=prompt_cache_bytes,
+        prompt_cache_dir=prompt_cache_dir,
+        group=group,
+        decode_concurrency=decode_concurrency,
+        prefill_step_size=prefill_step_size,
+        max_batch_bytes=max_batch_bytes,
+        kv=kv,
+    )

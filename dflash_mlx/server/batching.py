@@ -141,13 +141,27 @@ class BatchedServing:
         settings = SamplingSettings(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p)
         xtc = (req.xtc_probability, req.xtc_threshold, sorted(worker.tokenizer.eos_token_ids))
         grammar = worker.grammars.get(req.grammar) if req.grammar else None
-        acceptor = Acceptor(settings, mx.array(prompt, mx.int32), make_logits_processors(**req.processors) or None,
-                            req.seed, xtc=xtc if req.xtc_probability else None,
-                            constraint=grammar.constraint() if grammar else None)  # fmt: skip
+        acceptor = Acceptor(
+            settings,
+            mx.array(prompt, mx.int32),
+            make_logits_processors(**req.processors) or None,
+            req.seed,
+            xtc=xtc if req.xtc_probability else None,
+            constraint=grammar.constraint() if grammar else None,
+        )
         session = worker.sessions.take(prompt)
         stats = RunStats(block_size=block, adaptive=adaptive)
-        return _Row(job, prompt, session, acceptor, max_tokens, max_block, stats, StopText(req.stop),
-                    cached=session.usable_prefix(prompt))  # fmt: skip
+        return _Row(
+            job,
+            prompt,
+            session,
+            acceptor,
+            max_tokens,
+            max_block,
+            stats,
+            StopText(req.stop),
+            cached=session.usable_prefix(prompt),
+        )
 
     # -- joining ----------------------------------------------------------------------------------
 
@@ -199,13 +213,16 @@ class BatchedServing:
             self._insert(group)
 
     def _insert(self, group: list[_Row]) -> None:
-        requests = [(r.session, mx.array(r.prompt, mx.int32), r.acceptor, r.max_tokens, r.max_block,
-                     r.job.request.lookup) for r in group]  # fmt: skip
+        requests = [
+            (r.session, mx.array(r.prompt, mx.int32), r.acceptor, r.max_tokens, r.max_block, r.job.request.lookup)
+            for r in group
+        ]
         for row in group:
             row.stats.begin()
         try:
-            firsts = self.decoder.insert_many(requests, stop_tokens=self.worker.tokenizer.eos_token_ids,
-                                              prefill_step_size=self.prefill_step_size)  # fmt: skip
+            firsts = self.decoder.insert_many(
+                requests, stop_tokens=self.worker.tokenizer.eos_token_ids, prefill_step_size=self.prefill_step_size
+            )
         except Exception as e:
             logging.exception("Prefilling %d request(s) failed", len(group))
             for row in group:

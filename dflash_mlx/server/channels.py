@@ -29,7 +29,7 @@ _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12
 
 
 def initial_state(tokenizer, prompt: list[int]) -> str:
-    """"reasoning" when the prompt ends inside an open think block, else "normal"."""
+    """ "reasoning" when the prompt ends inside an open think block, else "normal"."""
     state = "normal"
     if tokenizer.has_thinking and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
         state = "reasoning"

@@ -13,8 +13,15 @@ import math
 from .errors import RequestError
 
 # OpenAI's reasoning efforts (reasoning_effort, reasoning.effort) -> the levels of ``--reasoning``
-EFFORTS = {"none": "off", "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh",
-           "max": "xhigh"}  # fmt: skip
+EFFORTS = {
+    "none": "off",
+    "minimal": "low",
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "xhigh": "xhigh",
+    "max": "xhigh",
+}
 
 
 def is_int(value) -> bool:

@@ -37,8 +37,13 @@ from .openai_responses import Responses
 
 MAX_BODY = 32 * 2**20
 MAX_DEPTH = 64  # nesting of a body's arrays and objects (tool schemas need a few levels, nothing needs 64)
-ROUTES = {"/chat/completions": Completion, "/completions": TextCompletion, "/messages": Messages,
-          "/messages/count_tokens": CountTokens, "/responses": Responses}  # fmt: skip
+ROUTES = {
+    "/chat/completions": Completion,
+    "/completions": TextCompletion,
+    "/messages": Messages,
+    "/messages/count_tokens": CountTokens,
+    "/responses": Responses,
+}
 ROUTES.update({"/v1" + path: dialect for path, dialect in list(ROUTES.items())})
 
 
@@ -142,8 +147,10 @@ class Handler(BaseHTTPRequestHandler):
             self._send_json(401, error_body(UNAUTHORIZED, None, 401))
         elif path == "/v1/models":
             card = self.server.model_card()  # OpenAI's list, with Anthropic's paging fields
-            self._send_json(200, {"object": "list", "data": [card], "has_more": False, "first_id": card["id"],
-                                  "last_id": card["id"]})  # fmt: skip
+            self._send_json(
+                200,
+                {"object": "list", "data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]},
+            )
         else:
             self._send_json(404, error_body(f"no such endpoint: GET {self.path}", None, 404))
 
@@ -204,10 +211,16 @@ class Handler(BaseHTTPRequestHandler):
                 events = exchange.feed(delta, event, holding=channels is not None and channels.in_tool_call)
             elif isinstance(event, Finished):
                 delta = channels.finish(event.finish_reason) if channels else Delta()
-                outcome = Outcome(event.finish_reason, started.prompt_tokens, started.cached_tokens,
-                                  event.completion_tokens, event.dflash, event.stop_sequence,
-                                  channels is not None and channels.made_tool_call,
-                                  time.perf_counter() - self._received)  # fmt: skip
+                outcome = Outcome(
+                    event.finish_reason,
+                    started.prompt_tokens,
+                    started.cached_tokens,
+                    event.completion_tokens,
+                    event.dflash,
+                    event.stop_sequence,
+                    channels is not None and channels.made_tool_call,
+                    time.perf_counter() - self._received,
+                )
                 events = exchange.finish(delta, outcome)
                 if not stream:
                     self._send_json(200, exchange.whole(outcome))

@@ -29,8 +29,9 @@ def messages(value) -> list[dict]:
             texts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise RequestError(f"{where}.content[{j}]", "only text parts ({'type': 'text', 'text': ...}) "
-                                                                 "are supported")  # fmt: skip
+                    raise RequestError(
+                        f"{where}.content[{j}]", "only text parts ({'type': 'text', 'text': ...}) are supported"
+                    )
                 texts.append(part["text"])
             content = "".join(texts)
         elif content is None:
@@ -106,8 +107,9 @@ def tools(value) -> list | None:
         if not isinstance(function.get("description", ""), str):
             raise RequestError(f"{where}.function.description", "expected a string")
         if not isinstance(function.get("parameters", {}), dict):
-            raise RequestError(f"{where}.function.parameters", f"expected a JSON Schema object, "
-                                                               f"got {function['parameters']!r}")  # fmt: skip
+            raise RequestError(
+                f"{where}.function.parameters", f"expected a JSON Schema object, got {function['parameters']!r}"
+            )
     return value or None
 
 
@@ -124,5 +126,7 @@ def tool_choice(choice, defined: list | None):
         if name not in names:
             raise RequestError("tool_choice", f"names the function {name!r}, which is not among tools ({names})")
         return choice
-    raise RequestError("tool_choice", f"expected 'auto', 'none', 'required' or "
-                                      f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}")
+    raise RequestError(
+        "tool_choice",
+        f"expected 'auto', 'none', 'required' or {{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}",
+    )

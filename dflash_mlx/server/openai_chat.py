@@ -48,9 +48,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 def meta_info(reply_id: str, finish_reason: str, use: dict, dflash: dict, seconds: float) -> dict:
     """SGLang's ``meta_info`` (``"return_meta_info": true``): token counts, and the speculative
     statistics when a drafter ran (verify forwards, mean tokens committed per verify)."""
-    out = {"id": reply_id, "finish_reason": {"type": finish_reason}, "prompt_tokens": use["prompt_tokens"],
-           "completion_tokens": use["completion_tokens"],
-           "cached_tokens": use["prompt_tokens_details"]["cached_tokens"], "e2e_latency": round(seconds, 6)}
+    out = {
+        "id": reply_id,
+        "finish_reason": {"type": finish_reason},
+        "prompt_tokens": use["prompt_tokens"],
+        "completion_tokens": use["completion_tokens"],
+        "cached_tokens": use["prompt_tokens_details"]["cached_tokens"],
+        "e2e_latency": round(seconds, 6),
+    }
     if dflash:
         out["spec_verify_ct"] = dflash["cycles"]
         out["spec_accept_length"] = dflash["mean_acceptance_length"] or 0.0
@@ -91,11 +96,19 @@ class Reply:
         if not tokens:
             return None
         if self.kind == "chat":
-            return {"content": [
-                {"token": t.token_text, "logprob": t.logprob, "bytes": list(t.token_text.encode()),
-                 "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for _, s, v in t.top or []]}
-                for t in tokens
-            ]}  # fmt: skip
+            return {
+                "content": [
+                    {
+                        "token": t.token_text,
+                        "logprob": t.logprob,
+                        "bytes": list(t.token_text.encode()),
+                        "top_logprobs": [
+                            {"token": s, "logprob": v, "bytes": list(s.encode())} for _, s, v in t.top or []
+                        ],
+                    }
+                    for t in tokens
+                ]
+            }
         offsets = []
         for t in tokens:
             offsets.append(self.text_offset)
@@ -107,9 +120,18 @@ class Reply:
             "text_offset": offsets,
         }
 
-    def chunk(self, text: str, tokens: list[Token], finish_reason: str | None = None, *,
-              first: bool = False, dflash: dict | None = None, reasoning: str = "",
-              tool_calls: list | None = None, meta: dict | None = None) -> dict:  # fmt: skip
+    def chunk(
+        self,
+        text: str,
+        tokens: list[Token],
+        finish_reason: str | None = None,
+        *,
+        first: bool = False,
+        dflash: dict | None = None,
+        reasoning: str = "",
+        tool_calls: list | None = None,
+        meta: dict | None = None,
+    ) -> dict:
         """One stream chunk: new text, reasoning or tool calls (and its tokens' logprobs), or the
         final one with the finish reason."""
         choice = {"index": 0, "logprobs": self.logprobs(tokens), "finish_reason": finish_reason}
@@ -130,13 +152,24 @@ class Reply:
     def usage_chunk(self, usage_: dict) -> dict:
         return {**self._object(".chunk"), "choices": [], "usage": usage_}
 
-    def whole(self, text: str, tokens: list[Token], finish_reason: str, usage_: dict, dflash: dict, *,
-              reasoning: str = "", tool_calls: list | None = None, meta: dict | None = None) -> dict:  # fmt: skip
+    def whole(
+        self,
+        text: str,
+        tokens: list[Token],
+        finish_reason: str,
+        usage_: dict,
+        dflash: dict,
+        *,
+        reasoning: str = "",
+        tool_calls: list | None = None,
+        meta: dict | None = None,
+    ) -> dict:
         """The complete (non-streamed) response."""
         choice = {"index": 0, "logprobs": self.logprobs(tokens), "finish_reason": finish_reason}
         if self.kind == "chat":
-            choice["message"] = _channels({"role": "assistant", "content": text or None}, reasoning, tool_calls,
-                                          self.legacy_functions)
+            choice["message"] = _channels(
+                {"role": "assistant", "content": text or None}, reasoning, tool_calls, self.legacy_functions
+            )
         else:
             choice["text"] = text
         out = {**self._object(), "choices": [choice], "usage": usage_}
@@ -177,8 +210,9 @@ class Completion(Exchange):
             return []
         if holding or not (delta or self.first or (self.request.logprobs and self.tokens)):
             return []
-        chunk = self.reply.chunk(delta.content, self.tokens, first=self.first, reasoning=delta.reasoning,
-                                 tool_calls=delta.tool_calls)  # fmt: skip
+        chunk = self.reply.chunk(
+            delta.content, self.tokens, first=self.first, reasoning=delta.reasoning, tool_calls=delta.tool_calls
+        )
         self.first, self.tokens = False, []
         return [(None, chunk)]
 
@@ -187,18 +221,37 @@ class Completion(Exchange):
             self.parts.add(delta)
             return []
         use = self._usage(outcome)
-        events = [(None, self.reply.chunk(delta.content, self.tokens, self._reason(outcome), first=self.first,
-                                          dflash=outcome.dflash, reasoning=delta.reasoning,
-                                          tool_calls=delta.tool_calls, meta=self._meta(outcome, use)))]  # fmt: skip
+        events = [
+            (
+                None,
+                self.reply.chunk(
+                    delta.content,
+                    self.tokens,
+                    self._reason(outcome),
+                    first=self.first,
+                    dflash=outcome.dflash,
+                    reasoning=delta.reasoning,
+                    tool_calls=delta.tool_calls,
+                    meta=self._meta(outcome, use),
+                ),
+            )
+        ]
         if self.request.include_usage:
             events.append((None, self.reply.usage_chunk(use)))
         return events
 
     def whole(self, outcome: Outcome) -> dict:
         use = self._usage(outcome)
-        return self.reply.whole(self.parts.content, self.tokens, self._reason(outcome), use, outcome.dflash,
-                                reasoning=self.parts.reasoning, tool_calls=self.parts.tool_calls,
-                                meta=self._meta(outcome, use))  # fmt: skip
+        return self.reply.whole(
+            self.parts.content,
+            self.tokens,
+            self._reason(outcome),
+            use,
+            outcome.dflash,
+            reasoning=self.parts.reasoning,
+            tool_calls=self.parts.tool_calls,
+            meta=self._meta(outcome, use),
+        )
 
     def _reason(self, outcome: Outcome) -> str:
         legacy = self.request.legacy_functions and outcome.reason == "tool_calls"

@@ -27,15 +27,28 @@ from .errors import RequestError
 from .fields import EFFORTS, Fields, reasoning_args
 
 MAX_STRING = 4096  # characters of an ignored string field
-IGNORED = ("store", "metadata", "service_tier", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_options",
-           "prompt_cache_retention", "modalities", "parallel_tool_calls", "verbosity", "prediction")  # fmt: skip
+IGNORED = (
+    "store",
+    "metadata",
+    "service_tier",
+    "user",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
+    "modalities",
+    "parallel_tool_calls",
+    "verbosity",
+    "prediction",
+)
 REFUSED = {
     "audio": "audio output is not available on this server (text only)",
     "web_search_options": "web search is not available on this server",
     "moderation": "moderation is not available on this server",
 }
-CHAT_ONLY = set(IGNORED) - {"user"} | set(REFUSED) | {"reasoning_effort", "response_format", "functions",
-                                                        "function_call"}  # fmt: skip
+CHAT_ONLY = (
+    set(IGNORED) - {"user"} | set(REFUSED) | {"reasoning_effort", "response_format", "functions", "function_call"}
+)
 
 
 def ignored(b: Fields) -> None:
@@ -63,8 +76,8 @@ def ignored(b: Fields) -> None:
         prediction.string("type", "content", ("content",))
         content = prediction.get("content", "")
         if not isinstance(content, str) and not (
-                isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str)
-                                                  for p in content)):  # fmt: skip
+            isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content)
+        ):
             raise RequestError("prediction.content", "expected a string or a list of text parts")
     for name, reason in REFUSED.items():
         if b.get(name) is not None:
@@ -74,8 +87,9 @@ def ignored(b: Fields) -> None:
 def metadata(b: Fields) -> dict:
     """``metadata``: at most 16 string values, keys of at most 64 characters, values of 512 (OpenAI's bounds)."""
     value = b.mapping("metadata")
-    if len(value) > 16 or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-                                  for k, v in value.items()):  # fmt: skip
+    if len(value) > 16 or not all(
+        isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in value.items()
+    ):
         raise RequestError("metadata", "expected at most 16 string values (keys of 64 characters, values of 512)")
     return value
 
@@ -87,8 +101,10 @@ def legacy_functions(body: dict) -> tuple[list | None, object]:
     if functions is None and call is None:
         return None, None
     if body.get("tools") is not None or body.get("tool_choice") is not None:
-        raise RequestError("functions" if functions is not None else "function_call",
-                           "give tools / tool_choice or the legacy functions / function_call, not both")
+        raise RequestError(
+            "functions" if functions is not None else "function_call",
+            "give tools / tool_choice or the legacy functions / function_call, not both",
+        )
     if functions is not None and not isinstance(functions, list):
         raise RequestError("functions", f"expected a list of functions, got {functions!r}")
     for i, function in enumerate(functions or []):

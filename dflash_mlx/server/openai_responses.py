@@ -50,9 +50,30 @@ from .openai_chat import error_body
 from .fields import EFFORTS, Fields, listed, reasoning_args
 from .request import GenerationRequest, check_model, sampling
 
-KNOWN = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
-         "parallel_tool_calls", "reasoning", "previous_response_id", "store", "stream", "stream_options", "metadata",
-         "include", "text", "truncation", "user", "safety_identifier", "prompt_cache_key", "service_tier"}  # fmt: skip
+KNOWN = {
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "reasoning",
+    "previous_response_id",
+    "store",
+    "stream",
+    "stream_options",
+    "metadata",
+    "include",
+    "text",
+    "truncation",
+    "user",
+    "safety_identifier",
+    "prompt_cache_key",
+    "service_tier",
+}
 RENAMED = {"messages": "input", "max_tokens": "max_output_tokens"}  # the worker's field names, in this dialect
 DEFAULT_STORED = 100  # responses whose conversations are kept (--response-store-size)
 
@@ -69,9 +90,12 @@ class Conversations:
     def get(self, response_id: str) -> list[dict]:
         with self._lock:
             if response_id not in self._kept:
-                raise RequestError("previous_response_id", f"no stored response {response_id!r}: unknown, made "
-                                   f"with store: false, or evicted (this server keeps the conversations of its "
-                                   f"last {self.size} responses, --response-store-size)")  # fmt: skip
+                raise RequestError(
+                    "previous_response_id",
+                    f"no stored response {response_id!r}: unknown, made "
+                    f"with store: false, or evicted (this server keeps the conversations of its "
+                    f"last {self.size} responses, --response-store-size)",
+                )
             self._kept.move_to_end(response_id)
             return list(self._kept[response_id])
 
@@ -118,8 +142,10 @@ def _items(value, calls: set) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise RequestError(f"{where}.role", f"expected user, assistant, system or developer, got {role!r}")
-            message = {"role": "system" if role == "developer" else role,
-                       "content": _text(item.get("content"), f"{where}.content")}  # fmt: skip
+            message = {
+                "role": "system" if role == "developer" else role,
+                "content": _text(item.get("content"), f"{where}.content"),
+            }
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = reasoning, ""
             out.append(message)
@@ -134,11 +160,13 @@ def _items(value, calls: set) -> list[dict]:
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or call_id not in calls:
                 raise RequestError(f"{where}.call_id", f"{call_id!r} answers no function_call before it")
-            out.append({"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output"),
-                                                                                     f"{where}.output")})  # fmt: skip
+            out.append(
+                {"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output"), f"{where}.output")}
+            )
         else:
-            raise RequestError(f"{where}.type", f"expected message, reasoning, function_call or "
-                                                f"function_call_output, got {kind!r}")  # fmt: skip
+            raise RequestError(
+                f"{where}.type", f"expected message, reasoning, function_call or function_call_output, got {kind!r}"
+            )
     return out
 
 
@@ -173,8 +201,12 @@ def _tools(value) -> list[dict]:
         t.boolean("strict", True)
         if not name:
             raise RequestError(f"tools[{i}].name", "expected a non-empty string")
-        out.append({"type": "function", "function": {"name": name, "description": t.string("description", ""),
-                                                      "parameters": parameters}})  # fmt: skip
+        out.append(
+            {
+                "type": "function",
+                "function": {"name": name, "description": t.string("description", ""), "parameters": parameters},
+            }
+        )
     return out
 
 
@@ -186,8 +218,11 @@ def _tool_choice(choice, tools: list):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name") in names:
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise RequestError("tool_choice", f"expected 'auto', 'none', 'required' (with tools) or {{'type': 'function', "
-                                      f"'name': one of {names}}}, got {choice!r}")  # fmt: skip
+    raise RequestError(
+        "tool_choice",
+        f"expected 'auto', 'none', 'required' (with tools) or {{'type': 'function', "
+        f"'name': one of {names}}}, got {choice!r}",
+    )
 
 
 def _options(b: Fields, info) -> dict:
@@ -219,8 +254,14 @@ class Responses(Exchange):
 
     error = staticmethod(error)
 
-    def __init__(self, request: GenerationRequest, model: str, echo: dict, conversation: list | None,
-                 conversations: Conversations):  # fmt: skip
+    def __init__(
+        self,
+        request: GenerationRequest,
+        model: str,
+        echo: dict,
+        conversation: list | None,
+        conversations: Conversations,
+    ):
         super().__init__(request, model)
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
         self.echo, self.conversation, self.conversations = echo, conversation, conversations
@@ -246,29 +287,49 @@ class Responses(Exchange):
         text_format = Fields(b.mapping("text"), "text.").mapping("format")
         req.grammar = response_format(text_format or None, info.grammars, "text.format")
         store = b.boolean("store", True)
-        echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
-                "metadata": b.mapping("metadata"), "parallel_tool_calls": b.get("parallel_tool_calls", True),
-                "previous_response_id": previous, "store": store, "temperature": req.temperature,
-                "reasoning": {"effort": None, "summary": None, **b.mapping("reasoning")},
-                "text": {"format": text_format or {"type": "text"}},
-                "tool_choice": body.get("tool_choice") or "auto",
-                "tools": body.get("tools") or [], "top_p": req.top_p, "truncation": "disabled",
-                "user": body.get("user")}  # fmt: skip
+        echo = {
+            "instructions": instructions,
+            "max_output_tokens": body.get("max_output_tokens"),
+            "metadata": b.mapping("metadata"),
+            "parallel_tool_calls": b.get("parallel_tool_calls", True),
+            "previous_response_id": previous,
+            "store": store,
+            "temperature": req.temperature,
+            "reasoning": {"effort": None, "summary": None, **b.mapping("reasoning")},
+            "text": {"format": text_format or {"type": "text"}},
+            "tool_choice": body.get("tool_choice") or "auto",
+            "tools": body.get("tools") or [],
+            "top_p": req.top_p,
+            "truncation": "disabled",
+            "user": body.get("user"),
+        }
         return cls(req, server.model_id, echo, messages if store else None, server.conversations)
 
     # -- the response object ------------------------------------------------------------------------
 
     def _response(self, status: str, output: list, outcome: Outcome | None = None, failure: dict | None = None):
-        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": failure,
-               "incomplete_details": None, "model": self.model, "output": output, "usage": None, **self.echo}
+        out = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": failure,
+            "incomplete_details": None,
+            "model": self.model,
+            "output": output,
+            "usage": None,
+            **self.echo,
+        }
         if outcome is not None:
             if status == "incomplete":
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
-            out["usage"] = {"input_tokens": outcome.prompt_tokens,
-                            "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
-                            "output_tokens": outcome.completion_tokens,
-                            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-                            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}  # fmt: skip
+            out["usage"] = {
+                "input_tokens": outcome.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
+                "output_tokens": outcome.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+            }
             if outcome.dflash:
                 out["dflash"] = outcome.dflash
         return out
@@ -276,14 +337,29 @@ class Responses(Exchange):
     def _item(self, index: int, kind: str, value, done: bool = True) -> dict:
         status = "completed" if done else "in_progress"
         if kind == "tool":
-            return {"id": self.ids[index], "type": "function_call", "call_id": value["id"],
-                    "name": value["function"]["name"], "arguments": value["function"]["arguments"] if done else "",
-                    "status": status}  # fmt: skip
+            return {
+                "id": self.ids[index],
+                "type": "function_call",
+                "call_id": value["id"],
+                "name": value["function"]["name"],
+                "arguments": value["function"]["arguments"] if done else "",
+                "status": status,
+            }
         if kind == "reasoning":
-            return {"id": self.ids[index], "type": "reasoning", "summary": [], "status": status,
-                    "content": [_part(kind, value)] if done else []}  # fmt: skip
-        return {"id": self.ids[index], "type": "message", "role": "assistant", "status": status,
-                "content": [_part(kind, value)] if done else []}  # fmt: skip
+            return {
+                "id": self.ids[index],
+                "type": "reasoning",
+                "summary": [],
+                "status": status,
+                "content": [_part(kind, value)] if done else [],
+            }
+        return {
+            "id": self.ids[index],
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": [_part(kind, value)] if done else [],
+        }
 
     def _output(self) -> list:
         return [self._item(i, kind, value) for i, (kind, value) in enumerate(self.blocks.blocks)]
@@ -292,9 +368,10 @@ class Responses(Exchange):
 
     def _event(self, kind: str, **fields) -> tuple:
         self.sequence += 1
-        return (f"response.{kind}" if kind != "error" else kind,
-                {"type": f"response.{kind}" if kind != "error" else kind, "sequence_number": self.sequence - 1,
-                 **fields})  # fmt: skip
+        return (
+            f"response.{kind}" if kind != "error" else kind,
+            {"type": f"response.{kind}" if kind != "error" else kind, "sequence_number": self.sequence - 1, **fields},
+        )
 
     def start(self, started) -> list:
         response = self._response("in_progress", [])
@@ -316,12 +393,15 @@ class Responses(Exchange):
 
     def fail(self, failed) -> list:
         failure = {"code": "server_error" if failed.status >= 500 else "invalid_prompt", "message": failed.message}
-        return [self._event("error", code=failure["code"], message=failed.message, param=failed.field),
-                self._event("failed", response=self._response("failed", self._output(), failure=failure))]
+        return [
+            self._event("error", code=failure["code"], message=failed.message, param=failed.field),
+            self._event("failed", response=self._response("failed", self._output(), failure=failure)),
+        ]
 
     def whole(self, outcome: Outcome) -> dict:
-        return self._response("incomplete" if outcome.finish_reason == "length" else "completed", self._output(),
-                              outcome)  # fmt: skip
+        return self._response(
+            "incomplete" if outcome.finish_reason == "length" else "completed", self._output(), outcome
+        )
 
     def _assistant(self) -> dict:
         """The reply as the assistant turn of the stored conversation."""
@@ -329,8 +409,13 @@ class Responses(Exchange):
         for kind, value in self.blocks.blocks:
             if kind == "tool":
                 function = value["function"]
-                message.setdefault("tool_calls", []).append({"id": value["id"], "type": "function", "function": {
-                    "name": function["name"], "arguments": json.loads(function["arguments"])}})  # fmt: skip
+                message.setdefault("tool_calls", []).append(
+                    {
+                        "id": value["id"],
+                        "type": "function",
+                        "function": {"name": function["name"], "arguments": json.loads(function["arguments"])},
+                    }
+                )
             else:
                 key = "content" if kind == "content" else "reasoning_content"
                 message[key] = message.get(key, "") + value
@@ -352,19 +437,25 @@ class Responses(Exchange):
         name = "output_text" if kind == "content" else "reasoning_text"
         logprobs = {"logprobs": []} if kind == "content" else {}
         if what == "open":
-            return [self._event("output_item.added", output_index=index, item=self._item(index, kind, "", False)),
-                    self._event("content_part.added", **at, content_index=0, part=_part(kind, ""))]
+            return [
+                self._event("output_item.added", output_index=index, item=self._item(index, kind, "", False)),
+                self._event("content_part.added", **at, content_index=0, part=_part(kind, "")),
+            ]
         if what == "text":
             return [self._event(f"{name}.delta", **at, content_index=0, delta=value, **logprobs)]
         if what == "close":
-            return [self._event(f"{name}.done", **at, content_index=0, text=value, **logprobs),
-                    self._event("content_part.done", **at, content_index=0, part=_part(kind, value)),
-                    self._event("output_item.done", output_index=index, item=self._item(index, kind, value))]
+            return [
+                self._event(f"{name}.done", **at, content_index=0, text=value, **logprobs),
+                self._event("content_part.done", **at, content_index=0, part=_part(kind, value)),
+                self._event("output_item.done", output_index=index, item=self._item(index, kind, value)),
+            ]
         arguments, function = value["function"]["arguments"], value["function"]["name"]
-        return [self._event("output_item.added", output_index=index, item=self._item(index, kind, value, False)),
-                self._event("function_call_arguments.delta", **at, delta=arguments),
-                self._event("function_call_arguments.done", **at, arguments=arguments, name=function),
-                self._event("output_item.done", output_index=index, item=self._item(index, kind, value))]
+        return [
+            self._event("output_item.added", output_index=index, item=self._item(index, kind, value, False)),
+            self._event("function_call_arguments.delta", **at, delta=arguments),
+            self._event("function_call_arguments.done", **at, arguments=arguments, name=function),
+            self._event("output_item.done", output_index=index, item=self._item(index, kind, value)),
+        ]
 
 
 def _part(kind: str, text: str) -> dict:

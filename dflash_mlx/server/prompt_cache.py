@@ -35,8 +35,14 @@ DEFAULT_SESSIONS = 10  # mlx_lm.server's --prompt-cache-size
 
 
 class PromptCache:
-    def __init__(self, make: Callable[[], Session], *, max_sessions: int = DEFAULT_SESSIONS,
-                 max_bytes: int | None = None, store=None):  # fmt: skip
+    def __init__(
+        self,
+        make: Callable[[], Session],
+        *,
+        max_sessions: int = DEFAULT_SESSIONS,
+        max_bytes: int | None = None,
+        store=None,
+    ):
         if max_sessions < 0:
             raise ValueError(f"max_sessions must be >= 0, got {max_sessions}.")
         if max_bytes is not None and max_bytes < 0:
@@ -107,6 +113,7 @@ class PromptCache:
         """Evict the least recently used beyond the bounds (and beyond `max_bytes`, when given)."""
         bounds = [b for b in (self.max_bytes, max_bytes) if b is not None]
         limit = min(bounds) if bounds else None
-        while self._sessions and (len(self._sessions) > self.max_sessions or
-                                  (limit is not None and self.nbytes > limit)):  # fmt: skip
+        while self._sessions and (
+            len(self._sessions) > self.max_sessions or (limit is not None and self.nbytes > limit)
+        ):
             self._forget(self._sessions.popitem(last=False)[1])

@@ -43,11 +43,35 @@ from .formats import response_format
 from .openai_fields import CHAT_ONLY, ignored, legacy_functions, legacy_messages, reasoning
 
 COMMON = {
-    "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-    "min_p", "seed", "stop", "repetition_penalty", "repetition_context_size", "presence_penalty",
-    "presence_context_size", "frequency_penalty", "frequency_context_size", "logit_bias", "logprobs",
-    "top_logprobs", "xtc_probability", "xtc_threshold", "num_draft_tokens", "draft_model", "adapters", "n", "user",
-    "return_meta_info", "lookup",
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "presence_context_size",
+    "frequency_penalty",
+    "frequency_context_size",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "xtc_probability",
+    "xtc_threshold",
+    "num_draft_tokens",
+    "draft_model",
+    "adapters",
+    "n",
+    "user",
+    "return_meta_info",
+    "lookup",
 }
 CHAT = COMMON | {"messages", "tools", "tool_choice", "role_mapping", "chat_template_kwargs"} | CHAT_ONLY
 TEXT = COMMON | {"prompt", "echo", "suffix", "best_of"}
@@ -219,15 +243,21 @@ def sampling(b: Fields, req: GenerationRequest, info: ServerInfo) -> None:
     req.xtc_probability = b.number("xtc_probability", 0.0, low=0, high=1)
     req.xtc_threshold = b.number("xtc_threshold", 0.1, low=0, high=0.5)
     if req.xtc_probability > 0 and info.has_draft:
-        raise RequestError("xtc_probability", "XTC has no fixed distribution, so drafted tokens cannot be verified "
-                                              "against it: this server (with a drafter) cannot run it")  # fmt: skip
+        raise RequestError(
+            "xtc_probability",
+            "XTC has no fixed distribution, so drafted tokens cannot be verified "
+            "against it: this server (with a drafter) cannot run it",
+        )
     req.num_draft_tokens = b.integer("num_draft_tokens", None)
     if req.num_draft_tokens is not None and not info.has_draft:
         raise RequestError("num_draft_tokens", "this server has no drafter")
     if req.num_draft_tokens is not None and not 0 <= req.num_draft_tokens < info.max_block:
-        raise RequestError("num_draft_tokens", f"must be in [0, {info.max_block - 1}]: this server verifies blocks "
-                                               f"of at most {info.max_block} tokens (the anchor and "
-                                               f"{info.max_block - 1} drafts), got {req.num_draft_tokens}")  # fmt: skip
+        raise RequestError(
+            "num_draft_tokens",
+            f"must be in [0, {info.max_block - 1}]: this server verifies blocks "
+            f"of at most {info.max_block} tokens (the anchor and "
+            f"{info.max_block - 1} drafts), got {req.num_draft_tokens}",
+        )
     req.lookup = b.boolean("lookup", info.lookup)
 
 

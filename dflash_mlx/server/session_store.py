@@ -60,8 +60,13 @@ class SessionStore:
         name = name or f"{self._prefix}-{uuid.uuid4().hex[:16]}.safetensors"
         saved = session.saved()
         cache = list(saved["cache"])
-        layout = {"key": self.key, "target": len(cache), "draft": None, "checkpoint": None,
-                  "prompt_length": saved["prompt_length"]}  # fmt: skip
+        layout = {
+            "key": self.key,
+            "target": len(cache),
+            "draft": None,
+            "checkpoint": None,
+            "prompt_length": saved["prompt_length"],
+        }
         cache.append(_arrays([mx.array(saved["tokens"], mx.int32)]))
         if saved["draft"] is not None:  # an empty layer gets a placeholder (a cache's state cannot be empty)
             layout["draft"] = [meta for _, meta in saved["draft"]]
@@ -73,8 +78,9 @@ class SessionStore:
             cache += [type(saved["cache"][i]).from_state(states[i]) for i in layers]
         metadata = {META_KEY: json.dumps(layout)}
         try:
-            replace_atomically(self.folder / name, lambda tmp: save_prompt_cache(str(tmp), cache, metadata),
-                               suffix=".tmp.safetensors")  # fmt: skip
+            replace_atomically(
+                self.folder / name, lambda tmp: save_prompt_cache(str(tmp), cache, metadata), suffix=".tmp.safetensors"
+            )
         except (OSError, ValueError) as e:
             logging.warning("Prompt cache: cannot write %s: %s", self.folder / name, e)
         return name

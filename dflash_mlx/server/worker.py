@@ -72,15 +72,29 @@ class GenerationWorker:
     generation stops there (finish_reason "length"). `max_batch_bytes` (default: `limits.memory_budget`)
     bounds weights + caches: a request whose caches cannot fit even alone is refused with 400."""
 
-    def __init__(self, model, tokenizer, draft=None, *, block_size: int | None = None,
-                 context_length: int | None = None, adaptive: bool = True,
-                 prompt_cache_size: int = DEFAULT_SESSIONS, prompt_cache_bytes: int | None = None,
-                 prompt_cache_dir=None, group=None, decode_concurrency: int = 1,
-                 prefill_step_size: int = 2048, max_batch_bytes: int | None = None,
-                 kv: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        draft=None,
+        *,
+        block_size: int | None = None,
+        context_length: int | None = None,
+        adaptive: bool = True,
+        prompt_cache_size: int = DEFAULT_SESSIONS,
+        prompt_cache_bytes: int | None = None,
+        prompt_cache_dir=None,
+        group=None,
+        decode_concurrency: int = 1,
+        prefill_step_size: int = 2048,
+        max_batch_bytes: int | None = None,
+        kv: dict | None = None,
+    ):
         if group is not None and prompt_cache_dir is not None:
-            raise ValueError("prompt_cache_dir: a sharded server keeps its prompt cache in memory only (the "
-                             "ranks' caches must stay alike).")  # fmt: skip
+            raise ValueError(
+                "prompt_cache_dir: a sharded server keeps its prompt cache in memory only (the "
+                "ranks' caches must stay alike)."
+            )
         self.group = group if group is not None and group.size() > 1 else None
         self.model, self.tokenizer, self.draft = model, tokenizer, draft
         self.grammars = Grammars(tokenizer)  # structured outputs' grammars, compiled as requests are parsed
@@ -88,8 +102,12 @@ class GenerationWorker:
         self.block_size = block_size or (default_block_size(model, draft) if draft is not None else 1)
         self.adaptive = adaptive and draft is not None  # up to block_size, unless a request fixes it
         store = SessionStore(prompt_cache_dir, identity(model, draft)) if prompt_cache_dir is not None else None
-        self.sessions = PromptCache(lambda: make_session(model, draft), max_sessions=prompt_cache_size,
-                                    max_bytes=prompt_cache_bytes, store=store)  # fmt: skip
+        self.sessions = PromptCache(
+            lambda: make_session(model, draft),
+            max_sessions=prompt_cache_size,
+            max_bytes=prompt_cache_bytes,
+            store=store,
+        )
         self.budget = max_batch_bytes if max_batch_bytes is not None else memory_budget()
         self.weights = weight_bytes(model, draft)
         self.footprint = Footprint.measure(lambda: make_session(model, draft))
@@ -216,12 +234,24 @@ class GenerationWorker:
             prompt, max_tokens = planned
             session = self.sessions.take(prompt)
             responses = stream_generate(
-                self.model, self.draft, self.tokenizer, prompt, max_tokens=max_tokens,
+                self.model,
+                self.draft,
+                self.tokenizer,
+                prompt,
+                max_tokens=max_tokens,
                 **(blocks if self.draft is not None else {}),
-                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-                xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
-                logits_processors=make_logits_processors(**req.processors) or None, session=session, **self.kv,
-                response_format=self.grammars.get(req.grammar) if req.grammar else None, lookup=req.lookup,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                min_p=req.min_p,
+                seed=req.seed,
+                xtc_probability=req.xtc_probability,
+                xtc_threshold=req.xtc_threshold,
+                logits_processors=make_logits_processors(**req.processors) or None,
+                session=session,
+                **self.kv,
+                response_format=self.grammars.get(req.grammar) if req.grammar else None,
+                lookup=req.lookup,
             )
             for r in responses:
                 if job.cancelled and self.group is None:
@@ -299,9 +329,14 @@ class GenerationWorker:
         if self.context_length is not None:
             room = self.context_length - len(prompt)
             if room < 1:
-                put(Failed(400, f"{field}: the prompt is {len(prompt)} tokens, the model's context is "
-                                f"{self.context_length} tokens: leave room for at least one generated token",
-                           field))  # fmt: skip
+                put(
+                    Failed(
+                        400,
+                        f"{field}: the prompt is {len(prompt)} tokens, the model's context is "
+                        f"{self.context_length} tokens: leave room for at least one generated token",
+                        field,
+                    )
+                )
                 return None
             max_tokens = min(max_tokens, room)
         problem = self._memory_problem(len(prompt), max_tokens, field)
@@ -317,14 +352,23 @@ class GenerationWorker:
         if prompt + max_tokens <= fits:
             return None
         need = self.footprint.bytes(prompt + max_tokens) / 1e9
-        budget = (f"this server's memory budget ({self.budget / 1e9:.2f} GB, --max-batch-bytes) leaves "
-                  f"{max(room, 0) / 1e9:.2f} GB beside the weights")  # fmt: skip
+        budget = (
+            f"this server's memory budget ({self.budget / 1e9:.2f} GB, --max-batch-bytes) leaves "
+            f"{max(room, 0) / 1e9:.2f} GB beside the weights"
+        )
         if prompt + 1 > fits:
-            return Failed(400, f"{field}: the caches of a {prompt}-token prompt need about {need:.2f} GB; {budget}: "
-                               f"room for {fits} tokens in all", field)  # fmt: skip
-        return Failed(400, f"max_tokens: a {prompt}-token prompt and {max_tokens} generated tokens need about "
-                           f"{need:.2f} GB of caches; {budget}: at most {fits - prompt} tokens after this prompt",
-                      "max_tokens")  # fmt: skip
+            return Failed(
+                400,
+                f"{field}: the caches of a {prompt}-token prompt need about {need:.2f} GB; {budget}: "
+                f"room for {fits} tokens in all",
+                field,
+            )
+        return Failed(
+            400,
+            f"max_tokens: a {prompt}-token prompt and {max_tokens} generated tokens need about "
+            f"{need:.2f} GB of caches; {budget}: at most {fits - prompt} tokens after this prompt",
+            "max_tokens",
+        )
 
     def tokenize(self, req: GenerationRequest) -> list[int]:
         """The request's prompt tokens; a `RequestError` (400) naming its messages or prompt when the chat
@@ -344,8 +388,9 @@ class GenerationWorker:
 
             return tokenizer.encode(convert_chat(req.messages, req.role_mapping))
         if req.tools and not tokenizer.has_tool_calling:
-            logging.warning("Received tools, but the model's tokenizer has no tool-call markers: "
-                            "its tool calls come back as text.")  # fmt: skip
+            logging.warning(
+                "Received tools, but the model's tokenizer has no tool-call markers: its tool calls come back as text."
+            )
         text = tokenizer.apply_chat_template(
             req.messages, tools=req.tools, tokenize=False, add_generation_prompt=True, **req.chat_template_kwargs
         )

@@ -84,21 +84,34 @@ def _load_target(choice, group):
     return model, tokenizer
 
 
-def load_sharded(choice, group: mx.distributed.Group | None = None, *, draft_bits: int | None = None,
-                 draft_group_size: int = 64):  # fmt: skip
+def load_sharded(
+    choice, group: mx.distributed.Group | None = None, *, draft_bits: int | None = None, draft_group_size: int = 64
+):
     """(model, tokenizer, drafter or None) on every rank of `group` (default: `mx.distributed.init()`)."""
     group = group or world()
     digest = agree(group, _preflight, choice, group.size())
     differ = same_everywhere(group, digest)
     if differ:
-        raise ShardError(f"rank {differ[0]}'s model files differ from rank 0's ({choice.target}"
-                         f"{', ' + str(choice.draft) if choice.draft else ''}): every machine needs the same "
-                         "copy of the target and the drafter.", differ[0], group)  # fmt: skip
+        raise ShardError(
+            f"rank {differ[0]}'s model files differ from rank 0's ({choice.target}"
+            f"{', ' + str(choice.draft) if choice.draft else ''}): every machine needs the same "
+            "copy of the target and the drafter.",
+            differ[0],
+            group,
+        )
     model, tokenizer = agree(group, _load_target, choice, group)
     drafter = None
     if choice.draft is not None:
-        drafter = agree(group, load_draft, choice.draft, model, bits=draft_bits, group_size=draft_group_size,
-                        dtype=target_float_dtype(model), target_name=choice.label)  # fmt: skip
+        drafter = agree(
+            group,
+            load_draft,
+            choice.draft,
+            model,
+            bits=draft_bits,
+            group_size=draft_group_size,
+            dtype=target_float_dtype(model),
+            target_name=choice.label,
+        )
     seed = broadcast(group, random.getrandbits(31).to_bytes(4, "little") if group.rank() == 0 else None)
     mx.random.seed(int.from_bytes(seed, "little"))
     return model, tokenizer, drafter

@@ -31,5 +31,7 @@ def check_lockstep(group, tokens: list[int]) -> None:
     if differ:
         raise LockstepError(
             f"The ranks diverged: rank {differ[0]} generated other tokens than rank 0 ({len(tokens)} tokens "
-            "here). Every rank must make the same calls with the same arguments and seeds.", differ[0], group
+            "here). Every rank must make the same calls with the same arguments and seeds.",
+            differ[0],
+            group,
         )

@@ -88,17 +88,17 @@ class TargetAdapter:
         self.text = text_model(model)
         self.layers = list(getattr(model, "layers", None) or [])
         if not self.layers or any(layer is None for layer in self.layers):
-            raise UnsupportedTargetError(f"Target model ({family}): no decoder layers in model.layers (a "
-                                         "pipeline-parallel target holds only its stage's; not supported).")
+            raise UnsupportedTargetError(
+                f"Target model ({family}): no decoder layers in model.layers (a "
+                "pipeline-parallel target holds only its stage's; not supported)."
+            )
         self.embedding = token_embedding(model)
         if self.embedding is None:
             raise UnsupportedTargetError(f"Target model ({family}): no single token embedding found for the drafter.")
         self.lm_head = next((self.text[n] for n in HEAD_NAMES if isinstance(self.text.get(n), nn.Module)), None)
         bad = [i for i in layer_ids if not 0 <= i < len(self.layers)]
         if bad:
-            raise ValueError(
-                f"Target layer ids {bad} are out of range for a target with {len(self.layers)} layers."
-            )
+            raise ValueError(f"Target layer ids {bad} are out of range for a target with {len(self.layers)} layers.")
         self.layer_ids = tuple(layer_ids)
         self.group = tensor_group(model)
         self._capture_slots: dict[int, list[int]] = {}
@@ -180,8 +180,9 @@ class TargetAdapter:
             record.refeed = self._refeed(ids, cache, record, states)
         if any(c is None for c in captured):
             missing = [self.layer_ids[s] for s, c in enumerate(captured) if c is None]
-            raise UnsupportedTargetError(f"Target model ({self.family_name}): its forward did not call layers "
-                                         f"{missing} through model.layers.")
+            raise UnsupportedTargetError(
+                f"Target model ({self.family_name}): its forward did not call layers {missing} through model.layers."
+            )
         features = mx.concatenate(captured, axis=-1) if captured else None
         return (out if head else None), features, record
 

@@ -75,8 +75,13 @@ def context_length(model) -> int | None:
 # Config fields a tensor shard splits across ranks: each must be a multiple of the group size
 # (mlx-lm's shard() floors head counts, which would silently compute with the wrong shapes).
 SHARDED_FIELDS = (
-    "num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
-    "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
 )
 REPEATS_KV_HEADS = {"qwen3_5", "qwen3_5_moe"}  # their shard() repeats KV heads when there are fewer than ranks
 

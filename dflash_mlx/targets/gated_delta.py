@@ -47,8 +47,15 @@ class GDNRecord:
             cache[1] = self.state
             return
         _, cache[1] = gated_delta_update(
-            self.q[:, :n], self.k[:, :n], self.v[:, :n], self.a[:, :n], self.b[:, :n],
-            self.layer.A_log, self.layer.dt_bias, self.state, None,
+            self.q[:, :n],
+            self.k[:, :n],
+            self.v[:, :n],
+            self.a[:, :n],
+            self.b[:, :n],
+            self.layer.A_log,
+            self.layer.dt_bias,
+            self.state,
+            None,
             use_kernel=not self.layer.training,
         )
 
@@ -107,8 +114,11 @@ def gated_delta_forward(layer: nn.Module, x: mx.array, mask, cache, records: lis
 def gated_delta_child(layer: nn.Module) -> str | None:
     """The name of `layer`'s mlx-lm GatedDeltaNet module (qwen3_5 or qwen3_next kind), or None."""
     for name, child in layer.items():
-        if isinstance(child, nn.Module) and hasattr(child, "A_log") and hasattr(child, "conv1d") and (
-            hasattr(child, "in_proj_qkvz") or hasattr(child, "in_proj_qkv")
+        if (
+            isinstance(child, nn.Module)
+            and hasattr(child, "A_log")
+            and hasattr(child, "conv1d")
+            and (hasattr(child, "in_proj_qkvz") or hasattr(child, "in_proj_qkv"))
         ):
             return name
     return None

@@ -53,13 +53,16 @@ class KVQuantization:
     def problem(self, cache: list) -> str | None:
         """Why mlx-lm cannot quantize this target's caches, or None."""
         if any(type(c) is RotatingKVCache for c in layer_caches(cache)):
-            return ("kv_bits: mlx-lm cannot quantize this target's sliding-window (RotatingKVCache) caches "
-                    "(its own decoding fails there too); leave the KV cache unquantized")  # fmt: skip
+            return (
+                "kv_bits: mlx-lm cannot quantize this target's sliding-window (RotatingKVCache) caches "
+                "(its own decoding fails there too); leave the KV cache unquantized"
+            )
         return None
 
 
-def kv_quantization(kv_bits: int | None, kv_group_size: int = 64,
-                    quantized_kv_start: int | None = DEFAULT_QUANTIZED_KV_START) -> KVQuantization | None:  # fmt: skip
+def kv_quantization(
+    kv_bits: int | None, kv_group_size: int = 64, quantized_kv_start: int | None = DEFAULT_QUANTIZED_KV_START
+) -> KVQuantization | None:
     """The settings, checked (None: no quantization); errors name the argument and what it takes."""
     if kv_bits is None:
         return None

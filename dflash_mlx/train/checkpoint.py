@@ -59,9 +59,7 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def save_checkpoint(
-    root: Path, step: int, drafter: nn.Module, optimizer, state: dict[str, Any], keep: int = 2
-) -> Path:
+def save_checkpoint(root: Path, step: int, drafter: nn.Module, optimizer, state: dict[str, Any], keep: int = 2) -> Path:
     """Write checkpoint `step` atomically; keep only the `keep` most recent ones."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

@@ -69,9 +69,7 @@ def _parse_line(line: str, number: int, path: Path) -> PromptRecord:
         raise DataError(f"{where}: 'messages' must be a non-empty list of messages.")
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise DataError(
-                f"{where}: 'messages[{i}]' must be an object with string fields 'role' and 'content'."
-            )
+            raise DataError(f"{where}: 'messages[{i}]' must be an object with string fields 'role' and 'content'.")
     kept = list(messages)
     while kept and kept[-1]["role"] == "assistant":
         kept.pop()
@@ -95,9 +93,11 @@ def encode_record(
             )
         try:
             text = tokenizer.apply_chat_template(
-                list(record.messages), add_generation_prompt=True, tokenize=False,
+                list(record.messages),
+                add_generation_prompt=True,
+                tokenize=False,
                 **(chat_template_kwargs or {}),
-            )  # fmt: skip
+            )
         except (TemplateError, ValueError, TypeError, KeyError) as e:  # jinja2's own, or the template's
             raise DataError(f"{where}: the chat template failed on these messages ({e}).") from e
         ids = tokenizer.encode(text, add_special_tokens=False)

@@ -39,9 +39,7 @@ def row_weights(block_size: int, decay: float | None = None) -> mx.array:
     return mx.array([x / total for x in w], dtype=mx.float32)
 
 
-def block_loss(
-    logits: mx.array, targets: mx.array, valid: mx.array, weights: mx.array
-) -> tuple[mx.array, mx.array]:
+def block_loss(logits: mx.array, targets: mx.array, valid: mx.array, weights: mx.array) -> tuple[mx.array, mx.array]:
     """Weighted cross-entropy of blocks, averaged over blocks with at least one target.
 
     logits [..., b-1, V], targets/valid [..., b-1], weights [b-1] (normalised).

@@ -61,8 +61,7 @@ def _attention(attn, x: mx.array, context: mx.array, anchors: mx.array, mask: mx
 def check_trainable(drafter: DFlashDraftModel) -> None:
     if drafter.config.is_dflash2:
         raise UnsupportedDrafterError(
-            "Training DFlash 2 drafters (DFlash2DraftModel) is not supported: train a "
-            "DFlashDraftModel (v1)."
+            "Training DFlash 2 drafters (DFlash2DraftModel) is not supported: train a DFlashDraftModel (v1)."
         )
 
 

@@ -60,8 +60,7 @@ def resolve_mask_token_id(tokenizer, explicit: int | None, vocab_size: int, targ
         )
     if not 0 <= int(mask_id) < vocab_size:
         raise DrafterSetupError(
-            f"--mask-token-id {mask_id} is outside the vocabulary of target '{target_name}' "
-            f"(vocab_size {vocab_size})."
+            f"--mask-token-id {mask_id} is outside the vocabulary of target '{target_name}' (vocab_size {vocab_size})."
         )
     return int(mask_id)
 
@@ -86,8 +85,7 @@ def drafter_config(
     bad = [i for i in target_layer_ids if not 0 <= i < n_target]
     if bad or not target_layer_ids:
         raise DrafterSetupError(
-            f"--target-layers {target_layer_ids}: ids must be in 0..{n_target - 1} "
-            f"(the target has {n_target} layers)."
+            f"--target-layers {target_layer_ids}: ids must be in 0..{n_target - 1} (the target has {n_target} layers)."
         )
     config = {
         "architectures": [V1_ARCHITECTURE],

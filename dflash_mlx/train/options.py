@@ -24,12 +24,32 @@ TARGET_DTYPES = ("float32", "bfloat16", "float16")
 
 # Options that determine which batches, targets and updates a run makes.
 TRAJECTORY_OPTIONS = (
-    "model", "steps", "block_size", "draft_layers", "max_tokens", "max_length", "lr",
-    "warmup", "weight_decay", "grad_clip", "loss_decay", "batch_size", "anchors_per_seq",
-    "seed", "holdout", "target_layers", "mask_token_id", "intermediate_size",
-    "gen_temperature", "chat_template_kwargs", "target_dtype", "init", "replay", "replay_ratio",
+    "model",
+    "steps",
+    "block_size",
+    "draft_layers",
+    "max_tokens",
+    "max_length",
+    "lr",
+    "warmup",
+    "weight_decay",
+    "grad_clip",
+    "loss_decay",
+    "batch_size",
+    "anchors_per_seq",
+    "seed",
+    "holdout",
+    "target_layers",
+    "mask_token_id",
+    "intermediate_size",
+    "gen_temperature",
+    "chat_template_kwargs",
+    "target_dtype",
+    "init",
+    "replay",
+    "replay_ratio",
     "loss_chunk_rows",
-)  # fmt: skip
+)
 
 
 class OptionError(ValueError):
@@ -100,9 +120,20 @@ class TrainOptions:
 
     def check(self) -> None:
         """Raise OptionError for the first bad value."""
-        positive = ("steps", "block_size", "draft_layers", "max_tokens", "max_length", "batch_size",
-                    "anchors_per_seq", "save_every", "gen_batch_size", "loss_chunk_rows", "feature_chunk",
-                    "anchor_chunk")  # fmt: skip
+        positive = (
+            "steps",
+            "block_size",
+            "draft_layers",
+            "max_tokens",
+            "max_length",
+            "batch_size",
+            "anchors_per_seq",
+            "save_every",
+            "gen_batch_size",
+            "loss_chunk_rows",
+            "feature_chunk",
+            "anchor_chunk",
+        )
         optional = ("block_size", "draft_layers", "max_length", "loss_chunk_rows", "anchor_chunk")
         for name in positive:
             value = getattr(self, name)
@@ -113,8 +144,11 @@ class TrainOptions:
         if self.block_size is not None and self.block_size < 2:
             raise OptionError(f"--block-size must be >= 2 (the anchor plus drafted rows), got {self.block_size}.")
         if self.init is not None:
-            given = [n for n in ("draft_layers", "target_layers", "mask_token_id", "intermediate_size")
-                     if getattr(self, n) is not None]  # fmt: skip
+            given = [
+                n
+                for n in ("draft_layers", "target_layers", "mask_token_id", "intermediate_size")
+                if getattr(self, n) is not None
+            ]
             if given:
                 raise OptionError(
                     f"{flag(given[0])} cannot be combined with --init: the drafter's layers, target "

@@ -54,9 +54,7 @@ def read_cache(path: Path) -> dict[str, list[int]]:
             if number == len(lines) and not line.endswith("\n"):
                 _rewrite(path, lines[:-1])  # the last append was interrupted
                 break
-            raise DataError(
-                f"{path}:{number}: not a response cache line ({e}); delete the file to regenerate."
-            ) from e
+            raise DataError(f"{path}:{number}: not a response cache line ({e}); delete the file to regenerate.") from e
     return done
 
 
@@ -104,9 +102,13 @@ def _generate(model, tokenizer, todo, done, cache_path, max_tokens, batch_size, 
         prefill_batch_size=min(batch_size, 8),
     )
     progress = Progress(
-        TextColumn("regenerating responses"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[tps]}"), TimeRemainingColumn(), console=console,
-    )  # fmt: skip
+        TextColumn("regenerating responses"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[tps]}"),
+        TimeRemainingColumn(),
+        console=console,
+    )
     try:
         uids = gen.insert([todo[k] for k in order], [max_tokens] * len(order))
         key_of = dict(zip(uids, order))

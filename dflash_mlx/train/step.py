@@ -78,16 +78,22 @@ class StepRunner:
     """One optimisation step on a batch: features, loss, gradients, clipping, update."""
 
     def __init__(
-        self, drafter, target: TargetAdapter, store: FeatureStore, optimizer, options: TrainOptions,
+        self,
+        drafter,
+        target: TargetAdapter,
+        store: FeatureStore,
+        optimizer,
+        options: TrainOptions,
         num_replay: int = 0,
-    ):  # fmt: skip
+    ):
         self.drafter, self.target, self.store, self.optimizer = drafter, target, store, optimizer
         self.options = options
         self.num_replay = num_replay
         self.replay_per_batch = 0
         if num_replay:
-            self.replay_per_batch = min(max(1, round(options.replay_ratio * options.batch_size)),
-                                        options.batch_size - 1)  # fmt: skip
+            self.replay_per_batch = min(
+                max(1, round(options.replay_ratio * options.batch_size)), options.batch_size - 1
+            )
         self.weights = row_weights(options.block_size, options.loss_decay)
         logit_elements, self.attention_bytes = memory_budgets(options.max_memory_gb)
         self.chunk_rows = options.loss_chunk_rows or auto_chunk_rows(target.vocab_size, logit_elements)
@@ -128,9 +134,12 @@ class StepRunner:
             if share == 0:
                 continue
             part = self._group(
-                features, batch.block_ids[:, start * b : (start + group) * b], batch.anchors[:, sl],
-                batch.targets[:, sl], batch.valid[:, sl],
-            )  # fmt: skip
+                features,
+                batch.block_ids[:, start * b : (start + group) * b],
+                batch.anchors[:, sl],
+                batch.targets[:, sl],
+                batch.valid[:, sl],
+            )
             loss = part[0] * share if loss is None else loss + part[0] * share
             tau = part[1] * share if tau is None else tau + part[1] * share
             grads = _add(grads, part[2], share)
@@ -140,10 +149,17 @@ class StepRunner:
     def __call__(self, step: int, sequences: list[Sequence], mask_id: int, pad_id: int) -> dict[str, float]:
         o = self.options
         indices, batch = step_batch(
-            step, sequences, batch_size=o.batch_size, anchors_per_seq=o.anchors_per_seq,
-            block_size=o.block_size, mask_id=mask_id, seed=o.seed, pad_id=pad_id,
-            num_replay=self.num_replay, replay_per_batch=self.replay_per_batch,
-        )  # fmt: skip
+            step,
+            sequences,
+            batch_size=o.batch_size,
+            anchors_per_seq=o.anchors_per_seq,
+            block_size=o.block_size,
+            mask_id=mask_id,
+            seed=o.seed,
+            pad_id=pad_id,
+            num_replay=self.num_replay,
+            replay_per_batch=self.replay_per_batch,
+        )
         features = self.store.batch_features(indices, batch, [sequences[i] for i in indices])
         loss, tau, grads = self.loss_and_grads(features, batch)
         grads, grad_norm = optim.clip_grad_norm(grads, o.grad_clip)

@@ -101,11 +101,16 @@ def fingerprint(sequences: list[Sequence]) -> str:
 
 def _progress(console: Console) -> Progress:
     return Progress(
-        TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-        TextColumn("loss {task.fields[loss]}"), TextColumn("tau~ {task.fields[tau]}"),
-        TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(), TextColumn("ETA"),
-        TimeRemainingColumn(), console=console,
-    )  # fmt: skip
+        TextColumn("step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("tau~ {task.fields[tau]}"),
+        TextColumn("{task.fields[tps]} tok/s"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+    )
 
 
 def _read_log(path: Path, upto: int) -> list[dict]:
@@ -185,20 +190,31 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
     else:
         mask_id = resolve_mask_token_id(tokenizer, options.mask_token_id, vocab, options.model)
         config = drafter_config(
-            model, num_layers=options.draft_layers, block_size=options.block_size, mask_token_id=mask_id,
-            target_layer_ids=options.target_layers, intermediate_size=options.intermediate_size,
+            model,
+            num_layers=options.draft_layers,
+            block_size=options.block_size,
+            mask_token_id=mask_id,
+            target_layer_ids=options.target_layers,
+            intermediate_size=options.intermediate_size,
             dtype=options.save_dtype,
-        )  # fmt: skip
+        )
         draft_layers = options.draft_layers
     layer_ids = tuple(config["dflash_config"]["target_layer_ids"])
     prompts = encode_prompts(tokenizer, records, str(options.data), options.chat_template_kwargs)
     train_prompts, held_prompts = split_holdout(prompts, options.holdout, options.seed)
     replay_train, replay_held = read_replay(options, tokenizer)
     responses = regenerate_responses(
-        model, tokenizer, train_prompts + replay_train, Path(options.responses or work / "responses.jsonl"),
-        max_tokens=options.max_tokens, target_name=options.model, batch_size=options.gen_batch_size,
-        temperature=options.gen_temperature, seed=options.seed, console=console,
-    )  # fmt: skip
+        model,
+        tokenizer,
+        train_prompts + replay_train,
+        Path(options.responses or work / "responses.jsonl"),
+        max_tokens=options.max_tokens,
+        target_name=options.model,
+        batch_size=options.gen_batch_size,
+        temperature=options.gen_temperature,
+        seed=options.seed,
+        console=console,
+    )
     sequences, dropped = build_sequences(train_prompts, responses[: len(train_prompts)], options.max_length)
     replay_seqs, replay_dropped = build_sequences(replay_train, responses[len(train_prompts) :], options.max_length)
     if not sequences:
@@ -339,9 +355,14 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
         if not held:
             continue
         validation = acceptance_length(
-            model, loaded, tokenizer, held, max_tokens=options.val_max_tokens or options.max_tokens,
-            block_size=options.block_size, console=console,
-        )  # fmt: skip
+            model,
+            loaded,
+            tokenizer,
+            held,
+            max_tokens=options.val_max_tokens or options.max_tokens,
+            block_size=options.block_size,
+            console=console,
+        )
         tau = validation["mean_acceptance_length"]
         report.update({f"{key}validation": validation, f"{key}mean_acceptance_length": tau})
         shown = "n/a (no held-out prompt ran a draft cycle)" if tau is None else f"{tau:.3f}"

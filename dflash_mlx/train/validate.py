@@ -38,9 +38,13 @@ def acceptance_length(
     per_prompt, totals = [], RunStats()
     tic = time.perf_counter()
     progress = Progress(
-        TextColumn("validating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tau]}"),
-        TimeRemainingColumn(), console=console,
-    )  # fmt: skip
+        TextColumn("validating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[tau]}"),
+        TimeRemainingColumn(),
+        console=console,
+    )
     with progress:
         task = progress.add_task("val", total=len(prompts), tau="")
         for ids in prompts:

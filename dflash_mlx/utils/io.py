@@ -37,5 +37,6 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def save_safetensors_atomic(path: Path, arrays: dict[str, mx.array], metadata: dict | None = None) -> None:
     """`mx.save_safetensors`, atomically (the temporary name keeps the .safetensors suffix MLX needs)."""
-    replace_atomically(path, lambda tmp: mx.save_safetensors(str(tmp), arrays, metadata=metadata or {}),
-                       suffix=".tmp.safetensors")  # fmt: skip
+    replace_atomically(
+        path, lambda tmp: mx.save_safetensors(str(tmp), arrays, metadata=metadata or {}), suffix=".tmp.safetensors"
+    )

@@ -37,8 +37,11 @@ def build_target(model_type: str, seed: int = 0):
     hidden = _hidden_size(model)
     head_std = _LOGIT_STD / hidden**0.5
     tied = not any(name.endswith(_HEADS) for name in params)
-    norms = [n for n, p in params.items() if n.endswith("norm.weight") and p.shape == (hidden,) and
-             not re.search(r"\.\d+\.", n)]  # fmt: skip
+    norms = [
+        n
+        for n, p in params.items()
+        if n.endswith("norm.weight") and p.shape == (hidden,) and not re.search(r"\.\d+\.", n)
+    ]
     final_norm = norms[-1] if norms else None
     weights = []
     for name, p in params.items():
@@ -81,10 +84,20 @@ def arch_pair(model_type: str, root: Path, target_layer_ids: tuple[int, ...] | N
     ids = target_layer_ids or (min(1, n - 1), max(n - 2, 0))
     facts = root / model_type / "target"  # what the drafter builder reads of its target
     facts.mkdir(parents=True, exist_ok=True)
-    (facts / "config.json").write_text(json.dumps(dict(
-        hidden_size=hidden, num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=2 * hidden, vocab_size=vocab, rope_theta=10000.0,
-    )))  # fmt: skip
+    (facts / "config.json").write_text(
+        json.dumps(
+            dict(
+                hidden_size=hidden,
+                num_hidden_layers=n,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                intermediate_size=2 * hidden,
+                vocab_size=vocab,
+                rope_theta=10000.0,
+            )
+        )
+    )
     make_tokenizer(facts)
     draft = make_draft(root / model_type / "draft", facts, target_layer_ids=list(ids), block_size=8)
     return model, load_tokenizer(facts), load_draft(str(draft), model)

@@ -54,7 +54,6 @@ def derive_target_layer_ids(num_draft_layers: int, num_target_layers: int) -> li
     return [min(max(int(i), 0), big_n - 1) for i in ids]
 
 
-
 # ------------------------------------------------------------ random weights
 
 
@@ -81,7 +80,6 @@ def _mx_dtype(dtype: str):
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     return getattr(mx, dtype)
-
 
 
 def _uniform(seed: int, name: str, shape: Sequence[int], low: float, high: float) -> np.ndarray:
@@ -156,10 +154,15 @@ def make_target(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = target_config(
-        family, dtype=dtype, num_layers=num_layers, hidden_size=hidden_size,
-        tie_word_embeddings=tie_word_embeddings, add_bos=add_bos,
-        sliding_window=sliding_window, **overrides,
-    )  # fmt: skip
+        family,
+        dtype=dtype,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        tie_word_embeddings=tie_word_embeddings,
+        add_bos=add_bos,
+        sliding_window=sliding_window,
+        **overrides,
+    )
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))
     text = config.get("text_config", config)
@@ -206,9 +209,7 @@ def make_target(
 
     if quantize_bits is not None:
         with contextlib.redirect_stdout(io.StringIO()):  # silence its [INFO]
-            model, config = quantize_model(
-                model, config, quantize_group_size, quantize_bits, mode=quantize_mode
-            )
+            model, config = quantize_model(model, config, quantize_group_size, quantize_bits, mode=quantize_mode)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     save_config(config, out_dir / "config.json")
@@ -226,12 +227,18 @@ def draft_weight_shapes(config: dict) -> dict:
     hd, inter = config["head_dim"], config["intermediate_size"]
     n_ids = len(config["dflash_config"]["target_layer_ids"])
     per_layer = {
-        "input_layernorm": (h,), "post_attention_layernorm": (h,),
-        "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter),
-        "self_attn.q_proj": (nh * hd, h), "self_attn.k_proj": (nkv * hd, h),
-        "self_attn.v_proj": (nkv * hd, h), "self_attn.o_proj": (h, nh * hd),
-        "self_attn.q_norm": (hd,), "self_attn.k_norm": (hd,),
-    }  # fmt: skip
+        "input_layernorm": (h,),
+        "post_attention_layernorm": (h,),
+        "mlp.gate_proj": (inter, h),
+        "mlp.up_proj": (inter, h),
+        "mlp.down_proj": (h, inter),
+        "self_attn.q_proj": (nh * hd, h),
+        "self_attn.k_proj": (nkv * hd, h),
+        "self_attn.v_proj": (nkv * hd, h),
+        "self_attn.o_proj": (h, nh * hd),
+        "self_attn.q_norm": (hd,),
+        "self_attn.k_norm": (hd,),
+    }
     shapes = {
         f"layers.{i}.{key}.weight": shape
         for i in range(config["num_hidden_layers"])
@@ -285,22 +292,30 @@ def make_draft(
     theta = tcfg.get("rope_theta", 10000.0)
 
     dflash = {"mask_token_id": MASK_ID, "target_layer_ids": [int(i) for i in target_layer_ids]}
-    optional = dict(input_embedding_scale=input_embedding_scale,
-                    output_multiplier=output_multiplier,
-                    final_logit_softcapping=final_logit_softcapping)  # fmt: skip
+    optional = dict(
+        input_embedding_scale=input_embedding_scale,
+        output_multiplier=output_multiplier,
+        final_logit_softcapping=final_logit_softcapping,
+    )
     dflash.update({k: v for k, v in optional.items() if v is not None})
     config = dict(
-        architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=h,
-        num_hidden_layers=num_layers, num_attention_heads=tcfg["num_attention_heads"],
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        hidden_size=h,
+        num_hidden_layers=num_layers,
+        num_attention_heads=tcfg["num_attention_heads"],
         num_key_value_heads=tcfg["num_key_value_heads"],
         head_dim=tcfg.get("head_dim") or h // tcfg["num_attention_heads"],
-        intermediate_size=tcfg["intermediate_size"], vocab_size=tcfg["vocab_size"],
+        intermediate_size=tcfg["intermediate_size"],
+        vocab_size=tcfg["vocab_size"],
         rms_norm_eps=tcfg.get("rms_norm_eps", 1e-6),
         max_position_embeddings=tcfg.get("max_position_embeddings", 4096),
         num_target_layers=n_target,
         tie_word_embeddings=bool(tcfg.get("tie_word_embeddings", False)),
-        attention_bias=False, hidden_act="silu", torch_dtype=dtype,
-    )  # fmt: skip
+        attention_bias=False,
+        hidden_act="silu",
+        torch_dtype=dtype,
+    )
     if rope_in_parameters:
         config["rope_parameters"] = {"rope_theta": theta, "rope_type": "default"}
     else:

@@ -115,8 +115,11 @@ def run_both(model, tokenizer, proposer, prompt, max_tokens, block_size, lookup=
         lookup = proposer != "oracle"
     if proposer == "oracle":
         proposer = OracleProposer([r.token for r in want] + [0] * 16, list(range(block_size)), TINY_VOCAB)
-    got = list(stream_generate(model, proposer, tokenizer, prompt, max_tokens=max_tokens,
-                               block_size=block_size, lookup=lookup, **kw))  # fmt: skip
+    got = list(
+        stream_generate(
+            model, proposer, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size, lookup=lookup, **kw
+        )
+    )
     return got, want
 
 

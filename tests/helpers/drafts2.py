@@ -32,11 +32,13 @@ def draft2_weight_shapes(config: dict) -> dict:
         for conv in ("attention_conv", "mlp_conv"):
             shapes[f"layers.{i}.{conv}.base_kernel"] = (2, k, h)
             shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * k * (h // group), h)
-    shapes.update({
-        "candidate_selector.hidden_projection.weight": (r, h),
-        "candidate_selector.predecessor_codebook": (v, r),
-        "candidate_selector.successor_codebook": (v, r),
-    })  # fmt: skip
+    shapes.update(
+        {
+            "candidate_selector.hidden_projection.weight": (r, h),
+            "candidate_selector.predecessor_codebook": (v, r),
+            "candidate_selector.successor_codebook": (v, r),
+        }
+    )
     return shapes
 
 
@@ -95,20 +97,30 @@ def make_draft2(
     """
     out_dir = Path(out_dir)
     make_draft(
-        out_dir, target_dir, num_layers=num_layers, target_layer_ids=target_layer_ids,
-        block_size=block_size, schema="nested", seed=seed, dtype=dtype,
-        layer_types=["sliding_attention"] * num_layers, sliding_window=sliding_window,
-        is_causal=False, output_multiplier=output_multiplier,
+        out_dir,
+        target_dir,
+        num_layers=num_layers,
+        target_layer_ids=target_layer_ids,
+        block_size=block_size,
+        schema="nested",
+        seed=seed,
+        dtype=dtype,
+        layer_types=["sliding_attention"] * num_layers,
+        sliding_window=sliding_window,
+        is_causal=False,
+        output_multiplier=output_multiplier,
         final_logit_softcapping=final_logit_softcapping,
-    )  # fmt: skip
+    )
     with open(out_dir / "config.json") as f:
         config = json.load(f)
     config["architectures"] = ["DFlash2DraftModel"]
     config["rope_theta"] = rope_theta
     config["dflash_config"].update(
-        conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
-        selector_rank=selector_rank, selector_top_k=selector_top_k,
-    )  # fmt: skip
+        conv_kernel_size=conv_kernel_size,
+        conv_group_size=conv_group_size,
+        selector_rank=selector_rank,
+        selector_top_k=selector_top_k,
+    )
 
     mdt = _mx_dtype(dtype)
     weights = dict(mx.load(str(out_dir / "model.safetensors")))
@@ -119,4 +131,3 @@ def make_draft2(
     config.update(config_overrides)
     write_json(out_dir / "config.json", config)
     return out_dir
-

@@ -56,21 +56,33 @@ NESTED_FAMILIES = ("qwen3_5", "qwen3_5_moe", "gemma4")
 DEFAULT_SLIDING_WINDOW = 8
 
 _TARGET_DEFAULTS = dict(
-    num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-    rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
-)  # fmt: skip
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=4096,
+)
 _ARCHITECTURES = {
-    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
-}  # fmt: skip
+}
 
 
 def target_config(
-    family: str, *, dtype: str = "float32", num_layers: int = 4, hidden_size: int = 64,
-    tie_word_embeddings: bool = False, add_bos: bool = False,
-    sliding_window: Optional[int] = None, **overrides,
-) -> dict:  # fmt: skip
+    family: str,
+    *,
+    dtype: str = "float32",
+    num_layers: int = 4,
+    hidden_size: int = 64,
+    tie_word_embeddings: bool = False,
+    add_bos: bool = False,
+    sliding_window: Optional[int] = None,
+    **overrides,
+) -> dict:
     """The config.json dict ``make_target`` writes (before quantization).
 
     For ``NESTED_FAMILIES`` the text model's settings (and ``overrides``) sit
@@ -81,16 +93,29 @@ def target_config(
         raise ValueError(f"unknown family {family!r}; expected one of {ALL_FAMILIES}")
     if family in EXTRA_FAMILIES:
         return _extra_config(
-            family, dtype=dtype, num_layers=num_layers, hidden_size=hidden_size,
-            tie_word_embeddings=tie_word_embeddings, add_bos=add_bos,
-            sliding_window=sliding_window, overrides=overrides,
-        )  # fmt: skip
+            family,
+            dtype=dtype,
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            tie_word_embeddings=tie_word_embeddings,
+            add_bos=add_bos,
+            sliding_window=sliding_window,
+            overrides=overrides,
+        )
     cfg = dict(
-        _TARGET_DEFAULTS, model_type=family, architectures=[_ARCHITECTURES[family]],
-        hidden_size=hidden_size, num_hidden_layers=num_layers, vocab_size=TINY_VOCAB,
-        tie_word_embeddings=tie_word_embeddings, torch_dtype=dtype, hidden_act="silu",
-        bos_token_id=BOS_ID if add_bos else None, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-    )  # fmt: skip
+        _TARGET_DEFAULTS,
+        model_type=family,
+        architectures=[_ARCHITECTURES[family]],
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        vocab_size=TINY_VOCAB,
+        tie_word_embeddings=tie_word_embeddings,
+        torch_dtype=dtype,
+        hidden_act="silu",
+        bos_token_id=BOS_ID if add_bos else None,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
     cfg["head_dim"] = hidden_size // cfg["num_attention_heads"]
     if family in ("llama", "mistral"):
         cfg.update(attention_bias=False, mlp_bias=False)
@@ -113,85 +138,138 @@ def _alternating(num_layers: int, interval: int, other: str, full="full_attentio
 
 
 def _extra_config(
-    family, *, dtype, num_layers, hidden_size, tie_word_embeddings, add_bos,
-    sliding_window, overrides,
-) -> dict:  # fmt: skip
+    family,
+    *,
+    dtype,
+    num_layers,
+    hidden_size,
+    tie_word_embeddings,
+    add_bos,
+    sliding_window,
+    overrides,
+) -> dict:
     if family in HYBRID_FAMILIES and sliding_window is not None:
         raise ValueError(f"{family} has no sliding-window layers")
     if family == "gpt_oss" and tie_word_embeddings:
         raise ValueError("gpt_oss in mlx-lm always has an untied lm_head")
     window = DEFAULT_SLIDING_WINDOW if sliding_window is None else int(sliding_window)
-    ids = dict(bos_token_id=BOS_ID if add_bos else None, eos_token_id=EOS_ID,
-               pad_token_id=PAD_ID)  # fmt: skip
+    ids = dict(bos_token_id=BOS_ID if add_bos else None, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     text = dict(
-        _TARGET_DEFAULTS, hidden_size=hidden_size, num_hidden_layers=num_layers,
-        vocab_size=TINY_VOCAB, tie_word_embeddings=tie_word_embeddings, **ids,
-    )  # fmt: skip
+        _TARGET_DEFAULTS,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        vocab_size=TINY_VOCAB,
+        tie_word_embeddings=tie_word_embeddings,
+        **ids,
+    )
     text["head_dim"] = hidden_size // text["num_attention_heads"]
     top = None  # the outer config of nested families
 
     if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         text.update(
-            hidden_act="silu", attention_bias=False, full_attention_interval=2,
-            linear_num_key_heads=2, linear_key_head_dim=16,
-            linear_num_value_heads=4, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-        )  # fmt: skip
+            hidden_act="silu",
+            attention_bias=False,
+            full_attention_interval=2,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_num_value_heads=4,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+        )
         if family != "qwen3_5":
             text.update(
-                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                shared_expert_intermediate_size=64, decoder_sparse_step=1,
-                mlp_only_layers=[], norm_topk_prob=True,
-            )  # fmt: skip
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=64,
+                shared_expert_intermediate_size=64,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                norm_topk_prob=True,
+            )
         if family == "qwen3_next":
-            text.update(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"],
-                        partial_rotary_factor=0.25, torch_dtype=dtype)  # fmt: skip
+            text.update(
+                model_type="qwen3_next",
+                architectures=["Qwen3NextForCausalLM"],
+                partial_rotary_factor=0.25,
+                torch_dtype=dtype,
+            )
         else:
             text["model_type"] = family + "_text"
             text["rope_parameters"] = dict(
-                rope_type="default", rope_theta=text.pop("rope_theta"),
-                partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
+                rope_type="default",
+                rope_theta=text.pop("rope_theta"),
+                partial_rotary_factor=0.25,
+                mrope_section=[11, 11, 10],
                 mrope_interleaved=True,
-            )  # fmt: skip
+            )
             arch = "Qwen3_5MoeForConditionalGeneration" if "moe" in family else None
             arch = arch or "Qwen3_5ForConditionalGeneration"
             top = dict(model_type=family, architectures=[arch])
     elif family == "llama_sliding":
-        text.update(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
-                    attention_bias=False, mlp_bias=False, torch_dtype=dtype)  # fmt: skip
+        text.update(
+            model_type="llama",
+            architectures=["LlamaForCausalLM"],
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+            torch_dtype=dtype,
+        )
     elif family == "gemma3_text":
         text.update(
-            model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
-            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=text["head_dim"],
-            rope_local_base_freq=10000.0, sliding_window_pattern=2, torch_dtype=dtype,
-            final_logit_softcapping=None, attn_logit_softcapping=None,
-        )  # fmt: skip
+            model_type="gemma3_text",
+            architectures=["Gemma3ForCausalLM"],
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=text["head_dim"],
+            rope_local_base_freq=10000.0,
+            sliding_window_pattern=2,
+            torch_dtype=dtype,
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+        )
     elif family == "gemma4":
         text.update(
-            model_type="gemma4_text", hidden_activation="gelu_pytorch_tanh",
-            global_head_dim=2 * text["head_dim"], num_global_key_value_heads=None,
-            num_kv_shared_layers=0, hidden_size_per_layer_input=0,
-            vocab_size_per_layer_input=TINY_VOCAB, attention_k_eq_v=False,
-            use_double_wide_mlp=False, enable_moe_block=False,
-            final_logit_softcapping=30.0, sliding_window_pattern=2,
+            model_type="gemma4_text",
+            hidden_activation="gelu_pytorch_tanh",
+            global_head_dim=2 * text["head_dim"],
+            num_global_key_value_heads=None,
+            num_kv_shared_layers=0,
+            hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=TINY_VOCAB,
+            attention_k_eq_v=False,
+            use_double_wide_mlp=False,
+            enable_moe_block=False,
+            final_logit_softcapping=30.0,
+            sliding_window_pattern=2,
             rope_parameters={
-                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
-                                   "rope_type": "proportional"},
-                "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0,
-                                      "rope_type": "default"},
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+                "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0, "rope_type": "default"},
             },
-        )  # fmt: skip
+        )
         text.pop("rope_theta")
         top = dict(model_type="gemma4", architectures=["Gemma4ForConditionalGeneration"])
     elif family == "gpt_oss":
         text.update(
-            model_type="gpt_oss", architectures=["GptOssForCausalLM"], torch_dtype=dtype,
-            num_local_experts=4, num_experts_per_tok=2, experts_per_token=2,
-            intermediate_size=64, attention_bias=True, swiglu_limit=7.0,
-            rope_theta=150000.0, initial_context_length=4096, hidden_act="silu",
-            rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
-                          "beta_slow": 1.0, "truncate": False,
-                          "original_max_position_embeddings": 4096},
-        )  # fmt: skip
+            model_type="gpt_oss",
+            architectures=["GptOssForCausalLM"],
+            torch_dtype=dtype,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            experts_per_token=2,
+            intermediate_size=64,
+            attention_bias=True,
+            swiglu_limit=7.0,
+            rope_theta=150000.0,
+            initial_context_length=4096,
+            hidden_act="silu",
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+        )
     if family in SLIDING_FAMILIES:
         text["sliding_window"] = window
     text.update(overrides)
@@ -205,7 +283,11 @@ def _extra_config(
         text["layer_types"] = _alternating(num_layers, interval, "linear_attention")
     if top is None:
         return text
-    top.update(text_config=text, vocab_size=text["vocab_size"], torch_dtype=dtype,
-               tie_word_embeddings=text["tie_word_embeddings"], **ids)  # fmt: skip
+    top.update(
+        text_config=text,
+        vocab_size=text["vocab_size"],
+        torch_dtype=dtype,
+        tie_word_embeddings=text["tie_word_embeddings"],
+        **ids,
+    )
     return top
-

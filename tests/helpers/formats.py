@@ -21,5 +21,7 @@ class Order(BaseModel):
 
 def schema_format(model: type[BaseModel], strict: bool = True) -> dict:
     """OpenAI's ``response_format`` for `model`'s JSON schema."""
-    return {"type": "json_schema", "json_schema": {"name": model.__name__, "schema": model.model_json_schema(),
-                                                   "strict": strict}}  # fmt: skip
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": model.__name__, "schema": model.model_json_schema(), "strict": strict},
+    }

@@ -42,19 +42,22 @@ WEATHER_TOOL = {
     "function": {
         "name": "get_weather",
         "description": "The current weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
-                       "required": ["city"]},  # fmt: skip
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+            "required": ["city"],
+        },
     },
 }
 
 TEMPLATE = (
     "{%- if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}{%- for tool in tools %}{{ tool | tojson }}{{ '\\n' }}"
-    "{%- endfor %}{{ 'Call a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\\n' }}"
+    '{%- endfor %}{{ \'Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\\n\' }}'
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'assistant' %}{{ '<|im_start|>assistant\\n' + (message.content or '') }}"
     "{%- for tc in message.tool_calls or [] %}{%- set tool_call = tc.function %}"
-    "{{ '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' + (tool_call.arguments | tojson) }}"
+    '{{ \'<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' + (tool_call.arguments | tojson) }}'
     "{{ '}\\n</tool_call>' }}{%- endfor %}{{ '<|im_end|>\\n' }}"
     "{%- else %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
@@ -89,16 +92,36 @@ def make_scripted_target(out_dir: Path, context: int = 4096) -> Path:
     vocab = tok.get_vocab_size()
     hidden = -(-vocab // 32) * 32
     tok.save(str(out_dir / "tokenizer.json"))
-    write_json(out_dir / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN,
-        "mask_token": MASK_TOKEN, "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
-        "chat_template": TEMPLATE, "clean_up_tokenization_spaces": False, "model_max_length": context,
-    })  # fmt: skip
+    write_json(
+        out_dir / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": EOS_TOKEN,
+            "pad_token": EOS_TOKEN,
+            "mask_token": MASK_TOKEN,
+            "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
+            "chat_template": TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": context,
+        },
+    )
 
-    config = {"model_type": "qwen3", "hidden_size": hidden, "num_hidden_layers": 4, "intermediate_size": 32,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-              "vocab_size": hidden, "max_position_embeddings": context, "rope_theta": 10000.0,
-              "tie_word_embeddings": False, "eos_token_id": EOS_ID, "torch_dtype": "float32"}  # fmt: skip
+    config = {
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "num_hidden_layers": 4,
+        "intermediate_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": hidden,
+        "max_position_embeddings": context,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "eos_token_id": EOS_ID,
+        "torch_dtype": "float32",
+    }
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))
     successor = np.full(hidden, EOS_ID)
@@ -124,7 +147,8 @@ def make_scripted_target(out_dir: Path, context: int = 4096) -> Path:
             w = rng.normal(0, 0.05, param.shape).astype(np.float32)
         weights[name] = mx.array(w)
     model.load_weights(list(weights.items()), strict=True)
-    mx.save_safetensors(str(out_dir / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})  # fmt: skip
+    mx.save_safetensors(
+        str(out_dir / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
+    )
     save_config(config, out_dir / "config.json")
     return out_dir

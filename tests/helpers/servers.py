@@ -33,8 +33,7 @@ class _ServerProcess:
 
     def __init__(self, command: list[str], **popen):
         popen.setdefault("stdin", subprocess.DEVNULL)
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     **popen)  # fmt: skip
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
         self.lines: list[str] = []
         self._queue: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, name=f"{self.name}-stderr", daemon=True)
@@ -116,9 +115,27 @@ class ShardedServeProcess(ServeProcess):
         exe, launch = shutil.which("dflash-mlx"), shutil.which("mlx.launch")
         assert exe and launch, "dflash-mlx and mlx.launch must be installed"
         # stdin: a pipe kept open (mlx.launch 0.32 busy-loops on a stdin at end of file, e.g. /dev/null)
-        _ServerProcess.__init__(self, [launch, "--backend", "ring", "-n", str(ranks), "--", exe, "serve", "--port",
-                                       "0", "--shard", "tensor", *args], env=env, start_new_session=True,
-                                stdin=subprocess.PIPE)  # fmt: skip
+        _ServerProcess.__init__(
+            self,
+            [
+                launch,
+                "--backend",
+                "ring",
+                "-n",
+                str(ranks),
+                "--",
+                exe,
+                "serve",
+                "--port",
+                "0",
+                "--shard",
+                "tensor",
+                *args,
+            ],
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.PIPE,
+        )
 
     def stop(self) -> int:
         status = super().stop()
@@ -142,8 +159,9 @@ class MlxLmServer(_ServerProcess):
 
     def __init__(self, model: str, *args: str):
         self.port = free_port()
-        super().__init__([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(self.port),
-                          *args])  # fmt: skip
+        super().__init__(
+            [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(self.port), *args]
+        )
 
     def _ready(self, line: str) -> str | None:
         return f"http://127.0.0.1:{self.port}" if "Starting httpd" in line else None

@@ -60,9 +60,11 @@ def run_pair(pair: dict, rank: int, size: int, reseed_rank, results: list) -> No
 
             responses = stream_generate(model, tok, mx.array(run["prompt"]), **kwargs)
         else:
-            responses = dflash_mlx.stream_generate(model, None if run.get("plain") else draft, tok,
-                                                   run["prompt"], **kwargs)  # fmt: skip
+            responses = dflash_mlx.stream_generate(
+                model, None if run.get("plain") else draft, tok, run["prompt"], **kwargs
+            )
         results.append([r.token for r in responses])
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1]))

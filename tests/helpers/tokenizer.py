@@ -67,9 +67,12 @@ def _train_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB, min_frequency=1, special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
+        vocab_size=TINY_VOCAB,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
     if tok.get_vocab_size() != TINY_VOCAB:
         raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} entries")
@@ -96,8 +99,13 @@ def make_tokenizer(out_dir: Path, *, add_bos: bool = False) -> None:
     )
     tok.save(str(out_dir / "tokenizer.json"))
 
-    specials = dict(bos_token=BOS_TOKEN if add_bos else None, eos_token=EOS_TOKEN,
-                    pad_token=EOS_TOKEN, unk_token=None, mask_token=MASK_TOKEN)
+    specials = dict(
+        bos_token=BOS_TOKEN if add_bos else None,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        unk_token=None,
+        mask_token=MASK_TOKEN,
+    )
     config = dict(
         specials,
         tokenizer_class="PreTrainedTokenizerFast",
