@@ -6,10 +6,11 @@ response with finish_reason "stop" and no text, max_tokens ends it with
 "length"), and adds `cycle_tokens` and `cycle_block_size`: how many tokens the
 draft-verify cycle that produced this token committed and how many rows it
 verified, set on the last token of each cycle, and `source`: what proposed the
-token ("lookup": copied from the context, "dflash": the drafter, "target": the
-target's own pick). The block is adaptive unless the caller fixes it
-(`dflash_mlx.policy`); `lookup` (on by default) lets a cycle verify a span
-copied from the context instead (`policy.source`).
+token ("lookup": copied from the context, "dflash": the drafter, or another
+proposer's own name, `proposers.base.source_name`; "target": the target's own
+pick). The block is adaptive unless the caller fixes it (`dflash_mlx.policy`);
+`lookup` (on by default) lets a cycle verify a span copied from the context
+instead (`policy.source`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class DFlashResponse(GenerationResponse):
 
     cycle_tokens: Optional[int] = None
     cycle_block_size: Optional[int] = None
-    source: Optional[str] = None  # "lookup" / "dflash": an accepted draft of that source; "target": the target's
+    source: Optional[str] = None  # an accepted draft's source ("lookup", "dflash", ...); "target": the target's
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:

@@ -106,8 +106,12 @@ class RunStats:
         return sum(k * v for k, v in self.blocks.items()) / n if n else None
 
     def sources_dict(self) -> dict[str, int]:
-        """Tokens per source: "lookup" (copied from the context), "dflash" (the drafter's), "target"."""
-        return {k: self.sources.get(k, 0) for k in ("lookup", "dflash", "target")} if self.sources else {}
+        """Tokens per source: "lookup" (copied from the context), the drafter's ("dflash", or a proposer's
+        own name), "target" (the target's own picks): the usual ones always, any other that drafted."""
+        if not self.sources:
+            return {}
+        names = ["lookup", "dflash"] + sorted(set(self.sources) - {"lookup", "dflash", "target"}) + ["target"]
+        return {k: self.sources.get(k, 0) for k in names}
 
     def sources_line(self) -> str:
         """The sources' shares, e.g. "lookup 41%, dflash 22%, target 37%" ("" without sources)."""

@@ -1,21 +1,50 @@
-"""The proposer interface: what drafts tokens for a block. The engine accepts or rejects them.
+"""The proposer interface: what drafts tokens for a verify. The engine accepts or rejects them.
 
-A proposer is any object with the `Proposer` shape: it is told about each new
-generation (`start`; with `reused=n` when the caches kept the first n prompt
-positions from the previous generation, see `dflash_mlx.session`), fed the target's features of every newly committed
-position (`add_context`, in order, only if it asked for `layer_ids`), asked for
-the arrays to evaluate after each prefill chunk (`state`: what it has
-ingested, which may leave the newest batch of context lazy), and asked for
-`count` tokens to follow an anchor at an absolute position (`propose`).
-Optionally `fork(context=False)` returns an independent copy on the same
-weights, with an empty context (the block-size calibration times it on
-private state; without one it times the verify alone) or with a copy of the
-context (`Session.copy`: the server's prompt cache branches a conversation).
-Optionally `draft_logits(anchor, position, count)` gives the drafter's logits
-of the block's rows, so a grammar can choose the drafts itself
-(`structured.constraint`). `proposers.dflash` wraps DFlash (v1) and DFlash 2 drafters (and `as_proposer`
-turns what a caller passes as `draft` into a proposer); `proposers.oracle`
-knows the answer (tests, benchmarks).
+A proposer is any object with the `Proposer` shape. The loops
+(`dflash_mlx.planner`, one place for single and batched decoding) call it as
+follows:
+
+- `start(target, prompt, reused=0)` at each new generation (`reused=n` when
+  the caches kept the first n prompt positions from the previous one, see
+  `dflash_mlx.session`);
+- `add_context(features)` with the target's features of every newly
+  committed position, in order, if it asked for `layer_ids`;
+- `state()`: the arrays to evaluate after a prefill chunk (what it has
+  ingested; the newest batch of context may stay lazy);
+- `propose(anchor, position, count, *, sampling, key)`: drafts to follow an
+  anchor at an absolute position. Whether drafts are sampled is the call's
+  choice (`sampling`), never the proposer's state. `Proposal.probs` is the
+  distribution each draft was drawn from; None means a point mass (one-hot q),
+  which keeps rejection sampling exact whatever the drafts are.
+
+Optional methods, looked up with `getattr`:
+
+- `name`: the source's name in responses, stats and the chat panel
+  (`source_name`; default "draft").
+- `commit(tokens)`: the tokens each cycle committed, in order, the prompt's
+  first token included (a source that drafts from the text itself).
+- `offer(count) -> int`: how many drafts it has right now for the token the
+  sequence ends with, at most `count`. **0 says it has nothing to offer** this
+  cycle (a copy index whose context has no match); the planner then asks
+  another source. A proposer without `offer` always offers `count`. A source
+  that offers fewer than asked proposes exactly what it offered.
+- `fork(context=False)`: an independent copy on the same weights, with an
+  empty context, or with a copy of this one's context (`Session.copy`: the
+  server's prompt cache branches a conversation). Batched decoding gives every
+  row its own proposer through `fork()` (a user proposer without it is refused
+  there, since one object would serve every row); the block-size calibration
+  times a fork on private state.
+- `draft_logits(anchor, position, count)`: the drafter's logits of the block's
+  rows, so a grammar can choose the drafts itself (`structured.constraint`).
+- `batch_key()` and `draft_logits_together(proposers, anchors, positions,
+  count)`: proposers with the same non-None key draft all rows of a batch in
+  one forward (`batch.drafting`), each row then choosing its drafts from its
+  logits; without them a batch's rows draft one by one.
+
+`proposers.dflash` wraps DFlash (v1) and DFlash 2 drafters (`as_proposer`
+turns what a caller passes as `draft` into a proposer); `proposers.lookup`
+drafts spans copied from the context; `proposers.oracle` knows the answer
+(tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -24,6 +53,8 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
+
+DEFAULT_NAME = "draft"  # a proposer's source name when it gives none
 
 
 @dataclass
@@ -49,3 +80,28 @@ class Proposer(Protocol):
     def propose(
         self, anchor: mx.array, position: int, count: int, *, sampling=None, key=None
     ) -> Proposal: ...  # sampling: SamplingSettings to sample drafts with (None: greedy)
+
+
+def source_name(proposer) -> str:
+    """The name a proposer's drafts are reported under ("target" for none: plain decoding)."""
+    if proposer is None:
+        return "target"
+    return getattr(proposer, "name", None) or DEFAULT_NAME
+
+
+def offered(proposer, count: int) -> int:
+    """How many drafts `proposer` has for the next cycle, at most `count` (0: nothing to offer)."""
+    offer = getattr(proposer, "offer", None)
+    return count if offer is None else max(0, min(count, int(offer(count))))
+
+
+def fork_for_row(proposer):
+    """An independent proposer for one row of a batch (`fork()`); a proposer without it is refused."""
+    fork = getattr(proposer, "fork", None)
+    if not callable(fork):
+        raise TypeError(
+            f"{type(proposer).__name__} has no fork(): batched decoding gives every row its own proposer "
+            "(fork() returns an independent copy with an empty context, see dflash_mlx.proposers.base). "
+            "Add fork() to it, or decode the prompts one at a time with stream_generate."
+        )
+    return fork()

@@ -16,6 +16,7 @@ import copy
 
 import mlx.core as mx
 
+from ..draft.batch_context import BatchContext
 from ..draft.model import DFlashDraftModel, DraftContextCache
 from ..draft.pairing import check_pair
 from ..sampling import dense_from_candidates, distribution
@@ -25,6 +26,8 @@ from .base import Proposal, Proposer
 class DFlashProposer:
     """Drafts a block in one forward of a DFlash (v1) drafter: rows chosen independently
     (argmax, or samples of the processed q)."""
+
+    name = "dflash"
 
     def __init__(self, drafter: DFlashDraftModel, max_context: int | None = None):
         self.drafter = drafter
@@ -112,6 +115,22 @@ class DFlashProposer:
         block, features = self._block(anchor, position, count)
         return self.drafter(block, self._cache, self.target, features)[0]
 
+    def batch_key(self):
+        """Proposers with the same key draft a batch's rows in one forward (`draft_logits_together`):
+        DFlash (v1) proposers of one drafter, whose rows' drafts are chosen independently."""
+        return ("dflash", id(self.drafter))
+
+    def draft_logits_together(self, proposers: list, anchors: list[int], positions: list[int], count: int):
+        """The drafter's logits [B, count, V] of every row's block (proposers of this one's `batch_key`,
+        each at its row's anchor and position), in one forward over their contexts read as one batch."""
+        for p, position in zip(proposers, positions):
+            if p.context_end != position:
+                raise RuntimeError(f"Drafter context ends at {p.context_end} but the anchor sits at {position}.")
+        masks = mx.full((len(proposers), count), self._mask_id, mx.int32)
+        block = mx.concatenate([mx.array([[a] for a in anchors], mx.int32), masks], axis=1)
+        contexts = [BatchContext([p.cache[layer] for p in proposers]) for layer in range(len(self.drafter.layers))]
+        return self.drafter(block, contexts, self.target)
+
     def _block(self, anchor: mx.array, position: int, count: int) -> tuple[mx.array, mx.array | None]:
         """The block's ids (the anchor, then mask tokens) and the context features its forward ingests."""
         if self.context_end != position:
@@ -132,7 +151,10 @@ class DFlashProposer:
 
 class DFlash2Proposer(DFlashProposer):
     """A DFlash 2 drafter: its candidate selector walks the block (greedy, or sampling at the
-    temperature with q living on each row's candidates)."""
+    temperature with q living on each row's candidates); a batch's rows draft one by one."""
+
+    def batch_key(self):
+        return None
 
     def _choose(self, block: mx.array, anchor: mx.array, features, sampling, key) -> Proposal:
         hidden = self.drafter.hidden_states(block, self._cache, self.target, features)[0]

@@ -11,10 +11,17 @@ as LZ77 copies overlap). It is incremental: each token appended indexes
 the n-grams ending just before it (`min_match`..`max_match` tokens), so a
 proposal costs a few dictionary lookups and nothing is rescanned. A lookup
 draft is a point mass (q one-hot): the acceptor verifies it like any
-deterministic proposer's, exactly under sampling too.
+deterministic proposer's, exactly under sampling too. `LookupProposer` is the
+index as a proposer (`proposers.base`): it offers a span only where the
+context matches (`offer` returns 0 otherwise), and follows the committed
+tokens (`commit`).
 """
 
 from __future__ import annotations
+
+import mlx.core as mx
+
+from .base import Proposal
 
 MIN_MATCH = 3  # shorter suffixes match too often by chance
 MAX_MATCH = 8  # longer ones add nothing: an 8-token match is already specific
@@ -49,6 +56,16 @@ class LookupIndex:
             self.tokens, self._ends = [], {}
             self.extend(kept)
 
+    def follow(self, tokens: list[int]) -> None:
+        """Hold `tokens`: cut back to what they share with the indexed tokens, then extended."""
+        shared = 0
+        for a, b in zip(self.tokens, tokens):
+            if a != b:
+                break
+            shared += 1
+        self.truncate(shared)
+        self.extend(tokens[len(self.tokens) :])
+
     def match(self) -> tuple[int, int]:
         """(length of the longest indexed suffix match, where that occurrence ends), or (0, -1)."""
         seq = self.tokens
@@ -68,3 +85,60 @@ class LookupIndex:
         while len(out) < limit:  # the occurrence runs into the suffix itself: copy on from what is proposed
             out.append(out[end + 1 + len(out) - len(seq)])
         return out
+
+
+class LookupProposer:
+    """A `LookupIndex` as a proposer: spans copied from the context, point masses (q one-hot).
+
+    It reads no target features (`layer_ids` is empty) and keeps no state of
+    its own beyond the index, which a session keeps across generations
+    (`Session.lookup_source`): `start` brings the index in step with the
+    prompt (a chat's next turn extends it; a prompt that diverges cuts it
+    back to what they share), `commit` extends it with each cycle's tokens.
+    """
+
+    name = "lookup"
+    layer_ids: tuple[int, ...] = ()
+    block_size = MAX_MATCH + 1  # (a hint only: its spans are as long as the verify allows)
+
+    def __init__(self, index: LookupIndex):
+        self.index = index
+        self._span: tuple[int, int, list[int]] | None = None  # (index length, limit asked, span)
+
+    def start(self, target, prompt, reused: int = 0) -> None:
+        self.index.follow(prompt.tolist() if isinstance(prompt, mx.array) else list(prompt))
+        self._span = None
+
+    def add_context(self, features) -> None:
+        pass
+
+    def state(self) -> list:
+        return []
+
+    def commit(self, tokens: list[int]) -> None:
+        self.index.extend(tokens)
+
+    def fork(self, context: bool = False) -> LookupProposer:
+        other = LookupIndex(min_match=self.index.min_match, max_match=self.index.max_match)
+        if context:
+            other.extend(self.index.tokens)
+        return LookupProposer(other)
+
+    def _spanned(self, count: int) -> list[int]:
+        """The span after the sequence's end, at most `count` tokens: asked of the index once per
+        length of the sequence (a span for a smaller limit is the prefix of a larger one)."""
+        length = len(self.index)
+        if self._span is None or self._span[0] != length or self._span[1] < count:
+            self._span = (length, count, self.index.propose(count))
+        return self._span[2][:count]
+
+    def offer(self, count: int) -> int:
+        return len(self._spanned(count)) if count > 0 else 0
+
+    def propose(self, anchor, position: int, count: int, *, sampling=None, key=None) -> Proposal:
+        """The span after the anchor (the sequence's last token, committed): a point mass."""
+        return Proposal(tokens=mx.array(self._spanned(count), mx.int32))
+
+    def span(self, count: int) -> list[int]:
+        """The same span on the host (the planner verifies it without a device round trip)."""
+        return self._spanned(count)

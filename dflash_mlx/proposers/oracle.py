@@ -16,6 +16,7 @@ from .base import Proposal
 
 
 class OracleProposer:
+    name = "oracle"
     layer_ids: tuple[int, ...] = ()
 
     def __init__(

@@ -84,5 +84,5 @@ def dflash_object(stats: RunStats) -> dict:
         "mean_acceptance_length": round(acceptance, 4) if acceptance is not None else None,
         "drafted_tokens": stats.drafted,
         "acceptance_histogram": list(stats.histogram_dict().values()),  # entry i: cycles of i + 1 tokens
-        "tokens_by_source": stats.sources_dict(),  # lookup (copied from the context), dflash, target
+        "tokens_by_source": stats.sources_dict(),  # lookup (copied from the context), the drafter's, target
     }
