@@ -16,6 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
+from .proposers.base import Proposal
 from .sampling import SamplingSettings, distribution, log_softmax, rejection_accept
 
 
@@ -82,6 +83,18 @@ class Acceptor:
         if self.constraint is None:
             return proposer.propose(anchor, position, count, sampling=self.draft_settings, key=key)
         return self.constraint.propose(proposer, anchor, position, count, self.draft_settings, key)
+
+    def choose_drafts(self, logits: mx.array) -> Proposal:
+        """Drafts from a drafter's logits rows [count, V] computed for this call (a batch's rows drafted
+        together): its argmax, samples of q at the draft settings, or chosen under the grammar."""
+        sampling, key = self.draft_settings, self.next_key()
+        if self.constraint is not None:
+            return self.constraint.choose(logits, sampling, key)
+        if sampling is None:
+            return Proposal(tokens=mx.argmax(logits, axis=-1).astype(mx.int32))
+        probs = distribution(logits, sampling)
+        tokens = mx.random.categorical(mx.log(probs), axis=-1, key=key).astype(mx.int32)
+        return Proposal(tokens=tokens, probs=probs)
 
     def next_key(self) -> mx.array | None:
         if self._key is None:

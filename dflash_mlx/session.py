@@ -19,7 +19,7 @@ nothing at or after it; after an exception inside a generation (a progress
 callback or a logits processor raising) they are cut back or dropped
 (`abandon`). The drafter's context follows the same positions
 (`Proposer.start(..., reused=n)`). The lookup index of copy-aware drafting
-(`lookup_index`) holds the tokens of the last generation (prompt and output): the
+(`lookup_source`) holds the tokens of the last generation (prompt and output): the
 next prompt keeps what it shares with them. `hold(tokens)` makes the caches hold exactly
 some tokens (the mlx-lm plugin leaves mlx-lm's own cache lists that way).
 A session may work on a caller's cache list (`cache=`), which it updates in
@@ -37,7 +37,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
 from .proposers import Proposer, as_proposer
-from .proposers.lookup import LookupIndex
+from .proposers.lookup import LookupIndex, LookupProposer
 from .targets.adapter import TargetAdapter
 from .targets.quantized_kv import KVQuantization, kv_quantization
 from .targets.rollback import VerifyRecord, held, rollback, trimmable
@@ -95,7 +95,8 @@ class Session:
         self._open = None  # settles the generation still open on these caches (`opened`), if any
         self.reused = 0  # prompt tokens the last `begin` kept
         self.prompt_length = 0  # tokens of the last generation's prompt (what the caches held after its prefill)
-        self._lookup: LookupIndex | None = None  # the last generation's tokens, indexed (`lookup_index`)
+        self._lookup: LookupIndex | None = None  # the last generation's tokens, indexed (`lookup_source`)
+        self._lookup_source: LookupProposer | None = None  # that index as a span source
 
     def opened(self, settle) -> None:
         """A generation began on these caches; `settle()` makes them hold only what it committed (its
@@ -211,16 +212,15 @@ class Session:
         elif not self._given:
             self.reset()
 
-    def lookup_index(self, prompt: list[int]) -> LookupIndex:
-        """The index of `prompt` for a generation's lookups (the engine extends it with what it commits):
-        the last generation's, cut back to what it shares with `prompt` (the cut rebuilds the index; a
-        chat's next turn extends it)."""
-        if self._lookup is None:
+    def lookup_source(self, prompt: list[int]) -> LookupProposer:
+        """The span source of a generation's copy-aware drafting, in step with `prompt` (the planner
+        commits what the generation adds): the last generation's index, cut back to what it shares with
+        `prompt` (the cut rebuilds the index; a chat's next turn extends it)."""
+        if self._lookup_source is None:
             self._lookup = LookupIndex()
-        index = self._lookup
-        index.truncate(common_prefix(index.tokens, prompt))
-        index.extend(prompt[len(index) :])
-        return index
+            self._lookup_source = LookupProposer(self._lookup)
+        self._lookup_source.start(self.target, prompt)
+        return self._lookup_source
 
     def fed(self, tokens: list[int]) -> None:
         """`tokens` were committed to the caches after the prompt."""

@@ -296,7 +296,9 @@ def measure(
     from ..session import Session
 
     fork = getattr(proposer, "fork", None)
-    private = fork() if callable(fork) else _DummyDrafts(max(grid))
+    # (a proposer that may offer nothing, `offer`, cannot be timed at a given block: its verify is)
+    timed = callable(fork) and not hasattr(proposer, "offer")
+    private = fork() if timed else _DummyDrafts(max(grid))
     began = time.perf_counter()
     one_round: list[int] = []
 

@@ -1,10 +1,12 @@
-"""Which source drafts each cycle: a lookup span from the context, the block policy's choice, or neither.
+"""Which source drafts each cycle: a span source's span (a copy from the context), the block policy's choice.
 
-`LookupDrafting` wraps a generation's block policy. Each cycle the engine asks
-it for (block, span): `span` set means a lookup cycle verifying `span` (what
-followed the longest earlier occurrence of the sequence's suffix,
-`proposers.lookup.LookupIndex`: a point-mass draft, exact under sampling too)
-without a drafter forward; None means the policy's block as usual (DFlash, or
+`SpanDrafting` wraps a generation's block policy and a span source (a
+proposer that offers drafts only where it has them, `proposers.base.offered`:
+today `proposers.lookup.LookupProposer`, what followed the longest earlier
+occurrence of the sequence's suffix, a point-mass draft, exact under sampling
+too). Each cycle the planner (`dflash_mlx.planner`) asks it for (block,
+spans): `spans` True means a cycle verifying the source's span without a
+drafter forward; False means the policy's block as usual (the drafter, or
 b = 1). With an adaptive policy the choice is by expected tokens per second:
 
 - the lookup's rate at width w is E_l(w) / T_v(w), E_l from the acceptance its
@@ -41,7 +43,7 @@ import math
 import threading
 import weakref
 
-from ..proposers.lookup import LookupIndex
+from ..proposers.base import offered
 from .estimate import AcceptanceEstimate
 
 RATIO_DISCOUNT = 0.9  # weight of older lookup cycles' times per new one (about 10 cycles of memory)
@@ -83,13 +85,13 @@ def verify_ratio(cost) -> VerifyRatio:
         return _ratios[cost]
 
 
-class LookupDrafting:
-    def __init__(self, policy, index: LookupIndex, *, learns: bool = False, shared: bool = True):
-        """`policy`: the generation's block policy; `index`: the session's, in step with the committed
-        tokens (the engine extends it); `learns`: the timed lookup cycles teach the cost model's ratio
-        (greedy generations); `shared`: start from that ratio (else from the prior, which stays)."""
+class SpanDrafting:
+    def __init__(self, policy, source, *, learns: bool = False, shared: bool = True):
+        """`policy`: the generation's block policy; `source`: the span source, in step with the committed
+        tokens (the planner commits them to it); `learns`: the timed span cycles teach the cost model's
+        ratio (greedy generations); `shared`: start from that ratio (else from the prior, which stays)."""
         self.policy = policy
-        self.index = index
+        self.source = source
         self.max_width = policy.max_block
         self.adaptive = callable(getattr(policy, "best", None)) and callable(getattr(policy, "rate", None))
         timer = getattr(policy, "timer", None) if self.adaptive else None
@@ -105,7 +107,7 @@ class LookupDrafting:
         otherwise built on the token unread, pipelined): the sequence's end matches earlier context (a
         copy may be under way), and a span would be run (the lookup's best rate beats the policy's, or a
         probe is due). Outside a match, a copy starting is found at most two tokens late."""
-        if self.max_width < 2 or not self.index.match()[0]:
+        if self.max_width < 2 or not offered(self.source, self.max_width - 1):
             return False
         widest = self.max_width
         if not self.adaptive or self._best_width(widest)[1] > self.policy.rate(self.policy.best(widest)):
@@ -113,26 +115,26 @@ class LookupDrafting:
         self._lost += 1  # (a match passed by: towards the next probe, which reads the token)
         return self._lost + 1 >= self.gap
 
-    def choose(self, limit: int) -> tuple[int, list[int] | None]:
-        """(block, span) for the next cycle with at most `limit` rows: a lookup span of block - 1 tokens,
-        or None and the policy's block."""
-        span = self.index.propose(min(limit, self.max_width) - 1) if limit > 1 else []
+    def choose(self, limit: int) -> tuple[int, bool]:
+        """(block, spans) for the next cycle with at most `limit` rows: True, a span of block - 1 tokens
+        from the source, or False and the policy's block."""
+        span = offered(self.source, min(limit, self.max_width) - 1) if limit > 1 else 0
         if not span:
-            return self.policy.choose(limit), None
+            return self.policy.choose(limit), False
         if not self.adaptive:  # a fixed block: the span fills it
             b = self.policy.choose(limit)
-            return (min(b, len(span) + 1), span[: b - 1]) if b > 1 else (1, None)
-        width, rate = self._best_width(len(span) + 1)
+            return (min(b, span + 1), True) if b > 1 else (1, False)
+        width, rate = self._best_width(span + 1)
         if rate > self.policy.rate(self.policy.best(limit)):
             self._lost = 0
-            return width, span[: width - 1]
+            return width, True
         self._lost += 1
         if self._lost < self.gap:
-            return self.policy.choose(limit), None
+            return self.policy.choose(limit), False
         self._lost, self._probing = 0, True  # a probe: the estimate may be stale (the reply began copying)
         self.estimate.soften(PROBE_SOFTEN)
-        width, _ = self._best_width(len(span) + 1)
-        return width, span[: width - 1]
+        width, _ = self._best_width(span + 1)
+        return width, True
 
     def _best_width(self, widest: int) -> tuple[int, float]:
         """The lookup width in 2..widest with the best expected rate (the widest within RESOLUTION of it)."""

@@ -1,0 +1,219 @@
+"""One place where a cycle is planned: which source drafts, how wide, and the drafts the verify checks.
+
+A `CyclePlanner` holds one generation's sources (for one request, or for one
+row of a batch): the drafter (the session's proposer: a DFlash drafter or any
+`proposers.base.Proposer`) and a span source (the session's copy index,
+`proposers.lookup.LookupProposer`, which offers drafts only where the
+context matches), its block policy, its `Acceptor` (sampling, and the grammar
+that may widen a block to a run it forces and chooses drafts under it) and its
+limits (max_tokens; the rows a quantized KV cache allows unquantized). Both
+decode loops (`engine` for one request, `batch.engine` for many) ask it the
+same questions:
+
+- `plan(committed, position)`: the next cycle's source and width, as the
+  policy decides (`policy.source.SpanDrafting` between a span and the policy's
+  block; single decoding);
+- `plan_at(width, cap)`: this row's source at the width the batch chose (a
+  span where the source offers one, else the drafter);
+- `draft(plan, anchor, position)`: the drafts and their q (None: point masses);
+- `feed(features)` and `commit(tokens)`: what a cycle committed, to every
+  source; `observe(plan, accepted, seconds)`: to the policy that chose it.
+
+The decision itself stays the policy's (`policy/`); the planner turns it into
+drafts. A source is added by giving the planner another proposer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .acceptance import Acceptor
+from .policy.source import SpanDrafting
+from .proposers.base import Proposal, offered, source_name
+from .targets.quantized_kv import KVQuantization
+
+CONTEXT_BATCH = 64  # rows of b = 1 features the drafter receives at once
+
+
+@dataclass
+class Plan:
+    """One cycle of one row: `width` rows verified (the anchor and width - 1 drafts; 1: a plain step)."""
+
+    width: int
+    source: object | None = None  # the proposer drafting (None: plain decoding)
+    name: str = "target"  # its source name (`proposers.base.source_name`)
+    chosen: bool = True  # the policy chose this width (not widened to a run the grammar forces)
+    spans: bool = False  # the span source drafts (its policy observes it; its rows' features wait)
+
+
+PLAIN = Plan(1)
+
+
+class DrafterContext:
+    """Target features of committed positions on their way to the drafter, in order.
+
+    Rows are handed over at once, except those of plain and span cycles,
+    which wait (lazily) until a drafted block needs the context or
+    CONTEXT_BATCH gathered: one batched context update instead of one per token.
+    """
+
+    def __init__(self, proposer):
+        self.proposer = proposer if proposer is not None and proposer.layer_ids else None
+        self._waiting: list[mx.array] = []
+        self._rows = 0
+
+    def add(self, features: mx.array | None, wait: bool = False) -> None:
+        if self.proposer is None or features is None:
+            return
+        self._waiting.append(features)
+        self._rows += features.shape[1]
+        if not wait or self._rows >= CONTEXT_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._waiting:
+            w = self._waiting
+            self.proposer.add_context(w[0] if len(w) == 1 else mx.concatenate(w, axis=1))
+            self._waiting, self._rows = [], 0
+
+    def state(self) -> list:
+        return self.proposer.state() if self.proposer is not None else []
+
+
+class CyclePlanner:
+    """One generation's sources, policy and limits (see the module docstring)."""
+
+    def __init__(
+        self,
+        policy,
+        drafter,
+        acceptor: Acceptor,
+        *,
+        max_tokens: int = -1,
+        kv: KVQuantization | None = None,
+        spans=None,
+    ):
+        """`policy`: a block policy (`policy.base`); `drafter`: the drafting proposer or None (plain
+        decoding); `spans`: a span source (drafts only where it offers them; with a drafter and no
+        grammar), chosen against the policy's block by `policy.source.SpanDrafting`."""
+        self.policy = policy
+        self.drafter = drafter
+        self.acceptor = acceptor
+        self.max_tokens = max_tokens
+        self.kv = kv
+        self.context = DrafterContext(drafter)
+        self.spans = spans if drafter is not None and acceptor.constraint is None else None
+        self.choice = None
+        if self.spans is not None:
+            greedy, seeded = acceptor.settings.greedy, acceptor.seeded
+            self.choice = SpanDrafting(policy, self.spans, learns=greedy, shared=not seeded)
+        self.drafter_name = source_name(drafter)
+        self.sources = [s for s in (drafter, self.spans) if s is not None]
+        # a drafter that follows the text (`commit`, `offer`) plans on the committed tokens: its anchor is read
+        # first; so is a span source's, where a span may follow
+        self.follows_text = hasattr(drafter, "commit") or hasattr(drafter, "offer")
+        self.reads_text = self.follows_text or self.choice is not None
+
+    # -- what the next cycle is -------------------------------------------------------------------
+
+    def room(self, committed: int, position: int) -> int:
+        """The widest block the next cycle may verify."""
+        policy, max_tokens = self.policy, self.max_tokens
+        limit = policy.max_block if max_tokens < 0 else min(policy.max_block, max_tokens - committed)
+        if self.kv is not None and (rows := self.kv.rows_allowed(position)) is not None:
+            limit = min(limit, rows)
+        return limit
+
+    def plan_unread(self, committed: int, position: int) -> Plan:
+        """The next cycle when its anchor is not on the host yet: the policy's block (no span source)."""
+        if self.drafter is None:
+            return PLAIN
+        return self._drafted(self.policy.choose(self.room(committed, position)))
+
+    def plan(self, committed: int, position: int) -> Plan:
+        """The next cycle, its anchor read: a span, the policy's block or a plain step."""
+        if self.choice is None:
+            return self.plan_unread(committed, position)
+        width, spans = self.choice.choose(self.room(committed, position))
+        if spans:
+            return Plan(width, self.spans, source_name(self.spans), spans=True)
+        return self._drafted(width)
+
+    def reads_anchor(self) -> bool:
+        """Whether the cycle after the next token needs that token read first (a drafter that follows the
+        text) or is worth reading it for (a span may follow it): otherwise plain steps are built on their
+        token unread, pipelined."""
+        return self.follows_text or (self.choice is not None and self.choice.may_fire())
+
+    def plan_at(self, width: int, cap: int) -> Plan:
+        """This row's cycle in a batch verifying `width` rows (its own block `cap`): its span source's
+        span where it offers one (a point mass, the slots past it ignored), else the drafter's drafts."""
+        cap = min(width, cap)
+        if cap <= 1 or self.drafter is None:
+            return PLAIN
+        if self.spans is not None and (n := offered(self.spans, cap - 1)):
+            return Plan(n + 1, self.spans, source_name(self.spans), spans=True)
+        return self._drafted(cap)
+
+    def forced(self, limit: int) -> int:
+        """The block a run the grammar forces next needs (1: none), with a drafter to draft it."""
+        constraint = self.acceptor.constraint
+        if constraint is None or self.drafter is None:
+            return 1
+        return constraint.forced_block(limit)
+
+    def widened(self, plan: Plan, committed: int, position: int) -> Plan:
+        """`plan`, widened to draft the run of tokens the grammar forces next (free drafts): asked when
+        the cycle is built, the grammar holding every token committed before its anchor."""
+        forced = self.forced(self.room(committed, position))
+        if forced <= plan.width:
+            return plan
+        return Plan(forced, self.drafter, self.drafter_name, chosen=False)
+
+    def _drafted(self, width: int) -> Plan:
+        """The drafter's cycle of `width` rows, narrower where it offers fewer drafts (0: a plain step)."""
+        if width > 1 and self.follows_text:
+            width = 1 + offered(self.drafter, width - 1)
+        return Plan(width, self.drafter, self.drafter_name) if width > 1 else PLAIN
+
+    # -- the drafts -------------------------------------------------------------------------------
+
+    def draft(self, plan: Plan, anchor: mx.array, position: int, count: int | None = None) -> Proposal | None:
+        """The plan's drafts after `anchor` (None for a plain step): width - 1 of them, or `count` (a batch's
+        width); through the acceptor for the drafter (its sampling settings and keys, its grammar)."""
+        if plan.width <= 1:
+            return None
+        count = plan.width - 1 if count is None else count
+        if plan.spans:
+            return plan.source.propose(anchor, position, count)
+        self.context.flush()
+        return self.acceptor.propose(plan.source, anchor, position, count)
+
+    def drafts_from_logits(self, logits: mx.array) -> Proposal:
+        """The drafts for this row's drafter logits [count, V] computed with other rows' (`batch.drafting`):
+        chosen as its own `propose` would (argmax, a sample of q, or under its grammar)."""
+        return self.acceptor.choose_drafts(logits)
+
+    # -- what a cycle committed -------------------------------------------------------------------
+
+    def feed(self, features: mx.array | None, wait: bool = False) -> None:
+        """Target features of committed positions, for the drafter (`wait`: may be batched with later ones)."""
+        self.context.add(features, wait)
+
+    def commit(self, tokens: list[int]) -> None:
+        """Committed tokens: to the acceptor (processors' history, the grammar) and the sources that read them."""
+        self.acceptor.commit(tokens)
+        for source in self.sources:
+            commit = getattr(source, "commit", None)
+            if commit is not None:
+                commit(tokens)
+
+    def observe(self, plan: Plan, accepted: int | None, seconds: float | None) -> None:
+        """A cycle of `plan` accepted `accepted` drafts (None: a stop token cut it) in `seconds` on the
+        loop's side (None: not its own cost): to whichever policy chose it."""
+        if plan.spans:
+            self.choice.observe(plan.width, accepted, seconds)
+        elif plan.chosen:
+            self.policy.observe(plan.width, accepted, seconds)
