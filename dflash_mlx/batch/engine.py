@@ -21,12 +21,16 @@ alone in the batch chooses as the single-request policy does (its
 batch). A row may fix its own block (`max_block`): a batch of such rows
 verifies the largest, and a row's drafts past its own block are ignored; a
 row needing fewer tokens takes its cut at acceptance. A step is widened to
-draft a run of tokens a row's grammar forces (`structured`). At a drafting
-step a row with copy-aware drafting (`lookup`) whose context has a match
-verifies its lookup span (`proposers.lookup`, a point mass; up to its block,
-the slots past the span ignored) instead of its drafter's drafts: the batch's
-block and drafter forward stay as chosen (the single-request engine's choice
-between sources is not made per row here).
+draft a run of tokens a row's grammar forces (`structured`). What each row
+drafts at the step's width is its `planner.CyclePlanner`'s, the same one the
+single-request loop asks: its span source's span where it offers one (copy-
+aware drafting, `lookup`: a point mass up to its block, the slots past it
+ignored), else its drafter's drafts (`drafting`: rows of one drafter in one
+forward). The single-request choice between sources by rate is not made per
+row here: a row with a span takes it. A step runs in named parts: its width
+(`_width`), the drafts (`_draft`), the verify, the verdicts (`_verdicts`),
+each row's share (`_take`), what the policies learn (`_learn`) and the caches
+cut back (`_cut`).
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ from ..engine import speculative_cycles
 from ..models.block_size import check_block_size
 from ..policy.adaptive import AdaptiveBlock, adaptive_policy
 from ..policy.calibration import cost_model
+from ..planner import CyclePlanner, Plan
+from ..policy.base import FixedBlock
 from ..policy.estimate import AcceptanceEstimate
-from ..proposers.lookup import LookupIndex
 from ..sampling import log_softmax
 from ..session import Session
 from ..targets.rollback import rollback
@@ -65,7 +70,7 @@ class BatchRow:
     fixed: bool  # the caller fixed it (`insert(max_block=...)`)
     estimate: AcceptanceEstimate  # its drafts' acceptance (for the block choice)
     policy: AdaptiveBlock | None = None  # its single-request policy (the block while it is alone)
-    lookup: LookupIndex | None = None  # its session's index of what it holds (copy-aware drafting), or None
+    planner: CyclePlanner | None = None  # its sources (drafter, span source), acceptor and limits
     anchor: int = 0  # the last committed token, not yet fed
     position: int = 0  # the anchor's position
     committed: int = 0
@@ -82,7 +87,7 @@ class RowTokens:
     drafted: int
     block_size: int
     finish: str | None  # "stop", "length" or None
-    source: str = "dflash"  # what drafted its accepted drafts: "dflash" or "lookup"
+    source: str = "target"  # what drafted its accepted drafts: a source's name
 
 
 class BatchDecoder:
@@ -258,8 +263,9 @@ class BatchDecoder:
             position=prompt.size,
             committed=1,
         )
-        if lookup and cap > 1 and acceptor.constraint is None:
-            row.lookup = session.lookup_index(prompt.tolist() + list(tokens))
+        copies = lookup and cap > 1 and acceptor.constraint is None
+        spans = session.lookup_source(prompt.tolist() + list(tokens)) if copies else None
+        row.planner = CyclePlanner(policy or FixedBlock(cap), session.proposer, acceptor, spans=spans)
         self._next_uid += 1
         if not self.rows and self.choice is not None:
             self.choice.reset()
@@ -298,48 +304,55 @@ class BatchDecoder:
             return []
         tic = time.perf_counter()
         single = len(self.rows) == 1 and self._cache is None  # one row: its own caches, as served alone
+        b, chosen = self._width(block_size, single)
+        cache = self.rows[0].session.cache if single else self._batch()
+        plans = [r.planner.plan_at(b, r.max_block) for r in self.rows]
+        ids, drafts, probs = self._draft(plans, b)
+        logits, features, record = self.target.verify(mx.stack(ids), cache)
+        rows, verdicts = self._verdicts(logits, drafts, probs)
+        out, keep, accepts = self._take(rows, verdicts, plans, b)
+        if b == chosen:  # (policies learn from their own blocks)
+            self._learn(b, accepts, single, None if block_size is not None else time.perf_counter() - tic)
+        self._cut(cache, record, keep, features, single)
+        return out
+
+    def _width(self, block_size: int | None, single: bool) -> tuple[int, int]:
+        """This step's width and the width its policy chose (narrower where a row's grammar forces a run:
+        free drafts)."""
         if block_size is not None:
-            b = block_size
-        elif self.choice is None or all(r.fixed for r in self.rows):
+            return block_size, block_size
+        if self.choice is None or all(r.fixed for r in self.rows):
             b = max(r.max_block for r in self.rows)
         elif single and self.rows[0].policy is not None:
             b = self.rows[0].policy.choose(self.rows[0].max_block)
         else:
             b = self.choice.choose(self.rows)
-        chosen = b
-        if block_size is None:  # widened for a run a row's grammar forces (free drafts)
-            b = max(
-                [b]
-                + [
-                    r.acceptor.constraint.forced_block(r.max_block)
-                    for r in self.rows
-                    if r.acceptor.constraint is not None and r.session.proposer is not None
-                ]
-            )
-        cache = self.rows[0].session.cache if single else self._batch()
+        return max([b] + [r.planner.forced(r.max_block) for r in self.rows]), b
+
+    def _draft(self, plans: list[Plan], b: int) -> tuple[list, list, list]:
+        """The verify's ids [anchor, drafts] per row, its drafts padded to b - 1 (None at b = 1) and their q
+        (None: point masses; the slots past a row's own drafts are ignored at acceptance)."""
         anchors = [mx.array([row.anchor], mx.int32) for row in self.rows]
-        spans = [0] * len(self.rows)  # lookup spans' lengths (0: the drafter's drafts)
-        if b > 1:
-            proposals = propose_rows(self.rows, b - 1)
-            drafts, probs = [p.tokens for p in proposals], [p.probs for p in proposals]
-            for i, row in enumerate(self.rows):
-                span = row.lookup.propose(min(b, row.max_block) - 1) if row.lookup is not None else []
-                if span:  # a point mass, padded to the batch's block (the slots past it are ignored)
-                    spans[i], probs[i] = len(span), None
-                    drafts[i] = mx.array(span + [0] * (b - 1 - len(span)), mx.int32)
-            ids = [mx.concatenate([a, d]) for a, d in zip(anchors, drafts)]
-        else:
-            drafts = probs = [None] * len(self.rows)
-            ids = anchors
-        logits, features, record = self.target.verify(mx.stack(ids), cache)
-        rows, verdicts = self._verdicts(logits, drafts, probs)
+        if b == 1:
+            return anchors, [None] * len(self.rows), [None] * len(self.rows)
+        drafts, probs = [], []
+        for proposal in propose_rows(self.rows, plans, b - 1):
+            tokens = proposal.tokens if proposal is not None else mx.zeros((0,), mx.int32)
+            pad = b - 1 - tokens.size
+            drafts.append(mx.concatenate([tokens, mx.zeros((pad,), mx.int32)]) if pad else tokens)
+            probs.append(proposal.probs if proposal is not None and not pad else None)
+        return [mx.concatenate([a, d]) for a, d in zip(anchors, drafts)], drafts, probs
+
+    def _take(self, rows: list, verdicts: list, plans: list[Plan], b: int) -> tuple[list, list[int], list]:
+        """Each row's share of the step: its tokens (cut at its stop token and max_tokens), committed to its
+        session and planner; the rows kept per row and the acceptance its drafter showed (None: a span's)."""
         out, keep, accepts = [], [], []
-        for i, row in enumerate(self.rows):
+        for i, (row, plan) in enumerate(zip(self.rows, plans)):
             values = verdicts[i]
-            # (past a lookup span the committed token is the target's: argmax, or a sample of its distribution
-            # whether the padding there was accepted under q one-hot or replaced)
-            accepted = min(values[0], spans[i] or min(b, row.max_block) - 1)
-            accepts.append(None if spans[i] else accepted)
+            # (past a row's own drafts the committed token is the target's: argmax, or a sample of its
+            # distribution whether the padding there was accepted under q one-hot or replaced)
+            accepted = min(values[0], plan.width - 1)
+            accepts.append(None if plan.spans else accepted)
             tokens = values[1 : accepted + 2]
             room = row.max_tokens - row.committed if row.max_tokens >= 0 else len(tokens)
             tokens = tokens[:room]
@@ -351,40 +364,35 @@ class BatchDecoder:
                 finish = "length"
             keep.append(len(tokens))
             row.session.fed([row.anchor] + tokens[:-1])
-            row.acceptor.commit(tokens)
-            if row.lookup is not None:
-                row.lookup.extend(tokens)
+            row.planner.commit(tokens)
             row.committed += len(tokens)
             row.position += len(tokens)
             row.anchor = tokens[-1]
             row.finish = finish
-            out.append(
-                RowTokens(
-                    row.uid,
-                    tokens,
-                    log_softmax(rows[i][: len(tokens)]),
-                    min(accepted, len(tokens)),
-                    min(b, row.max_block),
-                    finish,
-                    "lookup" if spans[i] else "dflash",
-                )
-            )
-        if b == chosen and single and self.rows[0].policy is not None:  # (not timed: plain steps not pipelined here)
+            logprobs = log_softmax(rows[i][: len(tokens)])
+            drafted = min(accepted, len(tokens))
+            out.append(RowTokens(row.uid, tokens, logprobs, drafted, min(b, row.max_block), finish, plan.name))
+        return out, keep, accepts
+
+    def _learn(self, b: int, accepts: list, single: bool, seconds: float | None) -> None:
+        """The step's acceptance (and time) to the policy that chose its width."""
+        if single and self.rows[0].policy is not None:  # (not timed: plain steps not pipelined here)
             self.rows[0].policy.observe(b, accepts[0], None)
-        elif b == chosen and self.choice is not None:  # (policies learn from their own blocks)
-            self.choice.observe(self.rows, b, accepts, None if block_size is not None else time.perf_counter() - tic)
+        elif self.choice is not None:
+            self.choice.observe(self.rows, b, accepts, seconds)
+
+    def _cut(self, cache: list, record, keep: list[int], features, single: bool) -> None:
+        """Cut every row's caches back to what it kept, feed its drafter, and let finished rows leave."""
         if single:
             rollback(cache, record, keep[0])
         else:
             keep_rows(cache, record, keep)
         if features is not None:
             for i, row in enumerate(self.rows):
-                if row.session.proposer is not None and row.session.proposer.layer_ids:
-                    row.session.proposer.add_context(features[i : i + 1, : keep[i]])
+                row.planner.feed(features[i : i + 1, : keep[i]])
         if any(r.finish for r in self.rows):
             self._unbatch()
             self.rows = [r for r in self.rows if r.finish is None]
-        return out
 
     def _verdicts(self, logits: mx.array, drafts: list, probs: list) -> tuple[list, list[list[int]]]:
         """Each row's processed verify rows and [accepted, t_0..t_{b-1}] (one host sync for all).

@@ -25,6 +25,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..acceptance import Acceptor
 from ..generation import DFlashResponse, encode_prompt
 from ..models.block_size import check_block_size, default_block_size
+from ..proposers.base import Proposer, fork_for_row
 from ..sampling import SamplingSettings
 from ..session import make_session
 from ..structured import Grammar
@@ -97,6 +98,24 @@ class RowStream:
             )
 
 
+def _acceptor(row: dict, prompt: mx.array) -> Acceptor:
+    """A row's acceptor: its sampler settings, processors, seed and grammar (`_rows`)."""
+    settings = SamplingSettings(
+        temperature=row["temperature"], top_p=row["top_p"], top_k=row["top_k"], min_p=row["min_p"]
+    )
+    constraint = row["grammar"].constraint() if row["grammar"] else None
+    return Acceptor(settings, prompt, row["logits_processors"], row["seed"], constraint=constraint)
+
+
+def row_sessions(model, draft, count: int) -> list:
+    """One session per row, each with a proposer of its own: a drafter gets a new proposer per row, a
+    `Proposer` object a `fork()` of it (a proposer without one is refused here, before anything runs: one
+    object serving every row would draft each row from another's state)."""
+    if isinstance(draft, Proposer):
+        return [make_session(model, fork_for_row(draft)) for _ in range(count)]
+    return [make_session(model, draft) for _ in range(count)]
+
+
 def batch_decoder(session, block_size: int | str | None) -> BatchDecoder:
     """A decoder for rows like `session`: a fixed block, or None / "auto" for the batch's adaptive choice."""
     proposer = session.proposer
@@ -148,19 +167,12 @@ def stream_batch_generate(
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
     if any(p.size == 0 for p in encoded):
         raise ValueError("A prompt is empty: at least one token is needed.")
-    defaults = dict(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        seed=seed,
-        logits_processors=logits_processors,
-        response_format=response_format,
-    )
+    defaults = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    defaults.update(logits_processors=logits_processors, response_format=response_format)
     rows = _rows(encoded, max_tokens, row_settings, defaults)
     for row in rows:  # compiled once per distinct format, before any prompt runs
         row["grammar"] = Grammar.of(tokenizer, row["response_format"])
-    sessions = [make_session(model, draft) for _ in encoded]
+    sessions = row_sessions(model, draft, len(encoded))
     decoder = batch_decoder(sessions[0], block_size)
     eos = tokenizer.eos_token_ids
     waiting = deque(range(len(encoded)))
@@ -172,17 +184,8 @@ def stream_batch_generate(
         joining = []
         while waiting and len(decoder.rows) + len(joining) < max_batch:
             i = waiting.popleft()
-            row = rows[i]
-            acceptor = Acceptor(
-                SamplingSettings(
-                    temperature=row["temperature"], top_p=row["top_p"], top_k=row["top_k"], min_p=row["min_p"]
-                ),
-                encoded[i],
-                row["logits_processors"],
-                row["seed"],
-                constraint=row["grammar"].constraint() if row["grammar"] else None,
-            )
-            joining.append((i, (sessions[i], encoded[i], acceptor, row["max_tokens"], None, lookup)))
+            acceptor = _acceptor(rows[i], encoded[i])
+            joining.append((i, (sessions[i], encoded[i], acceptor, rows[i]["max_tokens"], None, lookup)))
         if joining:
             tic = time.perf_counter()
             firsts = decoder.insert_many([r for _, r in joining], stop_tokens=eos, prefill_step_size=prefill_step_size)

@@ -70,5 +70,8 @@ def prefill_together(target, sessions: list, prompts: list[list[int]], acceptors
         session.prefilled(prompt)
         token = firsts[i][0].tolist()[0]
         acceptor.commit([token])
+        follow = getattr(session.proposer, "commit", None)  # (a proposer that follows the text, as a planner tells it)
+        if follow is not None:
+            follow([token])
         out.append((token, firsts[i][1]))
     return out
