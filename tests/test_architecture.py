@@ -6,6 +6,8 @@
   .policy.base import x`` runs ``policy/__init__``); only
   ``if __name__ == "__main__":`` blocks, which run as a script, do not count;
 - no product module over 500 lines, counted as `ruff format` lays it out;
+- no function over 80 lines in the decode loops (`engine`, `planner`, `batch/`):
+  named steps, not closures over shared locals;
 - every module in the package root is used by more than one sub-package (or
   by the root itself): machinery only one sub-package needs lives in it.
 """
@@ -127,6 +129,34 @@ def test_module_length_counts_formatted_lines(tmp_path):
     packed = tmp_path / "packed.py"
     packed.write_text("def f(a, b): return a; b\n")
     assert formatted_lines(packed) > 2
+
+
+MAX_FUNCTION_LINES = 80
+LOOPS = ["dflash_mlx.engine", "dflash_mlx.planner"] + [n for n in MODULES if n.startswith("dflash_mlx.batch.")]
+
+
+def long_functions(path: Path) -> dict[str, int]:
+    """Functions (methods and nested ones included) of a module over MAX_FUNCTION_LINES lines."""
+    tree = ast.parse(path.read_text())
+    return {
+        node.name: n
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES
+    }
+
+
+def test_no_function_in_the_decode_loops_is_over_80_lines():
+    assert "dflash_mlx.batch.engine" in LOOPS
+    long = {name: found for name in LOOPS if (found := long_functions(MODULES[name]))}
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps): {long}"
+
+
+def test_the_function_length_check_counts_nested_functions(tmp_path):
+    body = "\n".join(f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    source = tmp_path / "nested.py"
+    source.write_text(f"def outer():\n    def inner():\n{body}\n    return inner\n")
+    assert set(long_functions(source)) == {"outer", "inner"}
 
 
 def _home(name: str) -> str:

@@ -135,7 +135,8 @@ def test_batched_drafts_equal_each_rows_own(tiny_pair, family):
     for session, prompt in zip(sessions, PROMPTS):
         decoder.insert(session, mx.array(prompt), Acceptor(SamplingSettings(), mx.array(prompt)), max_tokens=50)
     decoder.step()  # the rows' contexts grow by different amounts
-    batched = [p.tokens.tolist() for p in propose_rows(decoder.rows, 7)]
-    alone = [[p.tokens.tolist() for p in propose_rows([row], 7)][0] for row in decoder.rows]
+    plans = [row.planner.plan_at(8, 8) for row in decoder.rows]
+    batched = [p.tokens.tolist() for p in propose_rows(decoder.rows, plans, 7)]
+    alone = [propose_rows([row], [plan], 7)[0].tokens.tolist() for row, plan in zip(decoder.rows, plans)]
     assert batched == alone
     assert len({row.position for row in decoder.rows}) == 3

@@ -19,7 +19,8 @@ import pytest
 from dflash_mlx import make_session, stream_batch_generate, stream_generate
 from dflash_mlx.policy.adaptive import AdaptiveBlock
 from dflash_mlx.policy.cost import CostTable
-from dflash_mlx.proposers.lookup import LookupIndex
+from dflash_mlx.proposers.base import Proposal
+from dflash_mlx.proposers.lookup import LookupIndex, LookupProposer
 from dflash_mlx.proposers.oracle import OracleProposer
 from dflash_mlx.sampling import SamplingSettings, distribution
 from helpers import TINY_VOCAB, assert_same_stream, chi_square_p, prompt_ids, reference, without_eos
@@ -29,29 +30,34 @@ CURVE = CostTable.curve([1, 2, 4, 8, 16], [0.010, 0.0125, 0.0175, 0.0275, 0.0475
 LOOPING = [("qwen3", 0), ("qwen3", 3), ("gemma3_text", 0)]  # (family, prompt seed): greedy replies that repeat
 
 
-class KnowingIndex(LookupIndex):
-    """A lookup index that knows the reply: its spans are the reply's next tokens with one corrupted, so
-    that span k has `pattern[k % len(pattern)]` right (a test's control over the lookup's acceptance)."""
+class KnowingSource(LookupProposer):
+    """A span source that knows the reply: its spans are the reply's next tokens with one corrupted, so
+    that a span after k cycles has `pattern[k % len(pattern)]` right (a test's control over the lookup's
+    acceptance, by time: a lookup left alone for a while finds the pattern moved on). It always offers a
+    span (always in a copy: plain steps read their token first)."""
 
     def __init__(self, prompt: list[int], reply: list[int], pattern: list[int]):
-        super().__init__()
-        self.start, self.reply, self.pattern, self.spans = len(prompt), reply + [0] * 64, pattern, 0
+        super().__init__(LookupIndex())
+        self.begin, self.reply, self.pattern, self.cycles = len(prompt), reply + [0] * 64, pattern, -1
 
-    def propose(self, limit: int) -> list[int]:
-        at = len(self.tokens) - self.start  # reply tokens committed so far
-        span = list(self.reply[at : at + limit])
-        keep = self.pattern[self.spans % len(self.pattern)]
+    def commit(self, tokens: list[int]) -> None:
+        super().commit(tokens)
+        self.cycles += 1  # (the prompt's token is not a cycle's)
+
+    def offer(self, count: int) -> int:
+        return count
+
+    def propose(self, anchor, position: int, count: int, *, sampling=None, key=None) -> Proposal:
+        at = len(self.index.tokens) - self.begin  # reply tokens committed so far
+        span = list(self.reply[at : at + count])
+        keep = self.pattern[self.cycles % len(self.pattern)]
         if keep < len(span):
             span[keep] = (span[keep] + 1) % TINY_VOCAB
-        self.spans += 1
-        return span
-
-    def match(self) -> tuple[int, int]:
-        return self.max_match, len(self.tokens) - 2  # (always in a copy: plain steps read their token first)
+        return Proposal(tokens=mx.array(span, mx.int32))
 
 
 def kinds(responses) -> list[str]:
-    """Each cycle's kind: "lookup" / "dflash" (drafts of that source accepted), "miss" (none accepted),
+    """Each cycle's kind: the source whose drafts were accepted ("lookup", "dflash", "oracle"), "miss" (none accepted),
     "plain" (b = 1)."""
     out, drafted = [], None
     for r in responses:
@@ -91,7 +97,7 @@ def test_greedy_across_lookup_dflash_and_plain_switches_equals_mlx_lm(tiny_pair,
         runs = ((oracle, AdaptiveBlock(CURVE, 16), [15, 15] + [0] * 20 + [15] * 8), (draft, 4, [0, 1, 2, 3]))
         for proposer, block_size, pattern in runs:
             session = make_session(model, proposer)
-            session._lookup = KnowingIndex(prompt, reply, pattern)  # (the session keeps its index: this one)
+            session._lookup_source = KnowingSource(prompt, reply, pattern)  # (the session keeps its source: this one)
             got = list(
                 stream_generate(model, proposer, tok, prompt, max_tokens=160, block_size=block_size, session=session)
             )
@@ -100,9 +106,9 @@ def test_greedy_across_lookup_dflash_and_plain_switches_equals_mlx_lm(tiny_pair,
             if block_size == 4:
                 assert "lookup" in seen and {r.cycle_tokens for r in got if r.cycle_tokens} == {1, 2, 3, 4}
             else:
-                drafted = [k for k in seen if k in ("lookup", "dflash")]  # (misses and plain steps between)
+                drafted = [k for k in seen if k in ("lookup", "oracle")]  # (misses and plain steps between)
                 changes = {(a, b) for a, b in zip(drafted, drafted[1:]) if a != b}
-                assert "plain" in seen and {("lookup", "dflash"), ("dflash", "lookup")} <= changes, seen
+                assert "plain" in seen and {("lookup", "oracle"), ("oracle", "lookup")} <= changes, seen
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
@@ -115,7 +121,7 @@ def test_lookup_spans_with_a_quantized_kv_cache_equal_mlx_lm(tiny_pair, family):
     with without_eos(tokenizer) as tok:
         want = reference(model, tok, prompt, 60, **kw)
         session = make_session(model, draft)
-        session._lookup = KnowingIndex(prompt, [r.token for r in want], [15, 4, 0, 15])
+        session._lookup_source = KnowingSource(prompt, [r.token for r in want], [15, 4, 0, 15])
         got = list(stream_generate(model, draft, tok, prompt, max_tokens=60, block_size=8, session=session, **kw))
     assert_same_stream(got, want, logprob_atol=2e-3)
     assert "lookup" in kinds(got)
