@@ -1,8 +1,9 @@
 """The HTTP server of DFlash (``dflash-mlx serve``): OpenAI's and Anthropic's APIs over one core.
 
 Modules: `request` (the request model, `GenerationRequest`, and chat
-completions' body; `messages` checks chat messages and tools, `errors` holds
-the field error), `stops` (stop sequences on text), `channels` (a reply split
+completions' body; `conversation` parses every dialect's text parts, tools,
+tool_choice, tool calls and results under one rule, `messages` is chat
+completions' spelling of them, `errors` holds the field error), `stops` (stop sequences on text), `channels` (a reply split
 into ordered content, reasoning and tool-call pieces), `dialect` (what each
 API dialect gives the handler) and the dialects: `openai_chat` (chat and text
 completions), `anthropic` (Messages), `openai_responses` (Responses);
