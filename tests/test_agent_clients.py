@@ -53,6 +53,12 @@ FUNCTION = {
     "parameters": WEATHER_TOOL["function"]["parameters"],
 }
 WEATHER = "What is the weather in Paris?"
+WEATHER_ASK = {
+    "model": "default_model",
+    "max_tokens": 64,
+    "tools": [TOOL],
+    "messages": [{"role": "user", "content": WEATHER}],
+}
 
 
 def _clients(url: str, key: str = "unused"):
@@ -227,12 +233,7 @@ def test_the_dialects_batch_together(demo):
 
 def test_anthropic_tool_use_round_trip_with_thinking(scripted):
     claude, oai = _clients(scripted.url)
-    ask = {
-        "model": "default_model",
-        "max_tokens": 64,
-        "tools": [TOOL],
-        "messages": [{"role": "user", "content": WEATHER}],
-    }
+    ask = WEATHER_ASK
     first = claude.messages.create(**ask)
     assert [b.type for b in first.content] == ["thinking", "tool_use"] and first.stop_reason == "tool_use"
     thinking, call = first.content
@@ -333,12 +334,7 @@ def test_chat_tool_results_answer_open_calls_by_id(scripted):
 
 def test_anthropic_tool_results_answer_open_calls_by_id(scripted):
     claude, _ = _clients(scripted.url)
-    ask = {
-        "model": "default_model",
-        "max_tokens": 64,
-        "tools": [TOOL],
-        "messages": [{"role": "user", "content": WEATHER}],
-    }
+    ask = WEATHER_ASK
     first = claude.messages.create(**ask)
     call = first.content[-1]
     extra = {"type": "tool_use", "id": "toolu_london", "name": "get_weather", "input": LONDON}
