@@ -33,17 +33,13 @@ from .errors import RequestError
 CHOICES = ("auto", "none", "required")  # the modes of tool_choice besides naming a function
 
 
-def _listing(kinds: tuple) -> str:
-    return ", ".join(kinds)
-
-
 def text(content, where: str, kinds: tuple = ("text",)) -> str:
     """A string, or the joined text of a list of text parts: objects whose ``type`` is one of `kinds`
     and whose ``text`` is a string (`where`: the content's field)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise RequestError(where, f"expected a string or a list of text parts ({_listing(kinds)}), got {content!r}")
+        raise RequestError(where, f"expected a string or a list of text parts ({', '.join(kinds)}), got {content!r}")
     texts = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
@@ -51,7 +47,7 @@ def text(content, where: str, kinds: tuple = ("text",)) -> str:
             raise RequestError(at, f"expected a text part (an object with 'type' and 'text'), got {part!r}")
         if part.get("type") not in kinds:
             raise RequestError(
-                f"{at}.type", f"only text parts ({_listing(kinds)}) are supported here, got {part.get('type')!r}"
+                f"{at}.type", f"only text parts ({', '.join(kinds)}) are supported here, got {part.get('type')!r}"
             )
         if not isinstance(part.get("text"), str):
             raise RequestError(f"{at}.text", f"expected a string, got {part.get('text')!r}")
