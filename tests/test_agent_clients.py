@@ -9,9 +9,12 @@
 - the scripted target (`helpers.scripted`, a 16k context) with a drafter:
   tool round trips in both dialects (``tool_use`` / ``tool_result``,
   ``function_call`` / ``function_call_output``), thinking into thinking blocks
-  and reasoning items, and a Claude-Code-shaped request (tests/data: a long
-  system prompt, fifteen tools, ``cache_control`` marks, an earlier assistant
-  turn with thinking and tool_use, ``stream: true``) sent as raw HTTP;
+  and reasoning items, the one rule for tool results in the three dialects
+  (several calls answered in any order, an unknown id and a result with no
+  call before it refused naming the dialect's field), and a Claude-Code-shaped
+  request (tests/data: a long system prompt, fifteen tools, ``cache_control``
+  marks, an earlier assistant turn with thinking and tool_use, ``stream:
+  true``) sent as raw HTTP;
 - ``--api-key`` (listening on every interface): both clients with the key,
   without it a 401 in each dialect.
 """
@@ -50,6 +53,12 @@ FUNCTION = {
     "parameters": WEATHER_TOOL["function"]["parameters"],
 }
 WEATHER = "What is the weather in Paris?"
+WEATHER_ASK = {
+    "model": "default_model",
+    "max_tokens": 64,
+    "tools": [TOOL],
+    "messages": [{"role": "user", "content": WEATHER}],
+}
 
 
 def _clients(url: str, key: str = "unused"):
@@ -224,12 +233,7 @@ def test_the_dialects_batch_together(demo):
 
 def test_anthropic_tool_use_round_trip_with_thinking(scripted):
     claude, oai = _clients(scripted.url)
-    ask = {
-        "model": "default_model",
-        "max_tokens": 64,
-        "tools": [TOOL],
-        "messages": [{"role": "user", "content": WEATHER}],
-    }
+    ask = WEATHER_ASK
     first = claude.messages.create(**ask)
     assert [b.type for b in first.content] == ["thinking", "tool_use"] and first.stop_reason == "tool_use"
     thinking, call = first.content
@@ -280,6 +284,105 @@ def test_openai_responses_function_call_round_trip_with_reasoning(scripted):
     assert replayed.output_text == ANSWER
     off = oai.responses.create(model="default_model", input=WEATHER, tools=[FUNCTION], reasoning={"effort": "none"})
     assert [item.type for item in off.output] == ["function_call"]
+
+
+# -- tool results: one rule in the three dialects (server.conversation) -----------------------------
+
+LONDON = {"city": "London"}  # the second call of a turn (the scripted model makes one)
+
+
+def _refused(caught, field: str, *named: str) -> None:
+    """A client's 400 naming `field` first, its message naming the ids in `named`."""
+    body = caught.value.body
+    error = body.get("error", body)  # (Anthropic's body is the whole error object, OpenAI's its "error")
+    assert caught.value.status_code == 400 and error["message"].startswith(field + ": "), error
+    assert all(repr(n) in error["message"] for n in named), error
+
+
+def test_chat_tool_results_answer_open_calls_by_id(scripted):
+    _, oai = _clients(scripted.url)
+    ask = [{"role": "user", "content": WEATHER}]
+    call = oai.chat.completions.create(model="default_model", messages=ask, tools=[WEATHER_TOOL], max_tokens=64)
+    call = call.choices[0].message.tool_calls[0]
+    extra = {
+        "id": "call_london",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "London"}'},
+    }
+    turn = {"role": "assistant", "content": None, "tool_calls": [call.model_dump(), extra]}
+    results = [
+        {"role": "tool", "tool_call_id": "call_london", "content": "12, rain"},
+        {"role": "tool", "tool_call_id": call.id, "content": "18, sunny"},
+    ]  # (in the other order than the calls)
+
+    def chat(messages):
+        return oai.chat.completions.create(
+            model="default_model", messages=messages, tools=[WEATHER_TOOL], max_tokens=64
+        )
+
+    assert chat(ask + [turn, *results]).choices[0].message.content == ANSWER
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(ask + [turn, results[0], {**results[1], "tool_call_id": "call_nope"}])
+    _refused(caught, "messages[3].tool_call_id", "call_nope", call.id)  # the open id listed
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(ask + [turn, results[0], results[0]])
+    _refused(caught, "messages[3].tool_call_id", "call_london")  # answered already
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(ask + [results[1]])
+    _refused(caught, "messages[1].tool_call_id", call.id)  # no call before it
+
+
+def test_anthropic_tool_results_answer_open_calls_by_id(scripted):
+    claude, _ = _clients(scripted.url)
+    ask = WEATHER_ASK
+    first = claude.messages.create(**ask)
+    call = first.content[-1]
+    extra = {"type": "tool_use", "id": "toolu_london", "name": "get_weather", "input": LONDON}
+    turn = {"role": "assistant", "content": [*first.content, extra]}
+    results = [
+        {"type": "tool_result", "tool_use_id": "toolu_london", "content": "12, rain"},
+        {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "18, sunny"}]},
+    ]
+
+    def create(*messages):
+        return claude.messages.create(**{**ask, "messages": ask["messages"] + list(messages)})
+
+    second = create(turn, {"role": "user", "content": results})
+    assert second.content[0].text == ANSWER and second.stop_reason == "end_turn"
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        create(turn, {"role": "user", "content": [results[0], {**results[1], "tool_use_id": "toolu_nope"}]})
+    _refused(caught, "messages[2].content[1].tool_use_id", "toolu_nope", call.id)
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        create({"role": "user", "content": results[1:]})
+    _refused(caught, "messages[1].content[0].tool_use_id", call.id)  # no call before it
+
+
+def test_responses_tool_results_answer_open_calls_by_id_or_the_oldest(scripted):
+    _, oai = _clients(scripted.url)
+    first = oai.responses.create(model="default_model", input=WEATHER, tools=[FUNCTION])
+    call = first.output[-1]
+    extra = {"type": "function_call", "call_id": "call_london", "name": "get_weather", "arguments": json.dumps(LONDON)}
+    results = [
+        {"type": "function_call_output", "call_id": "call_london", "output": "12, rain"},
+        {"type": "function_call_output", "output": "18, sunny"},  # (no call_id: the oldest open call)
+    ]
+
+    def create(items, **kw):
+        return oai.responses.create(model="default_model", input=items, tools=[FUNCTION], **kw)
+
+    second = create([extra, *results], previous_response_id=first.id)
+    assert second.output_text == ANSWER
+    replayed = [{"role": "user", "content": WEATHER}, *[i.model_dump(exclude_none=True) for i in first.output]]
+    assert create(replayed + [extra, *results]).output_text == ANSWER  # the conversation sent whole
+    with pytest.raises(openai.BadRequestError) as caught:
+        create([extra, {**results[0], "call_id": "call_nope"}], previous_response_id=first.id)
+    _refused(caught, "input[1].call_id", "call_nope", call.call_id, "call_london")
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(results[:1])
+    _refused(caught, "input[0].call_id", "call_london")  # no call before it
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(results[1:])
+    assert caught.value.body["param"] == "input[0]"  # no call for an output without an id to answer
 
 
 def _raw_stream(url: str, path: str, body: dict, headers: dict) -> tuple[int, list]:

@@ -317,7 +317,7 @@ def test_seeded_sampling_is_reproducible(server):
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-            "messages[0].content[0]",
+            "messages[0].content[0].type",
         ),
         ("/v1/chat/completions", {"model": "gpt-4"}, "model"),
         ("/v1/chat/completions", {"adapters": "lora"}, "adapters"),

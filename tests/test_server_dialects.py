@@ -290,7 +290,7 @@ BAD = [
     (
         "/v1/responses",
         {"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]},
-        "input[0].content[0]",
+        "input[0].content[0].type",
     ),
     (
         "/v1/responses",

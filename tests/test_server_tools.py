@@ -178,8 +178,11 @@ def test_a_tool_block_that_does_not_parse_comes_back_as_content(clients):
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1, 2]}}]},
             "tools[0].function.parameters",
         ),
-        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-        ({"messages": QUESTION + [{"role": "tool", "content": "18 degrees"}]}, "messages[1]"),
+        (
+            {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
+        ({"messages": QUESTION + [{"role": "tool", "content": "18 degrees"}]}, "messages[1].tool_call_id"),
         (
             {
                 "messages": QUESTION

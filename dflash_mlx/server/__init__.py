@@ -1,16 +1,18 @@
 """The HTTP server of DFlash (``dflash-mlx serve``): OpenAI's and Anthropic's APIs over one core.
 
 Modules: `request` (the request model, `GenerationRequest`, and chat
-completions' body; `messages` checks chat messages and tools, `errors` holds
-the field error), `stops` (stop sequences on text), `channels` (a reply split
-into ordered content, reasoning and tool-call pieces), `dialect` (what each
-API dialect gives the handler) and the dialects: `openai_chat` (chat and text
-completions), `anthropic` (Messages), `openai_responses` (Responses);
-`handler` (HTTP routes, the API key, SSE), `worker` (the one thread that owns
-the model) and `batching` (its batched loop), `limits` (memory), `events`,
-`prompt_cache` (an LRU of sessions, one per conversation) and `session_store`
-(its files on disk), `app` (the server and `make_server`); the Typer ``serve``
-command is `cli.serve_cmd`.
+completions' body; `conversation` parses every dialect's text parts, tools,
+tool_choice, tool calls and results under one rule, `messages` is chat
+completions' spelling of them, `errors` holds the field error), `stops` (stop
+sequences on text), `channels` (a reply split into ordered content, reasoning
+and tool-call pieces), `dialect` (what each API dialect gives the handler) and
+the dialects: `openai_chat` (chat and text completions), `anthropic`
+(Messages), `openai_responses` (Responses); `handler` (HTTP routes, the API
+key, SSE), `worker` (the one thread that owns the model) and `batching` (its
+batched loop), `limits` (memory), `events`, `prompt_cache` (an LRU of
+sessions, one per conversation) and `session_store` (its files on disk), `app`
+(the server and `make_server`); the Typer ``serve`` command is
+`cli.serve_cmd`.
 """
 
 from .app import DFlashServer, make_server

@@ -4,9 +4,11 @@ A body becomes a chat `GenerationRequest`: ``system`` (a string or text blocks)
 is the system message; ``messages`` carry string or block content: ``text``;
 in assistant turns ``thinking`` (the template's ``reasoning_content``) and
 ``tool_use`` (the turn's tool calls; ``redacted_thinking`` is dropped), in user
-turns ``tool_result`` (a tool message answering a ``tool_use`` of the turn
-before). ``tools`` (name, description, ``input_schema``) become function tools;
-``tool_choice`` is checked like chat completions' and, like it, not enforced.
+turns ``tool_result`` (a tool message answering an earlier ``tool_use`` not
+answered yet, by its required ``tool_use_id``: the rule every dialect shares,
+`conversation`). ``tools`` (name, description, ``input_schema``) become
+function tools; ``tool_choice`` (``any`` is "required", ``tool`` a named
+function) is checked like every dialect's and, like theirs, not enforced.
 ``thinking`` ("enabled" or "adaptive" / "disabled") switches the chat
 template's reasoning as ``--reasoning on|off`` does (no effect when the
 template has no switch); ``budget_tokens`` is accepted and advisory.
@@ -38,6 +40,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from .conversation import ToolCalls, function_tool, text, tool_choice
 from .dialect import Blocks, Exchange, Outcome
 from .errors import RequestError
 from .formats import response_format
@@ -119,24 +122,14 @@ def _text(block: dict, where: str, key: str = "text") -> str:
     return value
 
 
-def _texts(content, where: str) -> str:
-    """The text of a string or of text blocks (joined as chat completions joins text parts)."""
-    texts = []
-    for j, block in enumerate(_blocks(content, where)):
-        if block["type"] != "text":
-            raise RequestError(f"{where}[{j}].type", f"only text blocks are supported here, got {block['type']!r}")
-        texts.append(_text(block, f"{where}[{j}]"))
-    return "".join(texts)
-
-
 def _system(system) -> list[dict]:
-    return [] if system is None else [{"role": "system", "content": _texts(system, "system")}]
+    return [] if system is None else [{"role": "system", "content": text(system, "system")}]
 
 
 def _messages(value) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise RequestError("messages", "expected a non-empty list of messages")
-    out, calls = [], set()  # calls: the ids of the tool_use blocks of the assistant turn before
+    out, calls = [], ToolCalls()
     for i, message in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
@@ -145,35 +138,30 @@ def _messages(value) -> list[dict]:
         if message["role"] == "assistant":
             if i == len(value) - 1:
                 raise RequestError(where, "a final assistant turn (prefill) is not supported: end with a user turn")
-            assistant = _assistant(blocks, f"{where}.content")
-            calls = {c["id"] for c in assistant.get("tool_calls", [])}
-            out.append(assistant)
+            out.append(_assistant(blocks, f"{where}.content", calls))
         else:
             out += _user(blocks, f"{where}.content", calls)
-            calls = set()
     return out
 
 
-def _assistant(blocks: list, where: str) -> dict:
-    text, thinking, calls = "", "", []
+def _assistant(blocks: list, where: str, made: ToolCalls) -> dict:
+    said, thinking, calls = "", "", []
     for j, block in enumerate(blocks):
         at, kind = f"{where}[{j}]", block["type"]
         if kind == "text":
-            text += _text(block, at)
+            said += _text(block, at)
         elif kind == "thinking":
             thinking += _text(block, at, "thinking")
         elif kind == "tool_use":
-            call_id, name, arguments = block.get("id"), block.get("name"), block.get("input", {})
-            if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
-                raise RequestError(at, "a tool_use block needs a non-empty string 'id' and 'name'")
-            if not isinstance(arguments, dict):
-                raise RequestError(f"{at}.input", f"expected an object, got {arguments!r}")
-            calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+            names = ("id", "name", "input")
+            calls.append(
+                made.call(block.get("id"), block.get("name"), block.get("input", {}), f"{at}.", names, encoded=False)
+            )
         elif kind != "redacted_thinking":
             raise RequestError(
                 f"{at}.type", f"an assistant turn takes text, thinking and tool_use blocks, got {kind!r}"
             )
-    message = {"role": "assistant", "content": text}
+    message = {"role": "assistant", "content": said}
     if thinking:
         message["reasoning_content"] = thinking
     if calls:
@@ -181,7 +169,7 @@ def _assistant(blocks: list, where: str) -> dict:
     return message
 
 
-def _user(blocks: list, where: str, calls: set) -> list[dict]:
+def _user(blocks: list, where: str, calls: ToolCalls) -> list[dict]:
     """A user turn: a tool message per tool_result, then the turn's text (if any, or no results)."""
     out, texts = [], []
     for j, block in enumerate(blocks):
@@ -189,22 +177,10 @@ def _user(blocks: list, where: str, calls: set) -> list[dict]:
         if kind == "text":
             texts.append(_text(block, at))
         elif kind == "tool_result":
-            call_id = block.get("tool_use_id")
-            if not isinstance(call_id, str) or call_id not in calls:
-                raise RequestError(
-                    f"{at}.tool_use_id",
-                    f"{call_id!r} answers no tool_use block of the assistant turn before it ({sorted(calls)})",
-                )
             if not isinstance(block.get("is_error", False), bool):
                 raise RequestError(f"{at}.is_error", f"expected true or false, got {block['is_error']!r}")
-            content = block.get("content")
-            out.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": call_id,
-                    "content": "" if content is None else _texts(content, f"{at}.content"),
-                }
-            )
+            content = "" if block.get("content") is None else text(block["content"], f"{at}.content")
+            out.append(calls.result(block.get("tool_use_id"), content, at, "tool_use_id"))
         else:
             raise RequestError(f"{at}.type", f"a user turn takes text and tool_result blocks, got {kind!r}")
     if texts or not out:
@@ -223,14 +199,7 @@ def _tools(value) -> list[dict]:
                 f"{where}.type",
                 f"server tools are not supported (only tools with an input_schema), got {tool['type']!r}",
             )
-        name, schema, description = tool.get("name"), tool.get("input_schema"), tool.get("description", "")
-        if not isinstance(name, str) or not name:
-            raise RequestError(f"{where}.name", "expected a non-empty string")
-        if not isinstance(schema, dict):
-            raise RequestError(f"{where}.input_schema", f"expected a JSON Schema object, got {schema!r}")
-        if not isinstance(description, str):
-            raise RequestError(f"{where}.description", "expected a string")
-        out.append({"type": "function", "function": {"name": name, "description": description, "parameters": schema}})
+        out.append(function_tool(tool, f"{where}.", "input_schema", schema_required=True))
     return out
 
 
@@ -245,14 +214,8 @@ def _tool_choice(choice, tools: list):
     c.boolean("disable_parallel_tool_use")
     if kind is None:
         raise RequestError("tool_choice.type", "expected 'auto', 'any', 'none' or 'tool'")
-    if kind in ("any", "tool") and not tools:
-        raise RequestError("tool_choice", f"{kind!r} needs tools")
-    names = [t["function"]["name"] for t in tools]
-    if kind == "tool":
-        if c.get("name") not in names:
-            raise RequestError("tool_choice.name", f"names {c.get('name')!r}, which is not among tools ({names})")
-        return {"type": "function", "function": {"name": c.get("name")}}
-    return {"auto": "auto", "any": "required", "none": "none"}[kind]
+    mode = {"auto": "auto", "any": "required", "none": "none", "tool": "function"}[kind]
+    return tool_choice(mode, tools, "tool_choice", c.get("name"), "tool_choice.name")
 
 
 def _thinking(b: Fields, info) -> dict:

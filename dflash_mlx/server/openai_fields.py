@@ -24,7 +24,8 @@ Every field of OpenAI's Chat Completions and Completions request schemas (the
 from __future__ import annotations
 
 from .errors import RequestError
-from .fields import EFFORTS, Fields, reasoning_args
+from .conversation import function_tool, tool_choice
+from .fields import EFFORTS, Fields, listed, reasoning_args
 
 MAX_STRING = 4096  # characters of an ignored string field
 IGNORED = (
@@ -94,47 +95,41 @@ def metadata(b: Fields) -> dict:
     return value
 
 
-def legacy_functions(body: dict) -> tuple[list | None, object]:
-    """The legacy ``functions`` / ``function_call`` as (tools, tool_choice) in today's shape (None, None
-    when absent); a request giving both old and new fields is refused."""
+def legacy_functions(body: dict) -> tuple[list | None, object] | None:
+    """The legacy ``functions`` / ``function_call`` as (tools, tool_choice) in today's shape, checked by
+    the shared parser (`conversation`) under their own names (None when neither is given); a request
+    giving both old and new fields is refused."""
     functions, call = body.get("functions"), body.get("function_call")
     if functions is None and call is None:
-        return None, None
+        return None
     if body.get("tools") is not None or body.get("tool_choice") is not None:
         raise RequestError(
             "functions" if functions is not None else "function_call",
             "give tools / tool_choice or the legacy functions / function_call, not both",
         )
-    if functions is not None and not isinstance(functions, list):
-        raise RequestError("functions", f"expected a list of functions, got {functions!r}")
-    for i, function in enumerate(functions or []):
+    for i, function in enumerate(listed(functions, "functions", "functions")):
         f = Fields(function if isinstance(function, dict) else {}, f"functions[{i}].")
         f.unknown({"name", "description", "parameters"})
-        if not f.string("name"):
-            raise RequestError(f"functions[{i}].name", "expected a non-empty string")
-        f.string("description")
-        f.mapping("parameters")
+        function_tool(f.body, f"functions[{i}].")
     tools = [{"type": "function", "function": f} for f in functions or []] or None
     if call is None or call in ("auto", "none"):
         return tools, call
     if isinstance(call, dict) and set(call) == {"name"} and isinstance(call["name"], str):
-        return tools, {"type": "function", "function": {"name": call["name"]}}
+        return tools, tool_choice("function", tools, "function_call", call["name"], "function_call.name")
     raise RequestError("function_call", f"expected 'auto', 'none' or {{'name': ...}}, got {call!r}")
 
 
 def legacy_messages(messages) -> list:
-    """A history in the legacy shape (assistant ``function_call``, ``role: "function"`` results) in
-    today's (``tool_calls``, ``role: "tool"``), so the checks and templates see one shape."""
+    """A history's assistant ``function_call`` (the legacy shape) as today's ``tool_calls`` (one call,
+    id ``call_legacy_<index>``), so the checks and templates see one shape; the legacy ``role:
+    "function"`` results, which name no call, are `messages`' (they answer the oldest open call)."""
     if not isinstance(messages, list):
         return messages
-    out, last = [], None
+    out = []
     for i, m in enumerate(messages):
         if isinstance(m, dict) and m.get("role") == "assistant" and m.get("function_call") is not None:
-            last = f"call_legacy_{i}"
             m = {k: v for k, v in m.items() if k != "function_call"}
-            m["tool_calls"] = [{"id": last, "type": "function", "function": messages[i]["function_call"]}]
-        elif isinstance(m, dict) and m.get("role") == "function":
-            m = {"role": "tool", "tool_call_id": last, "name": m.get("name"), "content": m.get("content")}
+            m["tool_calls"] = [{"id": f"call_legacy_{i}", "type": "function", "function": messages[i]["function_call"]}]
         out.append(m)
     return out
 

@@ -6,14 +6,16 @@ string (one user message) or items: messages (``user``, ``assistant``,
 ``system``, ``developer`` taken as ``system``; string or text parts),
 ``reasoning`` items (the next assistant turn's ``reasoning_content``),
 ``function_call`` items (the assistant turn's tool calls) and
-``function_call_output`` items (tool messages answering a call made before
-them). ``previous_response_id`` puts the stored conversation of that response
-(its input and output, `Conversations`) before the input: the server keeps the
-conversations of its most recent responses (``--response-store-size``, least
-recently used first out; ``store: false`` keeps nothing) and an unknown or
-evicted id is a 400 naming it; the prompt cache reuses the conversation's
-prefix as for any other turn. ``tools`` of type function, ``tool_choice``
-(checked, not enforced, as in chat completions), ``reasoning.effort``
+``function_call_output`` items (tool messages answering an earlier call not
+answered yet: the rule every dialect shares, `conversation`; their
+``call_id`` is optional in OpenAI's spec, and without one an output answers
+the oldest open call). ``previous_response_id`` puts the stored conversation
+of that response (its input and output, `Conversations`) before the input:
+the server keeps the conversations of its most recent responses
+(``--response-store-size``, least recently used first out; ``store: false``
+keeps nothing) and an unknown or evicted id is a 400 naming it; the prompt
+cache reuses the conversation's prefix as for any other turn. ``tools`` of type function, ``tool_choice``
+(checked, not enforced, as in every dialect), ``reasoning.effort``
 (``none`` is ``--reasoning off``, ``minimal`` ``low``, the others themselves;
 a template switched on / off takes any effort as on), ``max_output_tokens``,
 ``temperature`` and ``top_p`` (absent: the server's defaults, greedy).
@@ -41,10 +43,10 @@ import time
 import uuid
 from collections import OrderedDict
 
+from .conversation import CHOICES, ToolCalls, function_tool, text, tool_choice
 from .dialect import Blocks, Exchange, Outcome
 from .errors import RequestError
 from .formats import response_format
-from .messages import call_arguments
 from .openai_fields import metadata
 from .openai_chat import error_body
 from .fields import EFFORTS, Fields, listed, reasoning_args
@@ -74,6 +76,8 @@ KNOWN = {
     "prompt_cache_key",
     "service_tier",
 }
+TEXTS = ("input_text", "output_text")  # the text parts of messages and function call outputs
+CALL_FIELDS = ("call_id", "name", "arguments")  # a function_call item's id, name and arguments
 RENAMED = {"messages": "input", "max_tokens": "max_output_tokens"}  # the worker's field names, in this dialect
 DEFAULT_STORED = 100  # responses whose conversations are kept (--response-store-size)
 
@@ -112,22 +116,8 @@ def error(status: int, message: str, field: str | None = None) -> dict:
     return error_body(message, field, status)
 
 
-def _text(content, where: str, kinds=("input_text", "output_text")) -> str:
-    """A string, or the text of text parts."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(where, f"expected a string or a list of content parts, got {content!r}")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}[{j}]", f"only text parts ({', '.join(kinds)}) are supported")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def _items(value, calls: set) -> list[dict]:
-    """`input` as chat messages; `calls` (the call ids made so far) grows with its function calls."""
+def _items(value, calls: ToolCalls) -> list[dict]:
+    """`input` as chat messages; `calls` (the conversation's calls so far) takes its calls and outputs."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -144,38 +134,26 @@ def _items(value, calls: set) -> list[dict]:
                 raise RequestError(f"{where}.role", f"expected user, assistant, system or developer, got {role!r}")
             message = {
                 "role": "system" if role == "developer" else role,
-                "content": _text(item.get("content"), f"{where}.content"),
+                "content": text(item.get("content"), f"{where}.content", TEXTS),
             }
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = reasoning, ""
             out.append(message)
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            reasoning += _text(parts, f"{where}.content", ("reasoning_text", "summary_text"))
+            reasoning += text(parts, f"{where}.content", ("reasoning_text", "summary_text"))
         elif kind == "function_call":
-            out = _with_call(out, _call(item, where), reasoning)
-            reasoning = ""
-            calls.add(item["call_id"])
+            arguments = item.get("arguments", "")
+            call = calls.call(item.get("call_id"), item.get("name"), arguments, f"{where}.", CALL_FIELDS)
+            out, reasoning = _with_call(out, call, reasoning), ""
         elif kind == "function_call_output":
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str) or call_id not in calls:
-                raise RequestError(f"{where}.call_id", f"{call_id!r} answers no function_call before it")
-            out.append(
-                {"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output"), f"{where}.output")}
-            )
+            output = text(item.get("output"), f"{where}.output", TEXTS)
+            out.append(calls.result(item.get("call_id"), output, where, "call_id", optional=True))
         else:
             raise RequestError(
                 f"{where}.type", f"expected message, reasoning, function_call or function_call_output, got {kind!r}"
             )
     return out
-
-
-def _call(item: dict, where: str) -> dict:
-    call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "")
-    if not all(isinstance(v, str) and v for v in (call_id, name)):
-        raise RequestError(where, "a function_call needs a non-empty string 'call_id' and 'name'")
-    arguments = call_arguments(arguments, f"{where}.arguments")
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _with_call(messages: list[dict], call: dict, reasoning: str) -> list[dict]:
@@ -197,31 +175,20 @@ def _tools(value) -> list[dict]:
         if t.string("type", None, ("function",)) is None:
             raise RequestError(f"tools[{i}].type", "expected 'function' (only function tools are supported)")
         t.unknown({"type", "name", "description", "parameters", "strict"})
-        name, parameters = t.string("name", ""), t.mapping("parameters")
         t.boolean("strict", True)
-        if not name:
-            raise RequestError(f"tools[{i}].name", "expected a non-empty string")
-        out.append(
-            {
-                "type": "function",
-                "function": {"name": name, "description": t.string("description", ""), "parameters": parameters},
-            }
-        )
+        out.append(function_tool(tool, f"tools[{i}]."))
     return out
 
 
 def _tool_choice(choice, tools: list):
-    if choice is None or choice == "auto" or choice == "none":
-        return choice
-    names = [t["function"]["name"] for t in tools]
-    if choice == "required" and tools:
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name") in names:
-        return {"type": "function", "function": {"name": choice["name"]}}
+    if choice is None:
+        return None
+    if choice in CHOICES:
+        return tool_choice(choice, tools, "tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return tool_choice("function", tools, "tool_choice", choice.get("name"), "tool_choice.name")
     raise RequestError(
-        "tool_choice",
-        f"expected 'auto', 'none', 'required' (with tools) or {{'type': 'function', "
-        f"'name': one of {names}}}, got {choice!r}",
+        "tool_choice", f"expected 'auto', 'none', 'required' or {{'type': 'function', 'name': ...}}, got {choice!r}"
     )
 
 
@@ -277,8 +244,7 @@ class Responses(Exchange):
         req.chat_template_kwargs = {**info.chat_template_args, **_options(b, info)}
         previous = b.string("previous_response_id")
         history = server.conversations.get(previous) if previous else []
-        calls = {c["id"] for m in history for c in m.get("tool_calls", [])}
-        messages = history + _items(body.get("input"), calls)
+        messages = history + _items(body.get("input"), ToolCalls(history))
         instructions = b.string("instructions")
         req.messages = ([{"role": "system", "content": instructions}] if instructions else []) + messages
         req.max_tokens = b.integer("max_output_tokens", None, low=1) or info.max_tokens

@@ -23,12 +23,14 @@ distribution to verify drafts against). ``model`` must be the served model's
 id (GET /v1/models) or mlx-lm's "default_model".
 
 Tools (`tools`, `tool_choice`, assistant messages with ``tool_calls``,
-``role: "tool"`` messages) are checked here: function definitions need a
-name and an object of parameters; a tool message must answer a call made
-before it; ``tool_choice`` is "auto", "none", "required" or a function of
-`tools`. Like mlx_lm.server, the server leaves the choice to the model and
-its template (the tools are rendered whatever `tool_choice` says). Call
-arguments given as JSON strings are parsed for the template, as mlx_lm.server
+``role: "tool"`` messages) are chat completions' spelling (`messages`) of
+what every dialect parses alike (`conversation`): function definitions with a
+name and an object of parameters, ``tool_choice`` "auto", "none", "required"
+or a function of `tools`, and the one rule for tool results (a result answers
+an earlier call not answered yet). Like mlx_lm.server, the server leaves the
+choice to the model and its template (the tools are rendered whatever
+`tool_choice` says). Call arguments given as JSON strings are parsed for the
+template, as mlx_lm.server
 does. ``return_meta_info`` asks for SGLang's ``meta_info`` object.
 """
 
@@ -145,10 +147,13 @@ def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
     _refusals(b, kind, info)
     ignored(b)
     if kind == "chat":
-        functions, function_call = legacy_functions(body)
-        req.legacy_functions = functions is not None or function_call is not None
-        req.tools = tools(body.get("tools") if functions is None else functions)
-        req.tool_choice = tool_choice(body.get("tool_choice") if function_call is None else function_call, req.tools)
+        legacy = legacy_functions(body)
+        req.legacy_functions = legacy is not None
+        if legacy is not None:
+            req.tools, req.tool_choice = legacy
+        else:
+            req.tools = tools(body.get("tools"))
+            req.tool_choice = tool_choice(body.get("tool_choice"), req.tools)
         req.messages = chat_messages(legacy_messages(body.get("messages")))
         req.role_mapping = _role_mapping(b, info)
         chat_kwargs = b.mapping("chat_template_kwargs")
