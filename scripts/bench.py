@@ -559,7 +559,7 @@ def float32_copy(dst: Path) -> Path:
 class Server:
     """A server subprocess on a free port, ready once its /v1/models answers; stopped with SIGINT."""
 
-    def __init__(self, command: list[str], log: Path):
+    def __init__(self, command: list[str], log: Path, env: dict | None = None, cwd: Path | None = None):
         import urllib.request
 
         self.port = free_port()
@@ -569,6 +569,8 @@ class Server:
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
         )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -591,13 +593,34 @@ class Server:
             self.proc.wait()
 
 
+def serve_commands(decode_concurrency: int, serial: bool) -> dict[str, list[str]]:
+    """The `dflash-mlx serve` commands `serving` compares: batched, and one at a time with `serial`."""
+    exe = shutil.which("dflash-mlx")
+    commands = {"batched": [exe, "serve", "--decode-concurrency", str(decode_concurrency)]}
+    if serial:
+        commands["one at a time"] = [exe, "serve", "--decode-concurrency", "1"]
+    return commands
+
+
+def openai_bench(
+    url: str, concurrency: int, num_prompts: int, max_tokens: int, out: Path, baseline_url: str | None = None
+) -> dict:
+    """The legs of one `dflash-mlx bench --backend openai` run against the server at `url` (and the baseline
+    server when given): {"dflash": record, "baseline": record}, each with its `throughput_tps`."""
+    command = [shutil.which("dflash-mlx"), "bench", "--backend", "openai", "--base-url", url]
+    command += ["--baseline-url", baseline_url] if baseline_url else []
+    command += ["--concurrency", str(concurrency), "--num-prompts", str(num_prompts)]
+    command += ["--max-tokens", str(max_tokens), "--out", str(out)]
+    run = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if run.returncode != 0:
+        raise SystemExit(f"dflash-mlx bench failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+    return json.loads(out.read_text())["legs"]
+
+
 def serving(args) -> None:
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="bench-serving-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    exe = shutil.which("dflash-mlx")
-    commands = {"batched": [exe, "serve", "--decode-concurrency", str(args.decode_concurrency)]}
-    if args.serial:
-        commands["one at a time"] = [exe, "serve", "--decode-concurrency", "1"]
+    commands = serve_commands(args.decode_concurrency, args.serial)
     mlx_lm_command = [sys.executable, "-m", "mlx_lm.server", "--model", str(float32_copy(out_dir / "target-f32"))]
     servers = {}
     results = []
@@ -609,32 +632,10 @@ def serving(args) -> None:
             for k in range(args.rounds):
                 for name in commands:
                     out = out_dir / f"{name.replace(' ', '-')}-c{c}-r{k}.json"
-                    run = subprocess.run(
-                        [
-                            exe,
-                            "bench",
-                            "--backend",
-                            "openai",
-                            "--base-url",
-                            servers[name].url,
-                            "--baseline-url",
-                            servers["mlx_lm"].url,
-                            "--concurrency",
-                            str(c),
-                            "--num-prompts",
-                            str(args.num_prompts),
-                            "--max-tokens",
-                            str(args.max_tokens),
-                            "--out",
-                            str(out),
-                        ],
-                        capture_output=True,
-                        text=True,
-                        stdin=subprocess.DEVNULL,
+                    legs = openai_bench(
+                        servers[name].url, c, args.num_prompts, args.max_tokens, out, servers["mlx_lm"].url
                     )
-                    if run.returncode != 0:
-                        raise SystemExit(f"dflash-mlx bench failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
-                    runs[name].append(json.loads(out.read_text())["legs"])
+                    runs[name].append(legs)
             for name, rounds in runs.items():
 
                 def med(f):
@@ -790,14 +791,39 @@ def agent(args) -> None:
 # -------------------------------------------------------------------------------------------- batch
 
 
+def batch_prompts(tokenizer, n: int) -> list[list[int]]:
+    """The batch legs' prompts: the first `n` GSM8K questions, chat-templated, as token ids."""
+    from dflash_mlx.datasets import sample
+
+    return [p.tolist() for p in chat_prompts(tokenizer, [c[0] for c in sample("gsm8k", n)])]
+
+
+def dflash_batch(model, draft, tokenizer, prompts, width: int, max_tokens: int, block: int | None) -> tuple:
+    """(tok/s: every generated token over the call's time, the prefill included; the BatchResponse) of one
+    `dflash_mlx.batch_generate` call, `width` rows at once."""
+    import dflash_mlx
+
+    tic = time.perf_counter()
+    out = dflash_mlx.batch_generate(
+        model,
+        draft,
+        tokenizer,
+        prompts,
+        max_tokens=max_tokens,
+        max_batch=width,
+        block_size=block,
+        return_token_ids=True,
+    )
+    return sum(map(len, out.token_ids)) / (time.perf_counter() - tic), out
+
+
 def batch(args) -> None:
     from mlx_lm.generate import batch_generate as mlx_lm_batch_generate
 
     import dflash_mlx
-    from dflash_mlx.datasets import sample
 
     model, tokenizer, draft = dflash_mlx.load("demo")
-    prompts = [p.tolist() for p in chat_prompts(tokenizer, [c[0] for c in sample("gsm8k", args.num_prompts)])]
+    prompts = batch_prompts(tokenizer, args.num_prompts)
     want = [dflash_mlx.generate(model, draft, tokenizer, p, max_tokens=args.max_tokens) for p in prompts]
     print(
         "| rows at once | mlx-lm batch_generate tok/s | dflash_mlx.batch_generate tok/s | ratio |\n"
@@ -806,18 +832,7 @@ def batch(args) -> None:
     for width in args.widths:
         best, same = {"mlx-lm": 0.0, "dflash": 0.0}, True
         for r in range(args.rounds + 1):  # round 0 warms up
-            tic = time.perf_counter()
-            ours = dflash_mlx.batch_generate(
-                model,
-                draft,
-                tokenizer,
-                prompts,
-                max_tokens=args.max_tokens,
-                max_batch=width,
-                block_size=args.block,
-                return_token_ids=True,
-            )
-            ours_tps = sum(map(len, ours.token_ids)) / (time.perf_counter() - tic)
+            ours_tps, ours = dflash_batch(model, draft, tokenizer, prompts, width, args.max_tokens, args.block)
             tic = time.perf_counter()
             theirs = mlx_lm_batch_generate(
                 model,
