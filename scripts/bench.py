@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import random
 import shutil
@@ -1233,6 +1234,53 @@ def load(args) -> None:
         report["run"] = load_run(args)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------- ab
+
+# Student's t, 97.5% quantiles at 1 ... 30 degrees of freedom (past 30: the Cornish-Fisher expansion).
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+T975 += (2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086)
+T975 += (2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """The 97.5% quantile of Student's t with `df` degrees of freedom (a two-sided 95% interval's)."""
+    if df < 1:
+        raise ValueError("a t quantile needs at least one degree of freedom")
+    if df <= len(T975):
+        return T975[df - 1]
+    z = statistics.NormalDist().inv_cdf(0.975)
+    terms = [
+        (z**3 + z) / 4,
+        (5 * z**5 + 16 * z**3 + 3 * z) / 96,
+        (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
+        (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160,
+    ]
+    return z + sum(g / df**k for k, g in enumerate(terms, 1))
+
+
+def paired_ratio(base: list[float], new: list[float]) -> dict:
+    """new / base over paired rounds (round i's two speeds measured together): the geometric mean of the
+    rounds' ratios (exp of the mean log ratio) and a 95% t-interval on the log ratios, exponentiated.
+    `half_width`: the interval's larger distance from the estimate on the ratio scale (the upper one);
+    infinite with fewer than 2 rounds."""
+    if len(base) != len(new) or not base:
+        raise ValueError("paired_ratio needs as many base speeds as new ones, at least one")
+    logs = [math.log(n / b) for b, n in zip(base, new)]
+    mean = statistics.fmean(logs)
+    estimate = math.exp(mean)
+    if len(logs) < 2:
+        return {"rounds": 1, "ratio": estimate, "ci95": None, "half_width": math.inf}
+    h = t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    low, high = math.exp(mean - h), math.exp(mean + h)
+    return {"rounds": len(logs), "ratio": estimate, "ci95": [low, high], "half_width": high - estimate}
+
+
+def ab_settled(summaries: dict, min_rounds: int, half_width: float) -> bool:
+    """The stopping rule: every configuration has at least `min_rounds` rounds and an interval whose
+    half-width (`paired_ratio`'s) is at most `half_width`."""
+    return all(s["rounds"] >= min_rounds and s["half_width"] <= half_width for s in summaries.values())
 
 
 # --------------------------------------------------------------------------------------------- main
