@@ -82,3 +82,11 @@ def test_the_stopping_rule_needs_every_configuration_narrow_and_the_minimum_roun
     assert not bench.ab_settled(narrow, min_rounds=6, half_width=0.05)  # too few rounds, however narrow
     assert not bench.ab_settled({**narrow, "batch width 4": summary(5, 0.051)}, min_rounds=5, half_width=0.05)
     assert not bench.ab_settled({"x": summary(1, math.inf)}, min_rounds=1, half_width=0.05)
+
+
+def test_each_pair_of_rounds_runs_both_orders(bench):
+    orders = bench.ab_orders(0)
+    rounds = [next(orders) for _ in range(20)]
+    assert all(sorted(order) == ["base", "new"] for order in rounds)
+    assert all(rounds[i] == rounds[i + 1][::-1] for i in range(0, 20, 2))
+    assert {tuple(rounds[i]) for i in range(0, 20, 2)} == {("base", "new"), ("new", "base")}  # drawn, not fixed
