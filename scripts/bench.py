@@ -20,6 +20,13 @@
            calibration's); and a quiet curve, then load during a run of generations, then quiet again, per
            window of prompts; `--scenario timing`: the cycle cost the engine reports against the wall time
            between cycles and a calibration
+  ab       today's code against a new checkout's on the dflash-mlx side of `batch` (each width) or `serving`
+           (batched, and one at a time with --serial; each concurrency): `--base DIR` a checkout of today's
+           code, `--new DIR` (default: this script's checkout); each round runs both, in separate processes
+           (PYTHONPATH the checkout, a calibration cache of its own, filled by a warm-up round not counted), in
+           an order alternated over pairs of rounds; per configuration new / base per round, their geometric
+           mean and a 95% t-interval; rounds added (--min-rounds .. --max-rounds) until every interval is
+           within --half-width; the mlx-lm sides are not run
 
 `legs --response-format F` (json_object, or a JSON Schema / OpenAI response_format, inline or in a file)
 runs every leg under that grammar: mlx-lm with `dflash_mlx.structured.GrammarLogitsProcessor`, dflash-mlx
@@ -42,8 +49,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -559,7 +568,7 @@ def float32_copy(dst: Path) -> Path:
 class Server:
     """A server subprocess on a free port, ready once its /v1/models answers; stopped with SIGINT."""
 
-    def __init__(self, command: list[str], log: Path):
+    def __init__(self, command: list[str], log: Path, env: dict | None = None, cwd: Path | None = None):
         import urllib.request
 
         self.port = free_port()
@@ -569,6 +578,8 @@ class Server:
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
         )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -591,13 +602,34 @@ class Server:
             self.proc.wait()
 
 
+def serve_commands(decode_concurrency: int, serial: bool) -> dict[str, list[str]]:
+    """The `dflash-mlx serve` commands `serving` compares: batched, and one at a time with `serial`."""
+    exe = shutil.which("dflash-mlx")
+    commands = {"batched": [exe, "serve", "--decode-concurrency", str(decode_concurrency)]}
+    if serial:
+        commands["one at a time"] = [exe, "serve", "--decode-concurrency", "1"]
+    return commands
+
+
+def openai_bench(
+    url: str, concurrency: int, num_prompts: int, max_tokens: int, out: Path, baseline_url: str | None = None
+) -> dict:
+    """The legs of one `dflash-mlx bench --backend openai` run against the server at `url` (and the baseline
+    server when given): {"dflash": record, "baseline": record}, each with its `throughput_tps`."""
+    command = [shutil.which("dflash-mlx"), "bench", "--backend", "openai", "--base-url", url]
+    command += ["--baseline-url", baseline_url] if baseline_url else []
+    command += ["--concurrency", str(concurrency), "--num-prompts", str(num_prompts)]
+    command += ["--max-tokens", str(max_tokens), "--out", str(out)]
+    run = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if run.returncode != 0:
+        raise SystemExit(f"dflash-mlx bench failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+    return json.loads(out.read_text())["legs"]
+
+
 def serving(args) -> None:
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="bench-serving-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    exe = shutil.which("dflash-mlx")
-    commands = {"batched": [exe, "serve", "--decode-concurrency", str(args.decode_concurrency)]}
-    if args.serial:
-        commands["one at a time"] = [exe, "serve", "--decode-concurrency", "1"]
+    commands = serve_commands(args.decode_concurrency, args.serial)
     mlx_lm_command = [sys.executable, "-m", "mlx_lm.server", "--model", str(float32_copy(out_dir / "target-f32"))]
     servers = {}
     results = []
@@ -609,32 +641,10 @@ def serving(args) -> None:
             for k in range(args.rounds):
                 for name in commands:
                     out = out_dir / f"{name.replace(' ', '-')}-c{c}-r{k}.json"
-                    run = subprocess.run(
-                        [
-                            exe,
-                            "bench",
-                            "--backend",
-                            "openai",
-                            "--base-url",
-                            servers[name].url,
-                            "--baseline-url",
-                            servers["mlx_lm"].url,
-                            "--concurrency",
-                            str(c),
-                            "--num-prompts",
-                            str(args.num_prompts),
-                            "--max-tokens",
-                            str(args.max_tokens),
-                            "--out",
-                            str(out),
-                        ],
-                        capture_output=True,
-                        text=True,
-                        stdin=subprocess.DEVNULL,
+                    legs = openai_bench(
+                        servers[name].url, c, args.num_prompts, args.max_tokens, out, servers["mlx_lm"].url
                     )
-                    if run.returncode != 0:
-                        raise SystemExit(f"dflash-mlx bench failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
-                    runs[name].append(json.loads(out.read_text())["legs"])
+                    runs[name].append(legs)
             for name, rounds in runs.items():
 
                 def med(f):
@@ -790,14 +800,39 @@ def agent(args) -> None:
 # -------------------------------------------------------------------------------------------- batch
 
 
+def batch_prompts(tokenizer, n: int) -> list[list[int]]:
+    """The batch legs' prompts: the first `n` GSM8K questions, chat-templated, as token ids."""
+    from dflash_mlx.datasets import sample
+
+    return [p.tolist() for p in chat_prompts(tokenizer, [c[0] for c in sample("gsm8k", n)])]
+
+
+def dflash_batch(model, draft, tokenizer, prompts, width: int, max_tokens: int, block: int | None) -> tuple:
+    """(tok/s: every generated token over the call's time, the prefill included; the BatchResponse) of one
+    `dflash_mlx.batch_generate` call, `width` rows at once."""
+    import dflash_mlx
+
+    tic = time.perf_counter()
+    out = dflash_mlx.batch_generate(
+        model,
+        draft,
+        tokenizer,
+        prompts,
+        max_tokens=max_tokens,
+        max_batch=width,
+        block_size=block,
+        return_token_ids=True,
+    )
+    return sum(map(len, out.token_ids)) / (time.perf_counter() - tic), out
+
+
 def batch(args) -> None:
     from mlx_lm.generate import batch_generate as mlx_lm_batch_generate
 
     import dflash_mlx
-    from dflash_mlx.datasets import sample
 
     model, tokenizer, draft = dflash_mlx.load("demo")
-    prompts = [p.tolist() for p in chat_prompts(tokenizer, [c[0] for c in sample("gsm8k", args.num_prompts)])]
+    prompts = batch_prompts(tokenizer, args.num_prompts)
     want = [dflash_mlx.generate(model, draft, tokenizer, p, max_tokens=args.max_tokens) for p in prompts]
     print(
         "| rows at once | mlx-lm batch_generate tok/s | dflash_mlx.batch_generate tok/s | ratio |\n"
@@ -806,18 +841,7 @@ def batch(args) -> None:
     for width in args.widths:
         best, same = {"mlx-lm": 0.0, "dflash": 0.0}, True
         for r in range(args.rounds + 1):  # round 0 warms up
-            tic = time.perf_counter()
-            ours = dflash_mlx.batch_generate(
-                model,
-                draft,
-                tokenizer,
-                prompts,
-                max_tokens=args.max_tokens,
-                max_batch=width,
-                block_size=args.block,
-                return_token_ids=True,
-            )
-            ours_tps = sum(map(len, ours.token_ids)) / (time.perf_counter() - tic)
+            ours_tps, ours = dflash_batch(model, draft, tokenizer, prompts, width, args.max_tokens, args.block)
             tic = time.perf_counter()
             theirs = mlx_lm_batch_generate(
                 model,
@@ -1220,6 +1244,307 @@ def load(args) -> None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
+# ----------------------------------------------------------------------------------------------- ab
+
+# Student's t, 97.5% quantiles at 1 ... 30 degrees of freedom (past 30: the Cornish-Fisher expansion).
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+T975 += (2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086)
+T975 += (2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """The 97.5% quantile of Student's t with `df` degrees of freedom (a two-sided 95% interval's)."""
+    if df < 1:
+        raise ValueError("a t quantile needs at least one degree of freedom")
+    if df <= len(T975):
+        return T975[df - 1]
+    z = statistics.NormalDist().inv_cdf(0.975)
+    terms = [
+        (z**3 + z) / 4,
+        (5 * z**5 + 16 * z**3 + 3 * z) / 96,
+        (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
+        (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160,
+    ]
+    return z + sum(g / df**k for k, g in enumerate(terms, 1))
+
+
+def paired_ratio(base: list[float], new: list[float]) -> dict:
+    """new / base over paired rounds (round i's two speeds measured together): the geometric mean of the
+    rounds' ratios (exp of the mean log ratio) and a 95% t-interval on the log ratios, exponentiated.
+    `half_width`: the interval's larger distance from the estimate on the ratio scale (the upper one);
+    infinite with fewer than 2 rounds."""
+    if len(base) != len(new) or not base:
+        raise ValueError("paired_ratio needs as many base speeds as new ones, at least one")
+    logs = [math.log(n / b) for b, n in zip(base, new)]
+    mean = statistics.fmean(logs)
+    estimate = math.exp(mean)
+    if len(logs) < 2:
+        return {"rounds": 1, "ratio": estimate, "ci95": None, "half_width": math.inf}
+    h = t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    low, high = math.exp(mean - h), math.exp(mean + h)
+    return {"rounds": len(logs), "ratio": estimate, "ci95": [low, high], "half_width": high - estimate}
+
+
+def ab_settled(summaries: dict, min_rounds: int, half_width: float) -> bool:
+    """The stopping rule: every configuration has at least `min_rounds` rounds and an interval whose
+    half-width (`paired_ratio`'s) is at most `half_width`."""
+    return all(s["rounds"] >= min_rounds and s["half_width"] <= half_width for s in summaries.values())
+
+
+def ab_orders(seed: int):
+    """Each round's order of the two sides: rounds in pairs, one of each order, which first drawn at random."""
+    rng = random.Random(seed)
+    while True:
+        order = rng.sample(["base", "new"], 2)
+        yield order
+        yield order[::-1]
+
+
+def checkout_side(path: Path, cache: Path, cwd: Path) -> tuple[dict, dict]:
+    """One side of an A/B: (its checkout, commit and whether its tree differs from it; the environment its
+    processes run in): PYTHONPATH the checkout alone (an inherited one could name the other side) and its own
+    calibration cache (the two codes' cache keys may differ). Exits unless a process started so imports the
+    checkout's dflash_mlx."""
+    path = path.resolve()
+    if not (path / "dflash_mlx" / "__init__.py").is_file():
+        raise SystemExit(f"{path} is not a checkout of dflash-mlx (no dflash_mlx/__init__.py)")
+    cache.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(path), DFLASH_MLX_CACHE_DIR=str(cache))
+    probe = subprocess.run(
+        [sys.executable, "-c", "import dflash_mlx; print(dflash_mlx.__file__)"],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    found = Path(probe.stdout.strip()).resolve().parent.parent if probe.returncode == 0 else None
+    if found != path:
+        raise SystemExit(f"with PYTHONPATH={path}, dflash_mlx is imported from {found or probe.stderr[-1000:]}")
+
+    def git(*command: str) -> str | None:
+        done = subprocess.run(["git", "-C", str(path), *command], capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "path": str(path),
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": None if status is None else bool(status),
+    }, env
+
+
+def ab_batch_job(job_path: Path, out: Path) -> None:
+    """One side of one `ab --leg batch` round, in a process whose dflash_mlx is the side's checkout (of it only
+    the public `load` and `batch_generate`): at each width a short warm-up (first calls at that width), then
+    the job's prompts through `dflash_batch`; tok/s and a digest of the generated tokens per width."""
+    import hashlib
+
+    import dflash_mlx
+
+    job = json.loads(job_path.read_text())
+    model, tokenizer, draft = dflash_mlx.load("demo")
+    prompts, block = job["prompts"], job["block"]
+    result = {"dflash_mlx": str(Path(dflash_mlx.__file__).resolve().parent.parent), "tps": {}, "tokens": {}}
+    for width in job["widths"]:
+        dflash_batch(model, draft, tokenizer, prompts[:width], width, job["warmup_tokens"], block)
+        tps, response = dflash_batch(model, draft, tokenizer, prompts, width, job["max_tokens"], block)
+        result["tps"][str(width)] = tps
+        result["tokens"][str(width)] = hashlib.sha256(json.dumps(response.token_ids).encode()).hexdigest()[:16]
+    out.write_text(json.dumps(result))
+
+
+AB_WARMUP_TOKENS = 16
+
+
+def ab_batch_round(args, sides: dict, order: list[str], work: Path, tag: str, prompts: list) -> dict:
+    """One round of `ab --leg batch`: a process per side, in `order`, timing every width (`ab_batch_job`);
+    {configuration: {side: tok/s, "same_tokens": whether both sides generated the same tokens}}."""
+    job = work / "batch-job.json"
+    settings = {"widths": args.widths, "max_tokens": args.max_tokens, "block": args.block}
+    job.write_text(json.dumps({**settings, "warmup_tokens": AB_WARMUP_TOKENS, "prompts": prompts}))
+    reports = {}
+    for side in order:
+        out = work / f"batch-{tag}-{side}.json"
+        done = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "ab-batch-job", str(job), str(out)],
+            env=sides[side]["env"],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        if done.returncode != 0 or not out.exists():
+            raise SystemExit(f"the {side} side's batch job failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+        reports[side] = json.loads(out.read_text())
+        if reports[side]["dflash_mlx"] != sides[side]["path"]:
+            raise SystemExit(f"the {side} side ran the dflash_mlx of {reports[side]['dflash_mlx']}")
+    return {
+        f"batch, width {w}": {
+            **{side: reports[side]["tps"][str(w)] for side in sides},
+            "same_tokens": reports["base"]["tokens"][str(w)] == reports["new"]["tokens"][str(w)],
+        }
+        for w in args.widths
+    }
+
+
+def ab_serving_round(args, sides: dict, order: list[str], work: Path, tag: str) -> dict:
+    """One round of `ab --leg serving`: per server kind, a fresh `dflash-mlx serve` of each side (both up, one
+    idle while the other is measured), then at each concurrency `dflash-mlx bench --backend openai` (this
+    process's, the same client for both) against each side in `order`; {configuration: {side: the dflash
+    leg's throughput_tps}}."""
+    result = {}
+    for kind, command in serve_commands(args.decode_concurrency, args.serial).items():
+        slug, servers = kind.replace(" ", "-"), {}
+        try:
+            for side in sides:
+                log = work / f"serve-{slug}-{tag}-{side}.log"
+                servers[side] = Server(command, log, sides[side]["env"], work)
+                named = re.search(r"(\S+)/dflash_mlx/demo/", log.read_text())  # its banner names the drafter
+                if named and Path(named[1]).resolve() != Path(sides[side]["path"]):
+                    raise SystemExit(f"the {side} side's server runs the dflash_mlx of {named[1]} ({log})")
+            for c in args.concurrency:
+                config = result[f"serving {kind}, concurrency {c}"] = {}
+                for side in order:
+                    out = work / f"serving-{slug}-c{c}-{tag}-{side}.json"
+                    legs = openai_bench(servers[side].url, c, args.num_prompts, args.max_tokens, out)
+                    config[side] = legs["dflash"]["throughput_tps"]
+        finally:
+            for server in servers.values():
+                server.stop()
+    return result
+
+
+def ab_summaries(rounds: list[dict]) -> dict:
+    """`paired_ratio` of every configuration over the rounds so far."""
+    configs = rounds[0]["configurations"]
+    return {
+        c: paired_ratio(
+            [r["configurations"][c]["base"] for r in rounds], [r["configurations"][c]["new"] for r in rounds]
+        )
+        for c in configs
+    }
+
+
+def ab_table(report: dict) -> str:
+    s = report["settings"]
+    lines = [
+        f"| configuration | rounds | base tok/s | new tok/s | new / base | 95% interval | half-width "
+        f"| >= {s['threshold']} | half-width <= {s['half_width']} |"
+        + (" same tokens |" if report["leg"] == "batch" else ""),
+        "|---|---:|---:|---:|---:|---|---:|---|---|" + ("---|" if report["leg"] == "batch" else ""),
+    ]
+    for name, x in report["configurations"].items():
+        low, high = x["ci95"]
+        row = (
+            f"| {name} | {x['rounds']} | {x['base_tps_median']:.1f} | {x['new_tps_median']:.1f} | {x['ratio']:.3f} "
+            f"| [{low:.3f}, {high:.3f}] | ±{x['half_width']:.3f} | {'yes' if x['meets'] else 'NO'} "
+            f"| {'yes' if x['precise'] else 'no'} |"
+        )
+        if report["leg"] == "batch":
+            differ = x["rounds_tokens_differ"]
+            row += " yes |" if not differ else f" no ({differ} of {x['rounds']} rounds differ) |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def ab(args) -> None:
+    if args.min_rounds < 2 or args.max_rounds < args.min_rounds:
+        raise SystemExit("--min-rounds must be at least 2 and --max-rounds at least --min-rounds")
+    if args.ab_leg == "batch" and args.serial:
+        raise SystemExit("--serial is for --leg serving")
+    args.num_prompts = args.num_prompts or (8 if args.ab_leg == "batch" else 16)
+    work = (args.work_dir or Path(tempfile.mkdtemp(prefix="bench-ab-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    new = args.new or Path(__file__).resolve().parent.parent
+    sides, checkouts = {}, {}
+    for side, path in (("base", args.base), ("new", new)):
+        checkouts[side], env = checkout_side(path, work / f"cache-{side}", work)
+        sides[side] = {"path": checkouts[side]["path"], "env": env}
+    if sides["base"]["path"] == sides["new"]["path"]:
+        print("(base and new are the same checkout: an A/A run, the harness's own noise)")
+    if args.ab_leg == "batch":
+        import dflash_mlx
+
+        prompts = batch_prompts(dflash_mlx.load("demo")[1], args.num_prompts)
+
+        def measure(order, tag):
+            return ab_batch_round(args, sides, order, work, tag, prompts)
+    else:
+
+        def measure(order, tag):
+            return ab_serving_round(args, sides, order, work, tag)
+
+    for side, c in checkouts.items():
+        print(f"{side}: {c['path']} at {c['commit']}{' (with uncommitted changes)' if c['dirty'] else ''}")
+    print(f"work directory (logs, reports, each side's calibration cache): {work}", flush=True)
+    tic = time.perf_counter()
+    measure(["base", "new"], "warmup")  # fills each side's calibration cache; not counted
+    warmup = time.perf_counter() - tic
+    print(f"warm-up round (not counted): {warmup:.0f} s (load {load_average()})", flush=True)
+    rounds, orders = [], ab_orders(args.seed)
+    for k in range(1, args.max_rounds + 1):
+        order, tic = next(orders), time.perf_counter()
+        configurations = measure(order, f"r{k}")
+        rounds.append(
+            {"order": order, "seconds": round(time.perf_counter() - tic, 1), "configurations": configurations}
+        )
+        summaries = ab_summaries(rounds)
+        widest = max(summaries, key=lambda c: summaries[c]["half_width"])
+        print(
+            f"round {k} ({order[0]} first, {rounds[-1]['seconds']:.0f} s, load {load_average()}): "
+            + "; ".join(f"{c}: {x['new'] / x['base']:.3f}" for c, x in configurations.items())
+            + (f"; widest interval ±{summaries[widest]['half_width']:.3f} ({widest})" if k > 1 else ""),
+            flush=True,
+        )
+        if ab_settled(summaries, args.min_rounds, args.half_width):
+            break
+    report = {
+        "leg": args.ab_leg,
+        "estimate": "geometric mean of the rounds' new / base; 95% t-interval on the log ratios, exponentiated",
+        "settings": {
+            k: getattr(args, k)
+            for k in ("num_prompts", "max_tokens", "min_rounds", "max_rounds", "half_width", "threshold", "seed")
+        }
+        | (
+            {"widths": args.widths, "block": args.block}
+            if args.ab_leg == "batch"
+            else {"concurrency": args.concurrency, "serial": args.serial, "decode_concurrency": args.decode_concurrency}
+        ),
+        "checkouts": checkouts,
+        "warmup_seconds": round(warmup, 1),
+        "settled": ab_settled(summaries, args.min_rounds, args.half_width),
+        "configurations": {},
+        "rounds": rounds,
+    }
+    for c, x in summaries.items():
+        report["configurations"][c] = {
+            **{k: round(v, 4) if isinstance(v, float) else v for k, v in x.items() if k != "ci95"},
+            "ci95": [round(v, 4) for v in x["ci95"]],
+            "meets": x["ratio"] >= args.threshold,
+            "precise": x["half_width"] <= args.half_width,
+            "base_tps_median": round(statistics.median(r["configurations"][c]["base"] for r in rounds), 2),
+            "new_tps_median": round(statistics.median(r["configurations"][c]["new"] for r in rounds), 2),
+        }
+        if args.ab_leg == "batch":
+            report["configurations"][c]["rounds_tokens_differ"] = sum(
+                not r["configurations"][c]["same_tokens"] for r in rounds
+            )
+    ok = all(x["meets"] and x["precise"] for x in report["configurations"].values())
+    print(
+        f"\n{args.ab_leg}: {args.num_prompts} GSM8K prompts x {args.max_tokens} tokens, greedy; new / base per round "
+        f"(their geometric mean, a 95% t-interval), {len(rounds)} rounds after a warm-up round; "
+        f"{'every interval within' if report['settled'] else 'NOT every interval within'} ±{args.half_width}\n"
+    )
+    print(ab_table(report))
+    print(
+        f"\nnew / base >= {args.threshold} with a 95% interval within ±{args.half_width} in every configuration: "
+        f"{'yes' if ok else 'NO'} (reports and logs in {work})"
+    )
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
 # --------------------------------------------------------------------------------------------- main
 
 
@@ -1316,12 +1641,60 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=2.0, help="seconds between stopping the load and measuring")
     p.add_argument("--out", type=Path)
 
+    p = sub.add_parser("ab", help="today's code against a new checkout's, alternated, paired ratios (batch, serving)")
+    p.add_argument(
+        "--base",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="a checkout of today's code (e.g. `git worktree add --detach /tmp/today main`)",
+    )
+    p.add_argument(
+        "--new", type=Path, metavar="DIR", help="a checkout of the new code (default: the one this script is in)"
+    )
+    p.add_argument(
+        "--leg",
+        dest="ab_leg",
+        choices=["batch", "serving"],
+        required=True,
+        help="batch: dflash_mlx.batch_generate at each --widths; serving: dflash-mlx serve at each --concurrency",
+    )
+    p.add_argument("--num-prompts", type=int, help="GSM8K prompts (default: 8 for batch, 16 for serving)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8], help="batch: rows at once")
+    p.add_argument("--block", type=int, default=None, help="batch: a fixed block (default: the batch's own choice)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8], help="serving: requests in flight")
+    p.add_argument("--decode-concurrency", type=int, default=32, help="serving: the batched server's")
+    p.add_argument(
+        "--serial", action="store_true", help="serving: also a one-at-a-time server (--decode-concurrency 1)"
+    )
+    p.add_argument("--min-rounds", type=int, default=5, help="rounds measured at least (after the warm-up round)")
+    p.add_argument("--max-rounds", type=int, default=30, help="rounds measured at most")
+    p.add_argument(
+        "--half-width",
+        type=float,
+        default=0.05,
+        help="rounds are added until every configuration's 95%% interval of new / base is within this of its estimate",
+    )
+    p.add_argument("--threshold", type=float, default=0.97, help="the new / base every configuration must reach")
+    p.add_argument("--seed", type=int, default=0, help="which side goes first in each pair of rounds")
+    p.add_argument(
+        "--work-dir", type=Path, help="logs, reports and each side's calibration cache (default: a temp dir)"
+    )
+    p.add_argument("--out", type=Path, help="the report as JSON")
+
     p = sub.add_parser("rank-job")  # internal: one rank of `sharded`
     p.add_argument("job", type=Path)
+
+    p = sub.add_parser("ab-batch-job")  # internal: one side of one `ab --leg batch` round
+    p.add_argument("job", type=Path)
+    p.add_argument("out", type=Path)
 
     args = ap.parse_args()
     if args.leg == "rank-job":
         rank_job(args.job)
+    elif args.leg == "ab-batch-job":
+        ab_batch_job(args.job, args.out)
     else:
         {
             "engine": engine,
@@ -1331,6 +1704,7 @@ def main() -> None:
             "batch": batch,
             "sharded": sharded,
             "load": load,
+            "ab": ab,
         }[args.leg](args)
 
 
