@@ -580,6 +580,9 @@ class Server:
             stdin=subprocess.DEVNULL,
             env=env,
             cwd=cwd,
+            # Ctrl-C (SIGINT, `stop`) stops it even when this script runs in the background, where the shell
+            # starts it with SIGINT ignored and a child would inherit that
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
