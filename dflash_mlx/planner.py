@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from .acceptance import Acceptor
 from .policy.source import SpanDrafting
-from .proposers.base import Proposal, offered, source_name
+from .proposers.base import Proposal, offered, reads_features, source_name
 from .targets.quantized_kv import KVQuantization
 
 CONTEXT_BATCH = 64  # rows of b = 1 features the drafter receives at once
@@ -60,7 +60,7 @@ class DrafterContext:
     """
 
     def __init__(self, proposer):
-        self.proposer = proposer if proposer is not None and proposer.layer_ids else None
+        self.proposer = proposer if reads_features(proposer) else None
         self._waiting: list[mx.array] = []
         self._rows = 0
 

@@ -37,6 +37,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
 from .proposers import Proposer, as_proposer
+from .proposers.base import reads_features
 from .proposers.lookup import LookupIndex, LookupProposer
 from .targets.adapter import TargetAdapter
 from .targets.quantized_kv import KVQuantization, kv_quantization
@@ -137,7 +138,7 @@ class Session:
         rest = tokens[keep:]
         if rest:
             _, features = self.target.forward(mx.array(rest, mx.int32)[None], self.cache, logits=False)
-            feeds = self.proposer is not None and bool(self.proposer.layer_ids)
+            feeds = reads_features(self.proposer)
             if feeds:
                 self.proposer.add_context(features)
             mx.eval([c.state for c in self.cache if c is not None], self.proposer.state() if feeds else [])
@@ -234,7 +235,7 @@ class Session:
         a single-row update of a full ring cache, which cannot be undone.)
         """
         rollback(self.cache, record, keep=1)
-        if features is not None and self.proposer is not None and self.proposer.layer_ids:
+        if features is not None and reads_features(self.proposer):
             self.proposer.add_context(features[:, :1])
         self.tokens.append(anchor)
 
@@ -281,7 +282,7 @@ class Session:
         """Hold a saved session's state (the caches must be this target's)."""
         if self._given:
             raise RuntimeError("A session over a caller's cache list cannot take another.")
-        if self.proposer is not None and self.proposer.layer_ids:
+        if reads_features(self.proposer):
             if draft is None:
                 raise ValueError("the saved session has no drafter context")
             self.proposer.restore_context(self.target, draft)
@@ -298,6 +299,12 @@ class Session:
                 c.trim(held(c) - checkpoint.position)
             else:
                 c.state = _copy(state)
+
+
+def adapter_for(model: nn.Module, proposer: Proposer | None) -> TargetAdapter:
+    """The target seen with the features `proposer` reads (its layers; the final hidden state)."""
+    layer_ids = proposer.layer_ids if proposer is not None else ()
+    return TargetAdapter(model, layer_ids, final=bool(getattr(proposer, "reads_final", False)))
 
 
 def check_draft_sampling(value: str) -> None:
@@ -326,7 +333,7 @@ def make_session(
     proposer = as_proposer(draft, model, max_draft_context)
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     return Session(
-        TargetAdapter(model, proposer.layer_ids if proposer else ()),
+        adapter_for(model, proposer),
         proposer,
         draft,
         draft_sampling=draft_sampling,
