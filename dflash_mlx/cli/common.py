@@ -28,6 +28,7 @@ from ..models.chat_template import ReasoningError
 from ..draft.config import DraftConfigError
 from ..draft.load import DraftWeightsError
 from ..draft.pairing import PairMismatchError
+from ..mtp.scan import MTPWeightsError
 from ..models.registry import RegistryError
 from ..models.loading import load_choice
 from ..models.resolve import ModelChoice, ModelChoiceError, choose_model
@@ -43,6 +44,7 @@ USER_ERRORS = (
     DraftConfigError,
     DraftWeightsError,
     PairMismatchError,
+    MTPWeightsError,
     RegistryError,
     UnsupportedTargetError,
     FileNotFoundError,
@@ -60,7 +62,12 @@ ModelOpt = Annotated[
     ),
 ]
 DraftOpt = Annotated[
-    str | None, typer.Option("--draft", help="DFlash drafter (directory or repo id); overrides the registry.")
+    str | None,
+    typer.Option(
+        "--draft",
+        help="DFlash drafter (directory or repo id), or mtp: the target's own multi-token-prediction heads; "
+        "overrides the registry.",
+    ),
 ]
 BlockOpt = Annotated[
     str | None,

@@ -35,8 +35,10 @@ def memory_budget() -> int:
 
 
 def weight_bytes(*models) -> int:
-    """Bytes of the models' parameters (None and parameter-less drafters count nothing)."""
-    return sum(a.nbytes for m in models if hasattr(m, "parameters") for _, a in tree_flatten(m.parameters()))
+    """Bytes of the models' parameters (a proposer's drafter's, every member's of a `RatedChoice`; None and
+    parameter-less drafters count nothing)."""
+    modules = [getattr(p, "drafter", p) for m in models for p in getattr(m, "members", [m])]
+    return sum(a.nbytes for m in modules if hasattr(m, "parameters") for _, a in tree_flatten(m.parameters()))
 
 
 @dataclass(frozen=True)
