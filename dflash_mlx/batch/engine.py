@@ -43,7 +43,7 @@ import mlx.core as mx
 from ..acceptance import Acceptor
 from ..engine import speculative_cycles
 from ..models.block_size import check_block_size
-from ..policy.adaptive import AdaptiveBlock, adaptive_policy
+from ..policy.adaptive import AdaptiveBlock, adaptive_policy, choose_source
 from ..policy.calibration import cost_model
 from ..planner import CyclePlanner, Plan
 from ..policy.base import FixedBlock
@@ -106,7 +106,7 @@ class BatchDecoder:
         self.rows: list[BatchRow] = []
         self._cache: list | None = None  # the batch's caches while rows are in it
         self._next_uid = 0
-        self._costs: dict = {}  # (max block, sampled) -> the single-request cost model of this setup
+        self._costs: dict = {}  # (max block, sampled, drafter) -> the single-request cost model of this setup
 
     # -- rows joining and leaving ---------------------------------------------------------------
 
@@ -239,14 +239,16 @@ class BatchDecoder:
         policy = None
         if not fixed and cap > 1:  # alone, a row chooses as `stream_generate` does (greedy: carrying history)
             sampled = not acceptor.settings.greedy
-            if (cap, sampled) not in self._costs:  # (looking a model up reads the models' facts)
-                self._costs[cap, sampled] = cost_model(self.target, session.proposer, cap, sampled=sampled)
+            cap = choose_source(self.target, session.proposer, cap, sampled=sampled)  # (a RatedChoice: its member)
+            key = (cap, sampled, id(getattr(session.proposer, "drafter", None)))
+            if key not in self._costs:  # (looking a model up reads the models' facts)
+                self._costs[key] = cost_model(self.target, session.proposer, cap, sampled=sampled)
             policy = adaptive_policy(
                 self.target,
                 session.proposer,
                 cap,
                 carry=not sampled,
-                cost=self._costs[cap, sampled],
+                cost=self._costs[key],
                 frozen=acceptor.seeded,
             )
         row = BatchRow(

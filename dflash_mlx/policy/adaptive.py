@@ -356,6 +356,7 @@ def adaptive_policy(
     if cost is None:
         from .calibration import cost_model
 
+        max_block = choose_source(target, proposer, max_block, kv=kv, sampled=sampled)
         cost = cost_model(target, proposer, max_block, kv=kv, sampled=sampled)
     if frozen and isinstance(cost, CostModel):
         cost = cost.frozen(initial=True)
@@ -367,6 +368,30 @@ def adaptive_policy(
     policy = AdaptiveBlock(cost, max_block, estimate, history)
     policy.probes = probes
     return policy
+
+
+def choose_source(target, proposer, max_block: int, *, kv=None, sampled: bool = False) -> int:
+    """For a proposer of several drafters (`proposers.choice.RatedChoice`): activate, for this generation, the
+    one expected to commit the most tokens per second (its greedy generations' acceptance over its cost curve,
+    at its best block, plain decoding included; ties keep the active one), and return the widest block it
+    drafts (within `max_block`). Any other proposer: nothing to choose, `max_block` as it is."""
+    members = getattr(proposer, "members", None)
+    if not members:
+        return max_block
+    from .calibration import cost_model
+
+    def expected_rate(i: int) -> float:
+        trial = proposer.with_active(i)
+        widest = min(max_block, members[i].block_size)
+        cost = cost_model(target, trial, widest, kv=kv, sampled=sampled)
+        history = drafter_history(trial.drafter, widest - 1)
+        estimate = AcceptanceEstimate(widest - 1, priors=history.learnt.rates() if history else None)
+        return max(estimate.expected_tokens(b)[-1] / cost(b) for b in range(1, widest + 1))
+
+    rates = [expected_rate(i) for i in range(len(members))]
+    best = max(range(len(members)), key=lambda i: (rates[i], i == proposer.active))
+    proposer.activate(best)
+    return min(max_block, members[best].block_size)
 
 
 def drafter_history(drafter, positions: int) -> DrafterHistory | None:
