@@ -21,6 +21,7 @@ SCRATCH_LR, SCRATCH_WARMUP = 6e-4, 0.04  # the paper's recipe (spec section 7)
 FINETUNE_LR, FINETUNE_WARMUP = 2e-4, 0.1  # with --init: a smaller step, a longer warm-up
 DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_LAYERS, DEFAULT_MAX_LENGTH = 16, 5, 2048
 TARGET_DTYPES = ("float32", "bfloat16", "float16")
+ARCHES = ("dflash", "mtp")  # what `--arch` trains: a DFlash drafter, or the target's own MTP heads (`train.mtp`)
 
 # Options that determine which batches, targets and updates a run makes.
 TRAJECTORY_OPTIONS = (
@@ -102,6 +103,7 @@ class TrainOptions:
     feature_chunk: int = 512  # target tokens per forward when computing features
     anchor_chunk: int | None = None  # anchors per sequence in one forward/backward; None: by memory
     max_memory_gb: float | None = None  # smaller chunks, and a stop after step 1 if MLX's peak exceeds it
+    arch: str | None = None  # ARCHES; None: "dflash"
 
     def resolved(self, *, init_block_size: int | None = None, target_context: int | None = None) -> "TrainOptions":
         """A copy with the run-dependent defaults filled in (see the module docstring)."""
@@ -120,6 +122,8 @@ class TrainOptions:
 
     def check(self) -> None:
         """Raise OptionError for the first bad value."""
+        if self.arch is not None and self.arch not in ARCHES:
+            raise OptionError(f"--arch must be one of {', '.join(ARCHES)}, got {self.arch!r}.")
         positive = (
             "steps",
             "block_size",

@@ -55,7 +55,7 @@ from .init_drafter import load_init_drafter, read_init_config
 from .loss import default_decay
 from .new_drafter import drafter_config, new_drafter, resolve_mask_token_id
 from .options import OptionError, TrainOptions, check_resumable
-from .regenerate import regenerate_responses
+from .regenerate import regenerate_for
 from .step import StepRunner, make_optimizer
 from .validate import acceptance_length
 from ..utils.io import write_text_atomic
@@ -203,18 +203,7 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
     prompts = encode_prompts(tokenizer, records, str(options.data), options.chat_template_kwargs)
     train_prompts, held_prompts = split_holdout(prompts, options.holdout, options.seed)
     replay_train, replay_held = read_replay(options, tokenizer)
-    responses = regenerate_responses(
-        model,
-        tokenizer,
-        train_prompts + replay_train,
-        Path(options.responses or work / "responses.jsonl"),
-        max_tokens=options.max_tokens,
-        target_name=options.model,
-        batch_size=options.gen_batch_size,
-        temperature=options.gen_temperature,
-        seed=options.seed,
-        console=console,
-    )
+    responses = regenerate_for(options, model, tokenizer, train_prompts + replay_train, work, console)
     sequences, dropped = build_sequences(train_prompts, responses[: len(train_prompts)], options.max_length)
     replay_seqs, replay_dropped = build_sequences(replay_train, responses[len(train_prompts) :], options.max_length)
     if not sequences:
