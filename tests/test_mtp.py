@@ -2,7 +2,7 @@
 
 The tiny targets (tests/helpers/mtp_targets.py) keep random MTP heads in the
 original checkpoints' layout for qwen3_5, qwen3_next, glm4_moe, glm4_moe_lite,
-mimo and deepseek_v3 (61 small layers); mlx-lm loads each and drops the heads,
+mimo, deepseek_v3 (61 small layers) and deepseek_v32; mlx-lm loads each and drops the heads,
 `load_mtp` reads them back through the family's own sanitize. Random heads
 draft badly: these tests check that whatever they draft, the output is
 mlx-lm's, and that the drafts are what the heads compute (the trained heads'
@@ -72,7 +72,7 @@ def test_mlx_lm_loads_each_target_and_the_heads_read_back_as_written(mtp_pair, f
         np.testing.assert_allclose(np.array(read[name]), np.array(value), atol=1e-6, err_msg=name)
     for role, params in own.items():  # norms as scales: Qwen's zero-centred ones shifted back
         np.testing.assert_allclose(np.array(stage[role].weight), np.array(params["weight"]), atol=1e-6, err_msg=role)
-    assert ("head" in stage) == (family in ("deepseek_v3", "glm4_moe", "glm4_moe_lite"))
+    assert ("head" in stage) == (family in ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite"))
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
@@ -142,6 +142,20 @@ def test_drafts_are_the_heads_causal_pass_however_the_context_arrives(mtp_pair, 
         assert drafts[1] == int(mx.argmax(head.logits(0, out[:, -1:], target)[0, -1]).item())
 
 
+@pytest.mark.parametrize("family", ["mimo", "glm4_moe_lite"])  # (mlx-lm drops only one glm4_moe MTP layer)
+def test_several_mtp_layers_take_the_chained_steps_in_turn(mtp_pair, family):
+    """Two MTP layers (the config's count): step s runs layer s % 2 on its own cache; output still mlx-lm's."""
+    _, model, tokenizer, mtp = mtp_pair(family, mtp_layers=2)
+    assert len(mtp.drafter.stages) == 2
+    own, layer = mtp_stage_reference(model, family, stage=1)
+    read = dict(tree_flatten(mtp.drafter.stages[1].layer.parameters()))
+    assert all(np.allclose(np.array(read[n]), np.array(v), atol=1e-6) for n, v in layer.items())
+    prompt = prompt_ids(9, seed=9)
+    with without_eos(tokenizer) as tok:
+        got, want = ours(model, mtp, tok, prompt, 40, block_size=4), reference(model, tok, prompt, 40)
+        assert_same_stream(got, want, logprob_atol=LOGPROB_ATOL)
+
+
 def test_quantized_heads_load_as_the_targets_layers_do(mtp_pair):
     _, model, tokenizer, mtp = mtp_pair("qwen3_5", quantize_bits=4)
     stage = mtp.drafter.stages[0]
@@ -159,6 +173,10 @@ def test_load_drafts_with_the_heads_where_no_drafter_is_registered(mtp_target):
     model, _, draft = dflash_mlx.load(str(directory))
     assert isinstance(draft, MTPProposer) and source_name(draft) == "mtp"
     assert isinstance(dflash_mlx.load(str(directory), draft="mtp")[2], MTPProposer)
+    with pytest.raises(ModelChoiceError, match="draft_bits .--draft-bits. quantizes a DFlash drafter"):
+        dflash_mlx.load(str(directory), draft="mtp", draft_bits=4)
+    with pytest.raises(ModelChoiceError, match="a tensor-sharded target drafts with a DFlash drafter"):
+        dflash_mlx.load(str(directory), shard="tensor")
     bare = mtp_target("glm4_moe", with_mtp=False)
     with pytest.raises(MTPWeightsError, match=NO_MTP):
         dflash_mlx.load(str(bare), draft="mtp")

@@ -55,6 +55,11 @@ def load_choice(
             )
         return load_sharded(choice, group, draft_bits=draft_bits, draft_group_size=draft_group_size)
 
+    if choice.mtp == MTP_REQUIRED and draft_bits is not None:
+        raise ModelChoiceError(
+            f"{choice.label}: draft_bits (--draft-bits) quantizes a DFlash drafter; the target's own MTP heads load as "
+            "its checkpoint stores them."
+        )
     model, tokenizer = mlx_lm_load(choice.target, **mlx_lm_load_kwargs)[:2]
     problem = target_problem(model)
     if problem is not None:

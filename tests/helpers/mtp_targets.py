@@ -3,7 +3,7 @@
 ``make_mtp_target(out_dir, family)`` writes a random mlx-lm target of one of
 ``MTP_FAMILIES`` with ``mtp_layers`` MTP stages under the family's own names
 (``mtp.*`` for qwen3_5 / qwen3_next, ``model.layers.{N}.*`` for deepseek_v3 /
-glm4_moe / glm4_moe_lite, ``model.mtp_layers.{i}.*`` for mimo) in the layout
+deepseek_v32 / glm4_moe / glm4_moe_lite, ``model.mtp_layers.{i}.*`` for mimo) in the layout
 of the original Hugging Face checkpoints, where those heads live: experts one
 tensor each, DeepSeek-style attention's ``kv_b_proj`` whole, Qwen norms
 zero-centred (the model scales by 1 + w), Gated DeltaNet convolutions
@@ -32,9 +32,9 @@ from .builders import _LOGIT_STD, _extra_init, _init_tensor, _normal
 from .families import target_config
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID, TINY_VOCAB, make_tokenizer, write_json
 
-MTP_FAMILIES = ("qwen3_5", "qwen3_next", "glm4_moe", "glm4_moe_lite", "mimo", "deepseek_v3")
+MTP_FAMILIES = ("qwen3_5", "qwen3_next", "glm4_moe", "glm4_moe_lite", "mimo", "deepseek_v3", "deepseek_v32")
 QWEN = ("qwen3_5", "qwen3_next")
-MLA = ("deepseek_v3", "glm4_moe_lite")  # attention with kv_b_proj split by mlx-lm's sanitize
+MLA = ("deepseek_v3", "deepseek_v32", "glm4_moe_lite")  # attention with kv_b_proj split by mlx-lm's sanitize
 QWEN_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight")
 QWEN_NORMS += (".q_norm.weight", ".k_norm.weight")
 STAGE_NAMES = {  # role -> (qwen, deepseek/glm, mimo) names, as mtp.layouts has them
@@ -98,8 +98,11 @@ def mtp_config(family: str, *, mtp_layers: int = 1, hidden_size: int = 64) -> di
     elif family == "glm4_moe":
         config.update(architectures=["Glm4MoeForCausalLM"], **_moe())
         config.update(head_dim=16, use_qk_norm=True, attention_bias=False, partial_rotary_factor=0.5, rope_scaling=None)
-    else:  # MLA attention: deepseek_v3, glm4_moe_lite
-        arch = "DeepseekV3ForCausalLM" if family == "deepseek_v3" else "Glm4MoeLiteForCausalLM"
+    else:  # MLA attention: deepseek_v3, deepseek_v32 (with its indexer), glm4_moe_lite
+        arch = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
+        arch = arch.get(family, "Glm4MoeLiteForCausalLM")
+        if family == "deepseek_v32":  # (top-k above any test's context: the indexer selects every key)
+            config.update(index_head_dim=16, index_n_heads=4, index_topk=4096)
         config.update(architectures=[arch], **_moe())
         config.update(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
         config.update(num_key_value_heads=4, attention_bias=False, rope_scaling=None)
@@ -138,7 +141,7 @@ def _mtp_stage(model, family: str, stage: int, seed: int, head_std: float) -> tu
         "hidden_norm": {"weight": mx.array(1.0 + _normal(seed, f"mtp{stage}.hnorm", (h,), 0.05))},
         "final_norm": {"weight": mx.array(1.0 + _normal(seed, f"mtp{stage}.norm", (h,), 0.05))},
     }
-    if family in ("deepseek_v3", "glm4_moe", "glm4_moe_lite"):
+    if family in ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite"):
         own["head"] = {"weight": mx.array(_normal(seed, f"mtp{stage}.head", (args.vocab_size, h), head_std))}
     return own, layer_weights
 
