@@ -44,6 +44,6 @@ for ARCH in dflash dspark; do
     --out "$WORK/$ARCH" --responses "$WORK/responses.jsonl" --steps "$STEPS" --block-size 8 --draft-layers 2 \
     --max-tokens "$MAX_TOKENS" --max-length 512 --batch-size 16 --anchors-per-seq 16 --lr 6e-4 \
     --holdout "$HOLDOUT" --val-max-tokens 192 --gen-batch-size 64 --target-dtype float32 --save-every 200 \
-    --seed 0 "${EXTRA[@]}"
+    --seed 0 ${EXTRA[@]+"${EXTRA[@]}"}
 done
 echo "Drafters: $WORK/dflash $WORK/dspark (held-out acceptance in each training_report.json)"

@@ -81,9 +81,9 @@ def test_the_library_entry_points(dspark):
             assert [r.token for r in got] == greedy(model, tokenizer, prompt)
             assert {r.source for r in got if r.from_draft} >= {"dspark"}
         session = make_session(loaded_model, drafter)
-        first = [r.token for r in stream_generate(loaded_model, None, tok, PROMPTS[0], max_tokens=8, session=session)]
+        first = [r.token for r in stream_generate(loaded_model, drafter, tok, PROMPTS[0], max_tokens=8, session=session)]
         turn = PROMPTS[0] + first + PROMPTS[1]
-        got = [r.token for r in stream_generate(loaded_model, None, tok, turn, max_tokens=TOKENS, session=session)]
+        got = [r.token for r in stream_generate(loaded_model, drafter, tok, turn, max_tokens=TOKENS, session=session)]
         assert session.reused > 0 and got == greedy(model, tokenizer, turn)
         batch = batch_generate(loaded_model, drafter, tok, PROMPTS, max_tokens=TOKENS, block_size=8, return_token_ids=True)
         assert batch.token_ids == [greedy(model, tokenizer, p) for p in PROMPTS]
@@ -118,7 +118,7 @@ def test_the_server_in_both_worker_modes(dspark, concurrency):
         with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300) as client:
             for prompt in PROMPTS[:2]:
                 text = tokenizer.decode(prompt)
-                reply = client.completions.create(model="m", prompt=text, max_tokens=TOKENS, temperature=0.0)
+                reply = client.completions.create(model="default_model", prompt=text, max_tokens=TOKENS, temperature=0.0)
                 stats = reply.model_extra["dflash"]
                 assert reply.choices[0].text == dflash_mlx.generate(model, None, tokenizer, text, max_tokens=TOKENS)
                 assert stats["tokens_by_source"].get("dspark", 0) > 0, stats

@@ -74,6 +74,8 @@ def dspark_weight_shapes(cfg: dict) -> dict:
         shapes["lm_head.weight"] = (Vd, H)
     if r:
         shapes.update({"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (Vd, r)})
+    if cfg["sink"]:
+        shapes.update({f"layers.{i}.self_attn.attention_sink_bias": (nh,) for i in range(L)})
     if cfg["confidence"]:
         shapes.update({"confidence_head.proj.weight": (1, H + r), "confidence_head.proj.bias": (1,)})
     return shapes
@@ -142,6 +144,7 @@ def make_dspark(
         own_embedding=own_embedding,
         own_head=own_head,
         confidence=confidence,
+        sink=bool(config_overrides.get("attention_sink_bias")),
     )
     weights = {
         name: mx.array(_init(seed, name, shape, head_std, backbone == "qwen3_5"))
