@@ -31,7 +31,7 @@ from dflash_mlx.draft.config import DraftConfigError
 from dflash_mlx.draft.dspark_config import parse_dspark_config
 from dflash_mlx.draft.load import DraftWeightsError
 from dflash_mlx.models.block_size import capped_block_size, widest_block
-from dflash_mlx.proposers import DSparkProposer, as_proposer
+from dflash_mlx.proposers import as_proposer
 from dflash_mlx.sampling import SamplingSettings
 from dflash_mlx.structured import GrammarLogitsProcessor
 from dflash_mlx.targets.adapter import TargetAdapter
@@ -71,7 +71,12 @@ VARIANTS = {
     "specforge-qwen3_5": dict(packaging="specforge", backbone="qwen3_5"),
     "specforge-yarn": dict(
         packaging="specforge",
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
     ),
     "liquid": dict(packaging="liquid"),
 }
@@ -125,7 +130,9 @@ def test_logits_start_is_derived_as_the_reference_derives_it(packaging, fields, 
 def test_the_block_counts_the_anchor_and_the_4bit_cap_bounds_the_verify(qwen3_target, tiny_target, tmp_path):
     model, _, _ = load_pair(qwen3_target)
     slot0 = load_draft(_checkpoint(tmp_path, qwen3_target, "a", block_size=7), model)
-    anchor = load_draft(_checkpoint(tmp_path, qwen3_target, "b", packaging="speculators", block_size=8, logits_start=1), model)
+    anchor = load_draft(
+        _checkpoint(tmp_path, qwen3_target, "b", packaging="speculators", block_size=8, logits_start=1), model
+    )
     assert (slot0.config.max_drafts, widest_block(slot0)) == (7, 8)  # block 7, the anchor's slot predicting
     assert (anchor.config.max_drafts, widest_block(anchor)) == (7, 8)  # block 8, a pure anchor slot
     low, _, _ = load_pair(tiny_target("qwen3", quantize_bits=4))
@@ -222,9 +229,7 @@ def test_a_markov_dominated_drafter_reaches_the_references_tokens_per_cycle(mark
     with without_eos(tokenizer) as tok:
         for prompt in MARKOV_PROMPTS:
             got = list(
-                stream_generate(
-                    model, draft, tok, prompt, max_tokens=MARKOV_TOKENS, block_size=count + 1, lookup=False
-                )
+                stream_generate(model, draft, tok, prompt, max_tokens=MARKOV_TOKENS, block_size=count + 1, lookup=False)
             )
             tokens, theirs = reference_tokens_per_cycle(model, draft_dir, prompt, MARKOV_TOKENS, count)
             assert [r.token for r in got] == tokens == [r.token for r in reference(model, tok, prompt, MARKOV_TOKENS)]
@@ -277,7 +282,9 @@ def test_under_a_grammar_each_draft_is_chosen_before_the_next_row(markov_pair):
     draft = load_draft(draft_dir, model)
     prompt = mx.array(prompt_ids(10, seed=2))
     processor = GrammarLogitsProcessor(tokenizer, Order)
-    want = [r.token for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=80, logits_processors=[processor])]
+    want = [
+        r.token for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=80, logits_processors=[processor])
+    ]
     got = list(stream_generate(model, draft, tokenizer, prompt, max_tokens=80, block_size=5, response_format=Order))
     assert [r.token for r in got] == want
     Order.model_validate_json("".join(r.text for r in got))

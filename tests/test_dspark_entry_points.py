@@ -20,7 +20,6 @@ import subprocess
 import sys
 import textwrap
 
-import mlx.core as mx
 import pytest
 from typer.testing import CliRunner
 
@@ -47,7 +46,9 @@ def dspark(qwen3_target, tmp_path_factory):
     chat = tokenizer.apply_chat_template(HELLO, add_generation_prompt=True)
     served = [tokenizer.encode(tokenizer.decode(p), add_special_tokens=False) for p in PROMPTS]  # as text
     table = successor_table(model, tokenizer, PROMPTS + served + [chat], 64, TINY_VOCAB)
-    draft_dir = make_markov_dspark(tmp_path_factory.mktemp("dspark") / "d", qwen3_target, table, target_layer_ids=[1, 2])
+    draft_dir = make_markov_dspark(
+        tmp_path_factory.mktemp("dspark") / "d", qwen3_target, table, target_layer_ids=[1, 2]
+    )
     loaded = dflash_mlx.load(qwen3_target, draft_dir)
     return qwen3_target, draft_dir, model, tokenizer, loaded
 
@@ -68,7 +69,9 @@ def test_generate_json_and_the_chat_panel_name_the_dspark_source(dspark):
     assert out["sources"].get("dspark", 0) > 0, out["sources"]
     prompt = tokenizer.apply_chat_template(HELLO, tokenize=False, add_generation_prompt=True)
     assert out["text"] == dflash_mlx.generate(model, None, tokenizer, prompt, max_tokens=24)
-    chat = CliRunner().invoke(app, ["chat", "--model", str(target), "--draft", str(draft), "-n", "24"], input="hello\n/quit\n")
+    chat = CliRunner().invoke(
+        app, ["chat", "--model", str(target), "--draft", str(draft), "-n", "24"], input="hello\n/quit\n"
+    )
     assert chat.exit_code == 0, chat.output
     assert "dspark" in chat.stdout and "tokens from" in chat.stdout
 
@@ -81,16 +84,22 @@ def test_the_library_entry_points(dspark):
             assert [r.token for r in got] == greedy(model, tokenizer, prompt)
             assert {r.source for r in got if r.from_draft} >= {"dspark"}
         session = make_session(loaded_model, drafter)
-        first = [r.token for r in stream_generate(loaded_model, drafter, tok, PROMPTS[0], max_tokens=8, session=session)]
+        first = [
+            r.token for r in stream_generate(loaded_model, drafter, tok, PROMPTS[0], max_tokens=8, session=session)
+        ]
         turn = PROMPTS[0] + first + PROMPTS[1]
         got = [r.token for r in stream_generate(loaded_model, drafter, tok, turn, max_tokens=TOKENS, session=session)]
         assert session.reused > 0 and got == greedy(model, tokenizer, turn)
-        batch = batch_generate(loaded_model, drafter, tok, PROMPTS, max_tokens=TOKENS, block_size=8, return_token_ids=True)
+        batch = batch_generate(
+            loaded_model, drafter, tok, PROMPTS, max_tokens=TOKENS, block_size=8, return_token_ids=True
+        )
         assert batch.token_ids == [greedy(model, tokenizer, p) for p in PROMPTS]
         rows: dict[int, list] = {}
         for i, r in stream_batch_generate(loaded_model, drafter, tok, PROMPTS, max_tokens=TOKENS, max_batch=2):
             rows.setdefault(i, []).append(r)
-        assert [[r.token for r in rows[i]] for i in range(len(PROMPTS))] == [greedy(model, tokenizer, p) for p in PROMPTS]
+        assert [[r.token for r in rows[i]] for i in range(len(PROMPTS))] == [
+            greedy(model, tokenizer, p) for p in PROMPTS
+        ]
         assert any(r.source == "dspark" and r.from_draft for row in rows.values() for r in row)
 
 
@@ -103,7 +112,9 @@ def test_an_mlx_lm_script_with_only_its_import_changed(dspark, tmp_path):
         print(generate(model, tokenizer, prompt={PROMPTS[2]!r}, max_tokens={TOKENS}))
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=dict(os.environ)
+    )
     assert done.returncode == 0, done.stderr
     from mlx_lm import generate as mlx_lm_generate
 
@@ -118,7 +129,9 @@ def test_the_server_in_both_worker_modes(dspark, concurrency):
         with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300) as client:
             for prompt in PROMPTS[:2]:
                 text = tokenizer.decode(prompt)
-                reply = client.completions.create(model="default_model", prompt=text, max_tokens=TOKENS, temperature=0.0)
+                reply = client.completions.create(
+                    model="default_model", prompt=text, max_tokens=TOKENS, temperature=0.0
+                )
                 stats = reply.model_extra["dflash"]
                 assert reply.choices[0].text == dflash_mlx.generate(model, None, tokenizer, text, max_tokens=TOKENS)
                 assert stats["tokens_by_source"].get("dspark", 0) > 0, stats

@@ -19,7 +19,7 @@ import pytest
 
 from dflash_mlx import load_draft, stream_generate
 from dflash_mlx.targets.adapter import TargetAdapter
-from helpers import load_pair, prompt_ids, reference, without_eos
+from helpers import load_pair, reference, without_eos
 from helpers.dspark import make_dspark
 from helpers.dspark_reference import check_drafts_match_the_reference
 from helpers.train_cli import run_train, train_ok
@@ -45,7 +45,9 @@ def data_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(qwen3_target, data_file, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dspark-trained") / "out"
-    output = train_ok("--arch", "dspark", "--markov-rank", 8, "--model", qwen3_target, "--data", data_file, "--out", out, *ARGS)
+    output = train_ok(
+        "--arch", "dspark", "--markov-rank", 8, "--model", qwen3_target, "--data", data_file, "--out", out, *ARGS
+    )
     assert "dspark drafter" in output
     return out
 
@@ -59,7 +61,12 @@ def test_a_new_drafter_is_written_in_deepspecs_layout_and_the_reference_drafts_i
     assert config["block_size"] == 4 and config["target_layer_ids"] == [1, 2] and config["markov_rank"] == 8
     assert "dflash_config" not in config and "logits_start" not in config  # the anchor's slot predicts
     weights = _weights(trained)
-    assert {"embed_tokens.weight", "lm_head.weight", "markov_head.markov_w1.weight", "confidence_head.proj.weight"} <= set(weights)
+    assert {
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "markov_head.markov_w1.weight",
+        "confidence_head.proj.weight",
+    } <= set(weights)
     model, _, _ = load_pair(qwen3_target)
     for seed in (0, 1):
         check_drafts_match_the_reference(model, trained, sequence_seed=seed)
@@ -72,7 +79,9 @@ def test_the_heads_learn_and_the_targets_copies_stay_frozen(trained, qwen3_targe
     assert np.abs(weights["markov_head.markov_w2.weight"]).max() > 0  # started at zero
     model, _, _ = load_pair(qwen3_target)
     target = TargetAdapter(model)
-    np.testing.assert_array_equal(weights["embed_tokens.weight"], np.array(target.embed(mx.arange(weights["embed_tokens.weight"].shape[0]))))
+    np.testing.assert_array_equal(
+        weights["embed_tokens.weight"], np.array(target.embed(mx.arange(weights["embed_tokens.weight"].shape[0])))
+    )
     hidden = weights["lm_head.weight"].shape[1]
     np.testing.assert_allclose(weights["lm_head.weight"], np.array(target.head(mx.eye(hidden))).T, atol=1e-6)
 
@@ -117,7 +126,9 @@ def test_bad_options_are_refused_naming_the_flag(args, match, qwen3_target, data
 
 def test_init_refuses_what_it_cannot_train(qwen3_target, data_file, tmp_path):
     speculators = make_dspark(tmp_path / "spec", qwen3_target, packaging="speculators", target_layer_ids=[1, 2])
-    code, output = run_train("--init", speculators, "--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o")
+    code, output = run_train(
+        "--init", speculators, "--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o"
+    )
     assert code == 1 and "DeepSpec" in output, output
     gemma = make_dspark(tmp_path / "gemma", qwen3_target, backbone="gemma4", target_layer_ids=[1, 2])
     code, output = run_train("--init", gemma, "--model", qwen3_target, "--data", data_file, "--out", tmp_path / "o2")

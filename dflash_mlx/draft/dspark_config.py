@@ -145,7 +145,8 @@ def parse_dspark_config(raw: dict[str, Any], source: str = "config.json") -> DSp
         fields = _qwen3_fields(flat, packaging, source)
     else:
         raise DSparkConfigError(
-            f"{source}: 'model_type' is {model_type!r}; DSpark backbones run here: qwen3, qwen3_5, gemma4 (gemma4_text)."
+            f"{source}: 'model_type' is {model_type!r}; the DSpark backbones that run here: qwen3, qwen3_5, "
+            "gemma4 (gemma4_text)."
         )
     return _finish(flat, packaging, fields, source)
 

@@ -136,7 +136,9 @@ def build_dspark(config: DSparkConfig, weights: dict[str, mx.array], source: str
             "'d2t' table mapping draft ids to target ids."
         )
     if d2t is not None and not config.draft_vocab_size:
-        raise DraftWeightsError(f"{source}: the weights have a 'd2t' table but the config declares no draft_vocab_size.")
+        raise DraftWeightsError(
+            f"{source}: the weights have a 'd2t' table but the config declares no draft_vocab_size."
+        )
     own_head = "lm_head.weight" in weights
     if config.draft_vocab_size and not own_head:
         raise DraftWeightsError(

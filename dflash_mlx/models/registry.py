@@ -56,7 +56,7 @@ class RegistryEntry:
     draft: str
     block_size: int
     kind: str
-    publisher: str | None  # one of PUBLISHERS (None: the bundled demo pair, built by this project)
+    publisher: str | None = None  # one of PUBLISHERS (required in models.toml but for the bundled pair)
     family: str | None = None
     mlx_targets: tuple[str, ...] = ()
     notes: str = ""

@@ -93,5 +93,6 @@ def as_proposer(draft, target_model, max_context: int | None = None) -> Proposer
         check_pair(draft, target_model, draft_name=getattr(draft, "source", "the drafter"))
         return proposer_for(draft, max_context)
     raise TypeError(
-        f"draft must be a DFlash or DSpark drafter (from dflash_mlx.load_draft), a Proposer or None, not {type(draft).__name__}."
+        f"draft must be a DFlash or DSpark drafter (from dflash_mlx.load_draft), a Proposer or None, "
+        f"not {type(draft).__name__}."
     )

@@ -178,7 +178,11 @@ class Constraint:
 
         def pick(i: int, words: np.ndarray, previous: int | None) -> int:
             logits = rows[i] = row(i, anchor if previous is None else previous).astype(mx.float32)
-            z = logits if sampling is None else logits / sampling.temperature + mx.random.gumbel(logits.shape, key=keys[i])
+            z = (
+                logits
+                if sampling is None
+                else logits / sampling.temperature + mx.random.gumbel(logits.shape, key=keys[i])
+            )
             return self._best(z, _ranked(z[None])[0], words)
 
         forced: list[int] = []

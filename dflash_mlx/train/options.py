@@ -208,7 +208,9 @@ class TrainOptions:
             if isinstance(self.markov_rank, bool) or not isinstance(self.markov_rank, int) or self.markov_rank < 0:
                 raise OptionError(f"--markov-rank must be an integer >= 0, got {self.markov_rank!r}.")
             if self.arch != "dspark" or self.init is not None:
-                raise OptionError("--markov-rank sets a new DSpark drafter's Markov head: use it with --arch dspark, not --init.")
+                raise OptionError(
+                    "--markov-rank sets a new DSpark drafter's Markov head: use it with --arch dspark, not --init."
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

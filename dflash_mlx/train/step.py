@@ -119,7 +119,9 @@ class StepRunner:
     def anchor_group(self, batch: int, anchors: int, context: int) -> int:
         """Anchors per forward/backward group: `--anchor-chunk`, else as the attention budget allows."""
         o = self.options
-        return o.anchor_chunk or auto_anchor_chunk(self.drafter, batch, anchors, o.block_size, context, self.attention_bytes)
+        return o.anchor_chunk or auto_anchor_chunk(
+            self.drafter, batch, anchors, o.block_size, context, self.attention_bytes
+        )
 
     def loss_and_grads(self, features, batch):
         """(loss, tau, grads) of a batch: its anchors in groups, each group's rows in chunks."""

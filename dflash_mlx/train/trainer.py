@@ -282,8 +282,8 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
     start_from = f"from {options.init}" if options.init else "from scratch"
     replay_note = f", {len(replay_seqs)} replay sequences ({runner.replay_per_batch} per batch)" if replay_seqs else ""
     console.print(
-        f"Training a {draft_layers}-layer {options.arch} drafter {start_from} (block {options.block_size}, target layers "
-        f"{list(layer_ids)}, mask id {mask_id}, loss decay {decay:g}, lr {options.lr:g}, warmup "
+        f"Training a {draft_layers}-layer {options.arch} drafter {start_from} (block {options.block_size}, "
+        f"target layers {list(layer_ids)}, mask id {mask_id}, loss decay {decay:g}, lr {options.lr:g}, warmup "
         f"{options.warmup:g}) on {len(sequences) - len(replay_seqs)} sequences ({dropped} dropped){replay_note}, "
         f"{len(held_prompts)} held out"
     )

@@ -40,16 +40,16 @@ GEMMA_HEAD_DIM = 32
 
 def dspark_weight_shapes(cfg: dict) -> dict:
     """{tensor: shape} of a DSpark drafter described by ``cfg`` (make_dspark's own summary, below)."""
-    H, I, L = cfg["hidden"], cfg["intermediate"], cfg["layers"]
+    H, inter, L = cfg["hidden"], cfg["intermediate"], cfg["layers"]
     nh, nkv, hd = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     V, Vd, r = cfg["vocab"], cfg["draft_vocab"] or cfg["vocab"], cfg["rank"]
     gemma = cfg["backbone"] == "gemma4"
     per_layer = {
         "input_layernorm.weight": (H,),
         "post_attention_layernorm.weight": (H,),
-        "mlp.gate_proj.weight": (I, H),
-        "mlp.up_proj.weight": (I, H),
-        "mlp.down_proj.weight": (H, I),
+        "mlp.gate_proj.weight": (inter, H),
+        "mlp.up_proj.weight": (inter, H),
+        "mlp.down_proj.weight": (H, inter),
         "self_attn.q_proj.weight": (nh * hd * (2 if cfg["backbone"] == "qwen3_5" else 1), H),
         "self_attn.k_proj.weight": (nkv * hd, H),
         "self_attn.o_proj.weight": (H, nh * hd),
@@ -217,7 +217,11 @@ def _config(packaging, summary, tcfg, taps, n_target, block_size, logits_start) 
         config = dict(
             architectures=["DSparkSpeculator"],
             speculators_model_type="dspark",
-            speculators_config={"algorithm": "dspark", "proposal_methods": [method], "default_proposal_method": "greedy"},
+            speculators_config={
+                "algorithm": "dspark",
+                "proposal_methods": [method],
+                "default_proposal_method": "greedy",
+            },
             transformer_layer_config=backbone,
             aux_hidden_state_layer_ids=taps,
             block_size=block_size,
@@ -230,7 +234,9 @@ def _config(packaging, summary, tcfg, taps, n_target, block_size, logits_start) 
     nested = {"target_layer_ids": taps, "mask_token_id": MASK_ID}
     if packaging == "specforge":
         nested["projector_type"] = "dspark"
-        return dict(architectures=["DSparkDraftModel"], **backbone, **dspark, block_size=block_size, dflash_config=nested)
+        return dict(
+            architectures=["DSparkDraftModel"], **backbone, **dspark, block_size=block_size, dflash_config=nested
+        )
     nested["num_target_layers"] = n_target
     return dict(architectures=["Lfm2DSparkDraftModel"], **backbone, block_size=block_size, dflash_config=nested)
 
