@@ -41,6 +41,9 @@ def test_models_lists_registry_entries():
     assert result.exit_code == 0, result.output
     assert "qwen3-4b" in result.output
     assert "z-lab/Qwen3-4B-DFlash-b16" in result.output
+    out = " ".join(result.output.split())
+    assert "RedHatAI/Qwen3.8-27B-speculator.dspark" in out and "published by the community" in out
+    assert "DSpark; published by the method's authors" in out
 
 
 def _console_script() -> str:

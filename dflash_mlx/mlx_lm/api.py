@@ -30,10 +30,9 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..acceptance import seed_from_mlx
-from ..draft.load import load_draft, resolve_model_dir
+from ..draft.load import DRAFTERS, load_draft, resolve_model_dir
 from ..mtp.scan import has_mtp_weights
 from ..proposers.mtp import load_mtp
-from ..draft.model import DFlashDraftModel
 from ..engine import SUPERSEDED
 from ..generation import encode_prompt
 from ..generation import stream_generate as dflash_stream_generate
@@ -186,7 +185,7 @@ def make_prompt_cache(model: nn.Module, max_kv_size: int | None = None, *, draft
 
 
 def _is_dflash(draft) -> bool:
-    return isinstance(draft, (DFlashDraftModel, Proposer))
+    return isinstance(draft, (*DRAFTERS, Proposer))
 
 
 def reset_warnings() -> None:

@@ -14,7 +14,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..draft.load import load_draft, resolve_model_dir
-from ..draft.model import DFlashDraftModel
 from ..sharding.loading import check_shard_mode, load_sharded
 from ..targets.adapter import UnsupportedTargetError, target_problem
 from .dtype import as_float32, on_cpu, target_float_dtype
@@ -100,7 +99,7 @@ def load(
     shard: str | None = None,
     group: mx.distributed.Group | None = None,
     **mlx_lm_load_kwargs,
-) -> tuple[nn.Module, object, DFlashDraftModel]:
+) -> tuple[nn.Module, object, nn.Module | None]:
     """Load `(model, tokenizer, draft)`.
 
     `target` is a local mlx-lm model directory, a Hugging Face repo id or a name

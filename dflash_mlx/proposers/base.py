@@ -38,13 +38,20 @@ Optional methods, looked up with `getattr`:
   times a fork on private state.
 - `draft_logits(anchor, position, count)`: the drafter's logits of the block's
   rows, so a grammar can choose the drafts itself (`structured.constraint`).
+- `draft_stepwise(anchor, position, count)`: for a drafter whose row i depends
+  on the draft chosen at row i - 1 (DSpark's Markov head): a function giving
+  row i's logits [V] from i and the token before row i (the anchor, then the
+  draft chosen at row i - 1), rows asked in order (a row the grammar forces may
+  be skipped). A grammar uses it in preference to
+  `draft_logits`, so q is the distribution each draft was drawn from.
 - `batch_key()` and `draft_logits_together(proposers, anchors, positions,
   count)`: proposers with the same non-None key draft all rows of a batch in
   one forward (`batch.drafting`), each row then choosing its drafts from its
   logits; without them a batch's rows draft one by one.
 
 `proposers.dflash` wraps DFlash (v1) and DFlash 2 drafters (`as_proposer`
-turns what a caller passes as `draft` into a proposer); `proposers.lookup`
+turns what a caller passes as `draft` into a proposer), `proposers.dspark`
+DSpark drafters (their context kept by `proposers.context`); `proposers.lookup`
 drafts spans copied from the context; `proposers.mtp` drafts with a target's
 own multi-token-prediction heads; `proposers.oracle` knows the answer (tests,
 benchmarks).
