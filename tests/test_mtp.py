@@ -240,6 +240,10 @@ def test_train_arch_mtp_refuses_the_dflash_drafters_own_options(tmp_path):
         code, output = run_train(
             "--arch", "mtp", "--model", tmp_path, "--data", data, "--out", tmp_path / "o", flag, value
         )
-        assert code == 1 and f"{flag} is for DFlash drafters, not --arch mtp" in " ".join(output.split())
+        assert code == 1 and f"{flag} is for DFlash and DSpark drafters, not --arch mtp" in " ".join(output.split())
+    code, output = run_train(
+        "--arch", "mtp", "--model", tmp_path, "--data", data, "--out", tmp_path / "o", "--markov-rank", "8"
+    )
+    assert code == 1 and "it needs --arch dspark, not --arch mtp" in " ".join(output.split())
     code, output = run_train("--arch", "eagle", "--model", tmp_path, "--data", data, "--out", tmp_path / "o")
-    assert code == 1 and "--arch must be one of dflash, mtp" in " ".join(output.split())
+    assert code == 1 and "--arch must be one of dflash, dspark, mtp" in " ".join(output.split())

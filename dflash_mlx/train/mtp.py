@@ -49,17 +49,26 @@ from .validate import acceptance_length
 
 DEFAULT_MTP_BLOCK = 3  # the anchor and two chained drafts
 FIT_PROMPTS = 8  # training prompts the heads are also measured on (how well they fit their own workload)
-DFLASH_ONLY = ("draft_layers", "target_layers", "mask_token_id", "intermediate_size", "init", "replay", "loss_decay")
+DRAFTER_ONLY = (
+    "draft_layers",
+    "target_layers",
+    "mask_token_id",
+    "intermediate_size",
+    "init",
+    "replay",
+    "loss_decay",
+    "markov_rank",
+)
 
 
 def check_mtp_options(options: TrainOptions) -> None:
-    """The DFlash drafter's own options have no meaning for MTP heads: refused, by flag."""
-    for name in DFLASH_ONLY:
+    """A drafter's own options (DFlash and DSpark) have no meaning for MTP heads: refused, by flag."""
+    for name in DRAFTER_ONLY:
         if getattr(options, name) is not None:
-            raise OptionError(f"--{name.replace('_', '-')} is for DFlash drafters, not --arch mtp.")
+            raise OptionError(f"--{name.replace('_', '-')} is for DFlash and DSpark drafters, not --arch mtp.")
     if options.resume or options.cache_features:
         raise OptionError(
-            f"--{'resume' if options.resume else 'cache-features'} is for DFlash drafters, not --arch mtp."
+            f"--{'resume' if options.resume else 'cache-features'} is for DFlash and DSpark drafters, not --arch mtp."
         )
 
 

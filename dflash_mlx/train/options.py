@@ -209,10 +209,13 @@ class TrainOptions:
         if self.markov_rank is not None:
             if isinstance(self.markov_rank, bool) or not isinstance(self.markov_rank, int) or self.markov_rank < 0:
                 raise OptionError(f"--markov-rank must be an integer >= 0, got {self.markov_rank!r}.")
-            if self.arch != "dspark" or self.init is not None:
+            if self.arch != "dspark":
                 raise OptionError(
-                    "--markov-rank sets a new DSpark drafter's Markov head: use it with --arch dspark, not --init."
+                    f"--markov-rank sets a new DSpark drafter's Markov head: it needs --arch dspark, "
+                    f"not --arch {self.arch or 'dflash'}."
                 )
+            if self.init is not None:
+                raise OptionError("--markov-rank sets a new DSpark drafter's Markov head: --init brings its own.")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
