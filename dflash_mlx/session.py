@@ -106,7 +106,7 @@ class Session:
 
     def closed(self, settle) -> None:
         """The generation `settle` belongs to is over."""
-        if self._open is settle:
+        if self._open == settle:  # (a bound method is a new object at each access: equal, not identical)
             self._open = None
 
     def _settle(self) -> None:
@@ -216,7 +216,7 @@ class Session:
     def lookup_source(self, prompt: list[int]) -> LookupProposer:
         """The span source of a generation's copy-aware drafting, in step with `prompt` (the planner
         commits what the generation adds): the last generation's index, cut back to what it shares with
-        `prompt` (the cut rebuilds the index; a chat's next turn extends it)."""
+        `prompt` (trimmed in place; a chat's next turn extends it)."""
         if self._lookup_source is None:
             self._lookup = LookupIndex()
             self._lookup_source = LookupProposer(self._lookup)
@@ -241,11 +241,13 @@ class Session:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the arrays this session holds: target caches, drafter context, checkpoint."""
+        """Bytes this session holds: target caches, drafter context, checkpoint (arrays) and the lookup
+        index of copy-aware drafting."""
         arrays = [c.state for c in self.cache or [] if c is not None]
         arrays += self.proposer.state() if self.proposer is not None else []
         arrays += self._checkpoint.states if self._checkpoint else []
-        return sum(a.nbytes for _, a in tree_flatten(arrays) if isinstance(a, mx.array))
+        index = self._lookup.nbytes if self._lookup is not None else 0
+        return index + sum(a.nbytes for _, a in tree_flatten(arrays) if isinstance(a, mx.array))
 
     def copy(self) -> Session:
         """An independent session holding the same tokens (its own caches, drafter context and
@@ -263,6 +265,9 @@ class Session:
         other.cache = copy.deepcopy(self.cache)
         other.tokens, other._checkpoint = list(self.tokens), copy.deepcopy(self._checkpoint)
         other.prompt_length = self.prompt_length
+        if self._lookup is not None:  # (copied: rebuilding it would cost a pass over every token)
+            other._lookup = self._lookup.copy()
+            other._lookup_source = LookupProposer(other._lookup)
         return other
 
     def saved(self) -> dict:
