@@ -23,7 +23,8 @@ distribution the draft was drawn from). EOS is allowed only where the grammar
 accepts, and once the grammar is complete only EOS is; an EOS is never fed
 to the matcher (the generation ends there; rollback counts stay exact). The
 logits may be wider than the tokenizer's vocabulary: the extra ids are
-disallowed.
+disallowed. A grammar the library fails on at a mask (one of its limits met
+mid-output) raises `GrammarFault`: the grammar's error, its generation's alone.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ from llguidance.numpy import fill_next_token_bitmask
 from ..proposers.base import Proposal
 
 CANDIDATES = 16  # drafter candidates per row brought to the host (a row none of them fits costs one more sync)
+
+
+class GrammarFault(RuntimeError):
+    """The grammar library failed on this grammar mid-output (a limit of `grammar.LIMITS` met at a later
+    mask): the grammar's fault, its request's alone, never the engine's."""
+
+
+def library_error(matcher) -> str:
+    """The matcher's error, without the marker llguidance adds when errors are not verbose."""
+    return matcher.get_error().replace("<non-verbose/>", "").strip()
 
 
 def expand(words: np.ndarray, width: int) -> mx.array:
@@ -71,7 +82,8 @@ class Constraint:
         """Take committed tokens (each must follow the grammar)."""
         taken = self._take(tokens)
         if taken < len(tokens) and not self.ended:
-            raise RuntimeError(f"token {tokens[taken]} does not follow the grammar: {self.matcher.get_error()}")
+            fault = GrammarFault if self.matcher.is_error() else RuntimeError
+            raise fault(f"token {tokens[taken]} does not follow the grammar: {library_error(self.matcher)}")
 
     def follow(self, tokens: list[int]) -> None:
         """Hold the longest prefix of `tokens` that follows the grammar (a history that may step back
@@ -107,7 +119,7 @@ class Constraint:
         else:
             fill_next_token_bitmask(self.matcher, out, row)
             if self.matcher.is_error():
-                raise RuntimeError(f"the grammar's matcher failed: {self.matcher.get_error()}")
+                raise GrammarFault(f"the grammar library (llguidance) failed: {library_error(self.matcher)}")
         return out[row]
 
     @staticmethod
