@@ -41,14 +41,18 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 FORMATS = ("text", "json_object", "json_schema")
 SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 LEXER_STATE_BYTES = 2048  # llguidance's estimate of one lexer state's memory (1-2 kB), at its top
-# llguidance's limits, explicit (its 1.9 defaults but for verbose errors, which would echo the grammar and the
-# parser's state): a grammar past them fails, whether at compiling or at a mask, as that grammar's error
+# llguidance's limits, explicit (its 1.9 defaults but for the lexer's states and verbose errors, which would echo
+# the grammar and the parser's state): a grammar past them fails, whether at compiling or at a mask, as that
+# grammar's error
 LIMITS = {
     "max_items_in_row": 2000,  # Earley items in one row (a branching factor: anyOf of 5,000 objects exceeds it)
     "initial_lexer_fuel": 1_000_000,  # building the lexer's regexes (by llguidance's figures, about 20 ms)
     "step_lexer_fuel": 200_000,  # the lexer's work for one mask (about 14 ms)
     "step_max_items": 50_000,  # the parser's items for one mask (about 2.5 ms)
-    "max_lexer_states": 250_000,  # lexer states built as masks are computed (1-2 kB each)
+    # lexer states built as masks are computed (1-2 kB each): a tenth of llguidance's default, so that what a kept
+    # grammar may grow to (`Grammar.nbytes`, counted in a server's memory budget) is 40 MB, not 0.5 GB; a JSON
+    # schema's lexer takes hundreds to a few thousand
+    "max_lexer_states": 20_000,
     "max_grammar_size": 500_000,  # symbols in the grammar's productions
     "precompute_large_lexemes": True,
     "verbose_errors": False,
