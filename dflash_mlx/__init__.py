@@ -1,8 +1,9 @@
 """dflash-mlx: lossless block-diffusion speculative decoding (DFlash) for MLX.
 
 Public API: ``load``, ``load_draft``, ``stream_generate``, ``generate``,
-``make_session`` (caches kept across calls), ``DFlashResponse``, and for many
-prompts at once ``batch_generate`` / ``stream_batch_generate``. They are
+``make_session`` (caches kept across calls), ``DFlashResponse``, ``SuffixIndex``
+(what generations produced, drafting what later ones produce again), and for
+many prompts at once ``batch_generate`` / ``stream_batch_generate``. They are
 imported on first use, so ``import dflash_mlx`` (and every console-script
 start, which may re-execute itself once) stays cheap; see ARCHITECTURE.md for
 the layout behind them.
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "DFlashResponse": "dflash_mlx.generation",
+    "SuffixIndex": "dflash_mlx.proposers.suffix",
     "batch_generate": "dflash_mlx.batch.generate",
     "stream_batch_generate": "dflash_mlx.batch.generate",
     "generate": "dflash_mlx.generation",
@@ -27,6 +29,7 @@ _PUBLIC = {
 
 __all__ = [
     "DFlashResponse",
+    "SuffixIndex",
     "batch_generate",
     "generate",
     "load",

@@ -100,6 +100,7 @@ def speculative_cycles(
     session: Session | None = None,
     kv: KVQuantization | None = None,
     lookup: bool = False,
+    suffix=None,
 ) -> Iterator[Cycle]:
     """Yield cycles until `max_tokens` tokens are committed (-1: no limit) or a stop token.
 
@@ -110,9 +111,10 @@ def speculative_cycles(
     dropped and never reach the caches). `session` (made with this target and
     proposer) keeps the caches for the next call; only the prompt tokens it
     does not hold are prefilled. `lookup`: a cycle may verify a span copied from the context instead
-    of the proposer's block (with a proposer, not under a grammar). `kv` quantizes the KV caches as
-    mlx-lm's `kv_bits` does (`targets.quantized_kv`: when mlx-lm would, and no verify crosses that
-    point unquantized).
+    of the proposer's block (with a proposer, not under a grammar); so may a span from `suffix` (a
+    `proposers.suffix.SuffixIndex`: what earlier generations produced; it records this one). `kv`
+    quantizes the KV caches as mlx-lm's `kv_bits` does (`targets.quantized_kv`: when mlx-lm would, and
+    no verify crosses that point unquantized).
     """
     loop = SpeculativeLoop(
         target,
@@ -127,6 +129,7 @@ def speculative_cycles(
         session=session,
         kv=kv,
         lookup=lookup,
+        suffix=suffix,
     )
     yield from loop.cycles()
 
@@ -149,6 +152,7 @@ class SpeculativeLoop:
         session,
         kv,
         lookup,
+        suffix=None,
     ):
         # duck-typed: isinstance() against a runtime-checkable Protocol is slow, and this runs every call
         policy = block_size if hasattr(block_size, "choose") else FixedBlock(block_size)
@@ -166,8 +170,7 @@ class SpeculativeLoop:
         self.prompt_ids = prompt.tolist()
         self.done = session.begin(self.prompt_ids)
         self.cache = session.cache
-        copies = lookup and proposer is not None and acceptor.constraint is None
-        spans = session.lookup_source(self.prompt_ids) if copies else None
+        spans = session.span_sources(self.prompt_ids, acceptor, lookup=lookup, suffix=suffix)
         self.planner = CyclePlanner(policy, proposer, acceptor, max_tokens=max_tokens, kv=kv, spans=spans)
         self.queue: deque[_Pending] = deque()
         self.settled = False

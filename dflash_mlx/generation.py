@@ -7,10 +7,11 @@ response with finish_reason "stop" and no text, max_tokens ends it with
 draft-verify cycle that produced this token committed and how many rows it
 verified, set on the last token of each cycle, and `source`: what proposed the
 token ("lookup": copied from the context, "dflash": the drafter, or another
-proposer's own name, `proposers.base.source_name`; "target": the target's own
+proposer's own name, `proposers.base.source_name`; "suffix": what an earlier
+generation produced, from a `suffix_index`; "target": the target's own
 pick). The block is adaptive unless the caller fixes it (`dflash_mlx.policy`);
 `lookup` (on by default) lets a cycle verify a span copied from the context
-instead (`policy.source`).
+instead, and `suffix_index` one that earlier generations produced (`policy.source`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .models.block_size import check_block_size, default_block_size
 from .engine import speculative_cycles
 from .policy.adaptive import adaptive_policy
 from .sampling import SamplingSettings
-from .session import Session, check_draft_sampling, make_session
+from .session import Session, check_draft_sampling, check_suffix_index, make_session
 from .sharding.lockstep import check_lockstep
 from .structured import Grammar
 from .targets.quantized_kv import kv_quantization
@@ -81,6 +82,7 @@ def stream_generate(
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     response_format=None,
     lookup: bool = True,
+    suffix_index=None,
 ) -> Iterator[DFlashResponse]:
     """Generate from `model`, drafting with `draft` (a DFlash drafter, a Proposer or None).
 
@@ -121,9 +123,15 @@ def stream_generate(
     followed the longest earlier occurrence of the sequence's end in the prompt or the output (a point
     mass: exact under sampling too), where that is expected to commit more per second (`policy.source`;
     with a drafter, not under a `response_format`). The output does not change.
+    `suffix_index` (a `dflash_mlx.SuffixIndex`; None: the session's, if any) keeps what generations
+    produced: this one drafts spans from it where an earlier generation produced what followed the
+    same tokens (source "suffix"; a seeded sampled call records in it but does not draft from it),
+    and records its own tokens. Pass the same object to every call (or session) that should share
+    it: an agent loop's calls, its threads. The output does not change.
     """
     if not isinstance(lookup, bool):
         raise ValueError(f"lookup must be True or False, got {lookup!r}.")
+    check_suffix_index(suffix_index)
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     if max_tokens == 0:
@@ -147,6 +155,7 @@ def stream_generate(
     draft_sampling = draft_sampling or session.draft_sampling  # this call's choice; the session keeps its own
     proposer, target = session.proposer, session.target
     kv = kv or session.kv
+    suffix_index = suffix_index if suffix_index is not None else session.suffix_index
     if kv is not None and (problem := kv.problem(session.cache or target.make_cache())):
         raise ValueError(problem + ".")
     if xtc_probability and proposer is not None:
@@ -204,6 +213,7 @@ def stream_generate(
         ),
         kv,
         lookup,
+        suffix_index,
     )
     group = getattr(target, "group", None)
     if group is None or group.size() == 1:
@@ -232,6 +242,7 @@ def _responses(
     acceptor,
     kv=None,
     lookup=False,
+    suffix=None,
 ) -> Iterator[DFlashResponse]:
     """The responses of one generation (`stream_generate` has checked its arguments)."""
     proposer, target = session.proposer, session.target
@@ -255,6 +266,7 @@ def _responses(
             session=session,
             kv=kv,
             lookup=lookup,
+            suffix=suffix,
         )
         n = 0
         with mx.stream(generation_stream):

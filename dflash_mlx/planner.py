@@ -2,19 +2,21 @@
 
 A `CyclePlanner` holds one generation's sources (for one request, or for one
 row of a batch): the drafter (the session's proposer: a DFlash drafter or any
-`proposers.base.Proposer`) and a span source (the session's copy index,
-`proposers.lookup.LookupProposer`, which offers drafts only where the
-context matches), its block policy, its `Acceptor` (sampling, and the grammar
+`proposers.base.Proposer`) and span sources, which offer drafts only where
+they have them (the session's copy index, `proposers.lookup.LookupProposer`;
+a suffix index shared across requests, `proposers.suffix.SuffixProposer`),
+its block policy, its `Acceptor` (sampling, and the grammar
 that may widen a block to a run it forces and chooses drafts under it) and its
 limits (max_tokens; the rows a quantized KV cache allows unquantized). Both
 decode loops (`engine` for one request, `batch.engine` for many) ask it the
 same questions:
 
 - `plan(committed, position)`: the next cycle's source and width, as the
-  policy decides (`policy.source.SpanDrafting` between a span and the policy's
-  block; single decoding);
-- `plan_at(width, cap)`: this row's source at the width the batch chose (a
-  span where the source offers one, else the drafter);
+  policy decides (`policy.source.SpanChoice` between the sources' spans and the
+  policy's block; single decoding);
+- `plan_at(width, cap, drafter_tokens)`: this row's source at the width the
+  batch chose (a span where one is expected to commit more than its drafter's
+  block, else the drafter);
 - `draft(plan, anchor, position)`: the drafts and their q (None: point masses);
 - `feed(features)` and `commit(tokens)`: what a cycle committed, to every
   source; `observe(plan, accepted, seconds)`: to the policy that chose it.
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .acceptance import Acceptor
-from .policy.source import SpanDrafting
+from .policy.source import SpanChoice
 from .proposers.base import Proposal, offered, reads_features, source_name
 from .targets.quantized_kv import KVQuantization
 
@@ -96,23 +98,23 @@ class CyclePlanner:
         spans=None,
     ):
         """`policy`: a block policy (`policy.base`); `drafter`: the drafting proposer or None (plain
-        decoding); `spans`: a span source (drafts only where it offers them; with a drafter and no
-        grammar), chosen against the policy's block by `policy.source.SpanDrafting`."""
+        decoding); `spans`: span sources (drafts only where they offer them; with a drafter and no
+        grammar), chosen against each other and the policy's block by `policy.source.SpanChoice`."""
         self.policy = policy
         self.drafter = drafter
         self.acceptor = acceptor
         self.max_tokens = max_tokens
         self.kv = kv
         self.context = DrafterContext(drafter)
-        self.spans = spans if drafter is not None and acceptor.constraint is None else None
+        self.spans = list(spans or ()) if drafter is not None and acceptor.constraint is None else []
         self.choice = None
-        if self.spans is not None:
+        if self.spans:
             greedy, seeded = acceptor.settings.greedy, acceptor.seeded
-            self.choice = SpanDrafting(policy, self.spans, learns=greedy, shared=not seeded)
+            self.choice = SpanChoice(policy, self.spans, learns=greedy, shared=not seeded)
         self.drafter_name = source_name(drafter)
-        self.sources = [s for s in (drafter, self.spans) if s is not None]
+        self.sources = [s for s in (drafter, *self.spans) if s is not None]
         # a drafter that follows the text (`commit`, `offer`) plans on the committed tokens: its anchor is read
-        # first; so is a span source's, where a span may follow
+        # first; so are span sources', where a span may follow
         self.follows_text = hasattr(drafter, "commit") or hasattr(drafter, "offer")
         self.reads_text = self.follows_text or self.choice is not None
 
@@ -136,9 +138,9 @@ class CyclePlanner:
         """The next cycle, its anchor read: a span, the policy's block or a plain step."""
         if self.choice is None:
             return self.plan_unread(committed, position)
-        width, spans = self.choice.choose(self.room(committed, position))
-        if spans:
-            return Plan(width, self.spans, source_name(self.spans), spans=True)
+        width, source = self.choice.choose(self.room(committed, position))
+        if source is not None:
+            return Plan(width, source, source_name(source), spans=True)
         return self._drafted(width)
 
     def reads_anchor(self) -> bool:
@@ -147,14 +149,15 @@ class CyclePlanner:
         token unread, pipelined."""
         return self.follows_text or (self.choice is not None and self.choice.may_fire())
 
-    def plan_at(self, width: int, cap: int) -> Plan:
-        """This row's cycle in a batch verifying `width` rows (its own block `cap`): its span source's
-        span where it offers one (a point mass, the slots past it ignored), else the drafter's drafts."""
+    def plan_at(self, width: int, cap: int, drafter_tokens: float | None = None) -> Plan:
+        """This row's cycle in a batch verifying `width` rows (its own block `cap`): a span source's span
+        where one is expected to commit more than `drafter_tokens` (the drafter's block's expectation;
+        None: any span), a point mass with the slots past it ignored; else the drafter's drafts."""
         cap = min(width, cap)
         if cap <= 1 or self.drafter is None:
             return PLAIN
-        if self.spans is not None and (n := offered(self.spans, cap - 1)):
-            return Plan(n + 1, self.spans, source_name(self.spans), spans=True)
+        if self.choice is not None and (span := self.choice.span_at(cap, drafter_tokens)) is not None:
+            return Plan(span[0], span[1], source_name(span[1]), spans=True)
         return self._drafted(cap)
 
     def forced(self, limit: int) -> int:
@@ -214,6 +217,6 @@ class CyclePlanner:
         """A cycle of `plan` accepted `accepted` drafts (None: a stop token cut it) in `seconds` on the
         loop's side (None: not its own cost): to whichever policy chose it."""
         if plan.spans:
-            self.choice.observe(plan.width, accepted, seconds)
+            self.choice.observe(plan.source, plan.width, accepted, seconds)
         elif plan.chosen:
             self.policy.observe(plan.width, accepted, seconds)

@@ -20,7 +20,10 @@ callback or a logits processor raising) they are cut back or dropped
 (`abandon`). The drafter's context follows the same positions
 (`Proposer.start(..., reused=n)`). The lookup index of copy-aware drafting
 (`lookup_source`) holds the tokens of the last generation (prompt and output): the
-next prompt keeps what it shares with them. `hold(tokens)` makes the caches hold exactly
+next prompt keeps what it shares with them. A session may carry a suffix index
+(`suffix_index`, `proposers.suffix`: what generations produced, shared across
+sessions, or the conversation's own with `private`), the default of calls that
+pass none; `span_sources` gives a generation both span sources. `hold(tokens)` makes the caches hold exactly
 some tokens (the mlx-lm plugin leaves mlx-lm's own cache lists that way).
 A session may work on a caller's cache list (`cache=`), which it updates in
 place and never replaces.
@@ -39,6 +42,7 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from .proposers import Proposer, as_proposer
 from .proposers.base import reads_features
 from .proposers.lookup import LookupIndex, LookupProposer
+from .proposers.suffix import SuffixIndex, SuffixProposer
 from .targets.adapter import TargetAdapter
 from .targets.quantized_kv import KVQuantization, kv_quantization
 from .targets.rollback import VerifyRecord, held, rollback, trimmable
@@ -81,6 +85,7 @@ class Session:
         cache: list | None = None,
         draft_sampling: str = "sample",
         kv: KVQuantization | None = None,
+        suffix_index: SuffixIndex | None = None,
     ):
         check_draft_sampling(draft_sampling)
         self.draft_sampling = draft_sampling  # the default of calls that do not choose
@@ -98,6 +103,7 @@ class Session:
         self.prompt_length = 0  # tokens of the last generation's prompt (what the caches held after its prefill)
         self._lookup: LookupIndex | None = None  # the last generation's tokens, indexed (`lookup_source`)
         self._lookup_source: LookupProposer | None = None  # that index as a span source
+        self.suffix_index = check_suffix_index(suffix_index)  # the default of calls that pass none
 
     def opened(self, settle) -> None:
         """A generation began on these caches; `settle()` makes them hold only what it committed (its
@@ -223,6 +229,19 @@ class Session:
         self._lookup_source.start(self.target, prompt)
         return self._lookup_source
 
+    def span_sources(self, prompt: list[int], acceptor, *, lookup: bool, suffix: SuffixIndex | None) -> list:
+        """A generation's span sources from `prompt` on (none without a drafter, nor under a grammar): the
+        copy index (`lookup`) and the suffix index `suffix` (a seeded sampled generation records in it but
+        drafts only from its own conversation: its random draws may not depend on other conversations)."""
+        if self.proposer is None or acceptor.constraint is not None:
+            return []
+        sources = [self.lookup_source(prompt)] if lookup else []
+        if suffix is not None:
+            source = SuffixProposer(suffix, drafts=not acceptor.seeded)
+            source.start(self.target, prompt)
+            sources.append(source)
+        return sources
+
     def fed(self, tokens: list[int]) -> None:
         """`tokens` were committed to the caches after the prompt."""
         self.tokens.extend(tokens)
@@ -241,17 +260,19 @@ class Session:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this session holds: target caches, drafter context, checkpoint (arrays) and the lookup
-        index of copy-aware drafting."""
+        """Bytes this session holds: target caches, drafter context, checkpoint (arrays), the lookup index
+        of copy-aware drafting and its private suffix index."""
         arrays = [c.state for c in self.cache or [] if c is not None]
         arrays += self.proposer.state() if self.proposer is not None else []
         arrays += self._checkpoint.states if self._checkpoint else []
         index = self._lookup.nbytes if self._lookup is not None else 0
-        return index + sum(a.nbytes for _, a in tree_flatten(arrays) if isinstance(a, mx.array))
+        own = self.suffix_index.nbytes if self.suffix_index is not None and self.suffix_index.private else 0
+        return index + own + sum(a.nbytes for _, a in tree_flatten(arrays) if isinstance(a, mx.array))
 
     def copy(self) -> Session:
         """An independent session holding the same tokens (its own caches, drafter context and
-        checkpoint; the proposer must have `fork(context=True)`)."""
+        checkpoint; the proposer must have `fork(context=True)`). A shared suffix index stays shared; a
+        private one (a conversation's) is not copied: the copy is another conversation."""
         if self._given:
             raise RuntimeError("A session over a caller's cache list cannot be copied.")
         self._settle()
@@ -261,7 +282,12 @@ class Session:
             if not callable(fork):
                 raise RuntimeError(f"{type(self.proposer).__name__} has no fork(): its context cannot be copied.")
             proposer = fork(context=True)
-        other = Session(self.target, proposer, self.draft, draft_sampling=self.draft_sampling, kv=self.kv)
+        suffix = self.suffix_index
+        if suffix is not None and suffix.private:
+            suffix = SuffixIndex(suffix.max_tokens, private=True)
+        other = Session(
+            self.target, proposer, self.draft, draft_sampling=self.draft_sampling, kv=self.kv, suffix_index=suffix
+        )
         other.cache = copy.deepcopy(self.cache)
         other.tokens, other._checkpoint = list(self.tokens), copy.deepcopy(self._checkpoint)
         other.prompt_length = self.prompt_length
@@ -312,6 +338,15 @@ def adapter_for(model: nn.Module, proposer: Proposer | None) -> TargetAdapter:
     return TargetAdapter(model, layer_ids, final=bool(getattr(proposer, "reads_final", False)))
 
 
+def check_suffix_index(index) -> SuffixIndex | None:
+    if index is not None and not isinstance(index, SuffixIndex):
+        raise ValueError(
+            f"suffix_index must be a dflash_mlx.SuffixIndex (or None), got {type(index).__name__}: make one with "
+            "SuffixIndex(max_tokens) and pass the same object to every call that should share it."
+        )
+    return index
+
+
 def check_draft_sampling(value: str) -> None:
     if value not in ("sample", "argmax"):
         raise ValueError(f"draft_sampling must be 'sample' or 'argmax', got {value!r}.")
@@ -326,12 +361,15 @@ def make_session(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    suffix_index: SuffixIndex | None = None,
 ) -> Session:
     """A reusable cache for `stream_generate(..., session=...)` with this model and drafter.
 
     `draft_sampling` and the KV-cache quantization (`kv_bits`, `kv_group_size`,
     `quantized_kv_start`, as `mlx_lm.generate` takes them) are the defaults of calls
-    on the session that give none.
+    on the session that give none; so is `suffix_index` (a `SuffixIndex`: what earlier
+    generations produced drafts what this one produces again, shared with every session
+    and call given the same object).
     """
     if max_draft_context is not None and max_draft_context < 1:
         raise ValueError(f"max_draft_context must be >= 1, got {max_draft_context}.")
@@ -343,4 +381,5 @@ def make_session(
         draft,
         draft_sampling=draft_sampling,
         kv=kv,
+        suffix_index=suffix_index,
     )

@@ -26,11 +26,12 @@ verifies the largest, and a row's drafts past its own block are ignored; a
 row needing fewer tokens takes its cut at acceptance. A step is widened to
 draft a run of tokens a row's grammar forces (`structured`). What each row
 drafts at the step's width is its `planner.CyclePlanner`'s, the same one the
-single-request loop asks: its span source's span where it offers one (copy-
-aware drafting, `lookup`: a point mass up to its block, the slots past it
-ignored), else its drafter's drafts (`drafting`: rows of one drafter in one
-forward). The single-request choice between sources by rate is not made per
-row here: a row with a span takes it. A step runs in named parts: its width
+single-request loop asks: a span source's span (copy-aware drafting, `lookup`;
+a suffix index across requests, `suffix`: a point mass up to its block, the
+slots past it ignored) where one is expected to commit more tokens than its
+drafter's block at that width (a row with a fixed block: wherever a source
+offers one), else its drafter's drafts (`drafting`: rows of one drafter in one
+forward). A step runs in named parts: its width
 (`_width`), the drafts (`_draft`), the verify, the verdicts (`_verdicts`),
 each row's share (`_take`), what the policies learn (`_learn`) and the caches
 cut back (`_cut`).
@@ -126,13 +127,15 @@ class BatchDecoder:
         prefill_step_size: int = 2048,
         max_block: int | None = None,
         lookup: bool = False,
+        suffix=None,
     ) -> RowTokens:
         """Prefill a request alone and add it to the batch; returns its first token.
 
         `max_block` fixes this row's block (default: the decoder's block, or its choice): a step
         verifies that block when every row fixes one (the largest), else the decoder's choice, and
-        a row's drafts past its own block are ignored. `lookup`: its drafting steps verify a lookup
-        span where its context has a match (see the module docstring)."""
+        a row's drafts past its own block are ignored. `lookup`: its drafting steps may verify a lookup
+        span where its context has a match; `suffix` (a `proposers.suffix.SuffixIndex`): a span from
+        what earlier generations produced, and it records this one (see the module docstring)."""
         if session.model is not self.target.model:
             raise ValueError("The session was made for another target model.")
         self._unbatch()
@@ -160,13 +163,14 @@ class BatchDecoder:
             first.stopped,
             max_block,
             lookup,
+            suffix,
         )
 
     def insert_many(self, requests: list[tuple], *, stop_tokens=(), prefill_step_size: int = 2048) -> list[RowTokens]:
-        """`insert` for several (session, prompt, acceptor, max_tokens[, max_block[, lookup]]) at once: fresh
-        sessions are prefilled together in one forward (`prefill`), the others alone; results in
-        request order."""
-        requests = [tuple(r) + (None, False)[len(r) - 4 :] for r in requests]
+        """`insert` for several (session, prompt, acceptor, max_tokens[, max_block[, lookup[, suffix]]]) at
+        once: fresh sessions are prefilled together in one forward (`prefill`), the others alone; results
+        in request order."""
+        requests = [tuple(r) + (None, False, None)[len(r) - 4 :] for r in requests]
         together = [
             k
             for k, (session, prompt, *_) in enumerate(requests)
@@ -183,8 +187,9 @@ class BatchDecoder:
                     prefill_step_size=prefill_step_size,
                     max_block=cap,
                     lookup=look,
+                    suffix=suffix,
                 )
-                for s, p, a, m, cap, look in requests
+                for s, p, a, m, cap, look, suffix in requests
             ]
         for session, *_ in requests:
             if session.model is not self.target.model:
@@ -196,11 +201,12 @@ class BatchDecoder:
         )
         results: dict[int, RowTokens] = {}
         for k, (token, logprobs) in zip(together, firsts):
-            session, prompt, acceptor, max_tokens, cap, look = requests[k]
+            session, prompt, acceptor, max_tokens, cap, look, suffix = requests[k]
+            stopped = token in stop_tokens
             results[k] = self._add_row(
-                session, prompt, acceptor, max_tokens, stop_tokens, [token], logprobs, token in stop_tokens, cap, look
+                session, prompt, acceptor, max_tokens, stop_tokens, [token], logprobs, stopped, cap, look, suffix
             )
-        for k, (session, prompt, acceptor, max_tokens, cap, look) in enumerate(requests):
+        for k, (session, prompt, acceptor, max_tokens, cap, look, suffix) in enumerate(requests):
             if k not in results:
                 results[k] = self.insert(
                     session,
@@ -211,6 +217,7 @@ class BatchDecoder:
                     prefill_step_size=prefill_step_size,
                     max_block=cap,
                     lookup=look,
+                    suffix=suffix,
                 )
         return [results[k] for k in range(len(requests))]
 
@@ -232,6 +239,7 @@ class BatchDecoder:
         stopped,
         max_block=None,
         lookup=False,
+        suffix=None,
     ) -> RowTokens:
         if session.proposer is not None:
             check_block_size(max_block, session.proposer, "max_block")
@@ -270,8 +278,11 @@ class BatchDecoder:
             position=prompt.size,
             committed=1,
         )
-        copies = lookup and cap > 1 and acceptor.constraint is None
-        spans = session.lookup_source(prompt.tolist() + list(tokens)) if copies else None
+        spans = session.span_sources(
+            prompt.tolist(), acceptor, lookup=lookup and cap > 1, suffix=suffix if cap > 1 else None
+        )
+        for source in spans:  # (the first token, committed to the acceptor already)
+            source.commit(list(tokens))
         row.planner = CyclePlanner(policy or FixedBlock(cap), session.proposer, acceptor, spans=spans)
         self._next_uid += 1
         if not self.rows and self.choice is not None:
@@ -313,7 +324,7 @@ class BatchDecoder:
         single = len(self.rows) == 1 and self._cache is None  # one row: its own caches, as served alone
         b, chosen = self._width(block_size, single)
         cache = self.rows[0].session.cache if single else self._batch()
-        plans = [r.planner.plan_at(b, r.max_block) for r in self.rows]
+        plans = [r.planner.plan_at(b, r.max_block, self._drafter_tokens(r, b)) for r in self.rows]
         ids, drafts, probs = self._draft(plans, b)
         logits, features, record = self.target.verify(mx.stack(ids), cache)
         rows, verdicts = self._verdicts(logits, drafts, probs)
@@ -335,6 +346,11 @@ class BatchDecoder:
         else:
             b = self.choice.choose(self.rows)
         return max([b] + [r.planner.forced(r.max_block) for r in self.rows]), b
+
+    @staticmethod
+    def _drafter_tokens(row: BatchRow, b: int) -> float | None:
+        """What the row's drafter is expected to commit at width b (None for a fixed block: a span fills it)."""
+        return None if row.fixed else row.estimate.expected_tokens(min(b, row.max_block))[-1]
 
     def _draft(self, plans: list[Plan], b: int) -> tuple[list, list, list]:
         """The verify's ids [anchor, drafts] per row, its drafts padded to b - 1 (None at b = 1) and their q
@@ -374,6 +390,8 @@ class BatchDecoder:
             if tokens:
                 row.session.fed([row.anchor] + tokens[:-1])
                 faulted(row, row.planner.commit, tokens)
+                if plan.spans:  # (a span source's estimate: its acceptance against the drafter's)
+                    row.planner.observe(plan, accepted if stop is None else None, None)
                 row.committed += len(tokens)
                 row.position += len(tokens)
                 row.anchor = tokens[-1]

@@ -27,7 +27,7 @@ from ..generation import DFlashResponse, encode_prompt
 from ..models.block_size import check_block_size, default_block_size
 from ..proposers.base import Proposer, fork_for_row
 from ..sampling import SamplingSettings
-from ..session import make_session
+from ..session import check_suffix_index, make_session
 from ..structured import Grammar
 from .block_choice import BatchBlockChoice
 from .calibration import batch_cost_model
@@ -149,6 +149,7 @@ def stream_batch_generate(
     prefill_step_size: int = 2048,
     response_format=None,
     lookup: bool = True,
+    suffix_index=None,
     stats: BatchStats | None = None,
 ) -> Iterator[tuple[int, DFlashResponse]]:
     """Yield (prompt index, response) for every generated token, rows interleaved as they decode.
@@ -158,10 +159,14 @@ def stream_batch_generate(
     plain batched decoding included; 1 without a drafter. `seed` seeds prompt i with seed + i unless
     its `row_settings` entry gives one. `response_format` (as `stream_generate` takes it) constrains
     every row, or a row's own entry that row. `lookup`: a row's drafting steps verify a span copied from
-    its context where it has a match (`engine`). `stats` (an mlx-lm `BatchStats`) is filled in.
+    its context where it has a match (`engine`). `suffix_index` (a `dflash_mlx.SuffixIndex`) is shared
+    by the rows (and by any other call given it): a row drafts spans from what earlier generations and
+    the other rows produced, and records its own (as `stream_generate` does). `stats` (an mlx-lm
+    `BatchStats`) is filled in.
     """
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}.")
+    check_suffix_index(suffix_index)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
@@ -185,7 +190,7 @@ def stream_batch_generate(
         while waiting and len(decoder.rows) + len(joining) < max_batch:
             i = waiting.popleft()
             acceptor = _acceptor(rows[i], encoded[i])
-            joining.append((i, (sessions[i], encoded[i], acceptor, rows[i]["max_tokens"], None, lookup)))
+            joining.append((i, (sessions[i], encoded[i], acceptor, rows[i]["max_tokens"], None, lookup, suffix_index)))
         if joining:
             tic = time.perf_counter()
             firsts = decoder.insert_many([r for _, r in joining], stop_tokens=eos, prefill_step_size=prefill_step_size)

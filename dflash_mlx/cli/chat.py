@@ -5,7 +5,9 @@ it to one `Session`, which keeps the target and drafter caches: only what the
 previous turn did not already feed is prefilled (hybrid targets included).
 Tokens stream into a rich `Live` view with a panel of speed and acceptance;
 Ctrl-C stops a reply (its text so far stays in the history) and keeps the
-session. In-chat commands are listed in `HELP`.
+session. The session's suffix index (``--suffix-cache-tokens``) keeps the
+replies of the whole chat, /reset included: a reply that produces what an
+earlier one produced drafts it. In-chat commands are listed in `HELP`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..generation import encode_prompt, stream_generate
 from ..models.block_size import widest_block
 from ..models.dtype import dtype_name, target_float_dtype
 from ..models.resolve import BlockChoice, choose_block_size
+from ..proposers.suffix import DEFAULT_TOKENS, SuffixIndex
 from ..session import make_session
 from ..stats import RunStats
 from .common import (
@@ -37,6 +40,7 @@ from .common import (
     ReasoningOpt,
     SeedOpt,
     ShardOpt,
+    SuffixTokensOpt,
     SystemOpt,
     TemperatureOpt,
     TopKOpt,
@@ -97,6 +101,7 @@ def chat(
     kv_group_size: KVGroupSizeOpt = KV_DEFAULTS["kv_group_size"],
     quantized_kv_start: QuantizedKVStartOpt = KV_DEFAULTS["quantized_kv_start"],
     lookup: LookupOpt = "on",
+    suffix_cache_tokens: SuffixTokensOpt = DEFAULT_TOKENS,
 ) -> None:
     """Chat with a model; replies stream with a live acceptance histogram."""
     use_lookup = lookup_flag(lookup)
@@ -119,7 +124,8 @@ def chat(
         widest=widest_block(drafter) if drafter is not None else None,
     )
     state.totals.block_size, state.totals.adaptive = b.size, b.adaptive
-    session = make_session(model_, drafter)
+    suffix = SuffixIndex(suffix_cache_tokens) if suffix_cache_tokens and drafter is not None else None
+    session = make_session(model_, drafter, suffix_index=suffix)  # (kept across /reset: earlier replies draft)
     mode = f"{drafter_label(drafter)}, {b.label}" if drafter is not None else "plain decoding"
     mode += f", {dtype_name(target_float_dtype(model_))}"
     console.print(f"[bold]{escape(choice.label)}[/] ({mode}). /help for commands, /quit to leave.")

@@ -107,6 +107,17 @@ LookupOpt = Annotated[
 ]
 
 
+SuffixTokensOpt = Annotated[
+    int,
+    typer.Option(
+        "--suffix-cache-tokens",
+        min=0,
+        help="Suffix drafting: tokens of what was generated kept (per suffix index; least recently used go first) "
+        "so that what is generated again is drafted from it (0: none).",
+    ),
+]
+
+
 def lookup_flag(value: str) -> bool:
     """--lookup's value as a bool (a usage error otherwise)."""
     if value not in ("on", "off"):

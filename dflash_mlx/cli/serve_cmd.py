@@ -6,6 +6,9 @@ demo pair without ``--model``; float32 on a CPU; the registered drafter unless
 until Ctrl-C or SIGTERM, then stops cleanly (`server.app.DFlashServer.stop`).
 With ``--shard tensor`` (under ``mlx.launch``) rank 0 serves HTTP and the
 other ranks follow its worker (`server.worker.GenerationWorker.follow`).
+API keys: ``--api-key`` (repeated for several) and ``--api-keys-file`` (one key a
+line); the suffix index: ``--suffix-cache-tokens``, ``--suffix-scope``
+(`server.suffix_scope`).
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ from __future__ import annotations
 import json
 import signal
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, List, Optional
 
 import typer
 from mlx_lm.utils import _parse_size
 
 from ..models.resolve import choose_block_size
-from ..server.app import make_server, make_worker
+from ..proposers.suffix import DEFAULT_TOKENS
+from ..server.app import api_keys_of, make_server, make_worker, suffix_scopes
+from ..server.suffix_scope import SCOPES
 from ..models.chat_template import reasoning_kwargs
 from .common import (
     KV_DEFAULTS,
@@ -31,6 +36,7 @@ from .common import (
     QuantizedKVStartOpt,
     ReasoningOpt,
     ShardOpt,
+    SuffixTokensOpt,
     fail,
     kv_settings,
     load_models,
@@ -42,6 +48,24 @@ from .common import (
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+def _keys(given: list[str] | None, keys_file: Path | None) -> tuple[str, ...]:
+    """The keys of ``--api-key`` (repeated) and ``--api-keys-file`` (one a line; blank lines and lines
+    starting with # skipped)."""
+    keys = list(given or [])
+    if keys_file is not None:
+        try:
+            lines = keys_file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise typer.BadParameter(f"cannot read {keys_file}: {e}", param_hint="--api-keys-file") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if not keys:
+            raise typer.BadParameter(f"{keys_file} holds no key", param_hint="--api-keys-file")
+    try:
+        return api_keys_of(keys)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--api-key / --api-keys-file") from None
 
 
 def _size(text: str, flag: str = "--prompt-cache-bytes") -> int:
@@ -135,11 +159,20 @@ def serve(
     kv_group_size: KVGroupSizeOpt = KV_DEFAULTS["kv_group_size"],
     quantized_kv_start: QuantizedKVStartOpt = KV_DEFAULTS["quantized_kv_start"],
     api_key: Annotated[
-        Optional[str],
+        Optional[List[str]],
         typer.Option(
             "--api-key",
             envvar="DFLASH_MLX_API_KEY",
-            help="Require this key (x-api-key or Authorization: Bearer) on every route but /health (default: none).",
+            help="Require this key (x-api-key or Authorization: Bearer) on every route but /health (default: none); "
+            "repeat it to accept several.",
+        ),
+    ] = None,
+    api_keys_file: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--api-keys-file",
+            help="Accept the keys in this file too (one a line; blank lines and lines starting with # skipped).",
+            dir_okay=False,
         ),
     ] = None,
     response_store_size: Annotated[
@@ -151,9 +184,24 @@ def serve(
         ),
     ] = 100,
     lookup: LookupOpt = "on",
+    suffix_cache_tokens: SuffixTokensOpt = DEFAULT_TOKENS,
+    suffix_scope: Annotated[
+        Optional[str],
+        typer.Option(
+            "--suffix-scope",
+            metavar="|".join(SCOPES),
+            help="Which requests share a suffix index: all (server), each API key's (key), each conversation's "
+            "(conversation). Default: key with API keys, else server.",
+        ),
+    ] = None,
 ) -> None:
     """Serve a model over OpenAI's and Anthropic's HTTP APIs with DFlash speculative decoding."""
     use_lookup = lookup_flag(lookup)  # (the default of requests that do not send "lookup")
+    keys = _keys(api_key, api_keys_file)
+    try:
+        suffix = suffix_scopes(suffix_cache_tokens, suffix_scope, len(keys))
+    except ValueError as e:  # (the message names the flag)
+        fail(str(e))
     cache_bytes = _size(prompt_cache_bytes) if prompt_cache_bytes is not None else None
     batch_bytes = _size(max_batch_bytes, "--max-batch-bytes") if max_batch_bytes is not None else None
     template_args = {}
@@ -189,6 +237,7 @@ def serve(
             prompt_cache_bytes=cache_bytes,
             group=group,
             kv=kv,
+            suffix=suffix,
         ).follow()
         return
     server = make_server(
@@ -212,10 +261,12 @@ def serve(
         prefill_step_size=prefill_step_size,
         max_batch_bytes=batch_bytes,
         kv=kv,
-        api_key=api_key,
+        api_key=list(keys),
         response_store_size=response_store_size,
         registry_entry=choice.entry,
         lookup=use_lookup,
+        suffix_cache_tokens=suffix_cache_tokens,
+        suffix_scope=suffix.scope if suffix is not None else None,
     )
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:

@@ -6,9 +6,11 @@ a model loaded otherwise). `stream_generate` / `generate` take mlx-lm's
 arguments and run DFlash with a DFlash ``draft_model`` or the remembered
 drafter; an ordinary draft model, no drafter, or an option DFlash cannot honour
 runs ``mlx_lm.stream_generate`` itself (one warning per reason and process);
-``kv_bits`` and its options run DFlash on mlx-lm's quantized KV cache. One
-keyword mlx-lm does not have: ``lookup`` (True by default; False: no copy-aware
-drafting, `dflash_mlx.policy.source`), dropped where mlx-lm decodes.
+``kv_bits`` and its options run DFlash on mlx-lm's quantized KV cache. Two
+keywords mlx-lm does not have: ``lookup`` (True by default; False: no copy-aware
+drafting, `dflash_mlx.policy.source`) and ``suffix_index`` (a
+`dflash_mlx.SuffixIndex` shared by the calls given it: spans from what earlier
+generations produced), dropped where mlx-lm decodes.
 Samplers: `samplers`; mlx-lm's own prompt-cache lists: `cache`;
 `make_prompt_cache` with a drafter gives a `DFlashPromptCache` (a `Session`).
 What users see: docs/usage.md (the drop-in).
@@ -228,7 +230,8 @@ def stream_generate(
     **kwargs,
 ):
     """``mlx_lm.stream_generate`` with DFlash drafting (see the module docstring)."""
-    lookup = kwargs.pop("lookup", True)  # (mlx-lm's signature stays as it is: a keyword it lacks, popped)
+    lookup = kwargs.pop("lookup", True)  # (mlx-lm's signature stays as it is: keywords it lacks, popped)
+    suffix_index = kwargs.pop("suffix_index", None)
     unknown = sorted(set(kwargs) - OPTIONS)
     if unknown:
         raise TypeError(
@@ -251,7 +254,7 @@ def stream_generate(
         return mlx_lm.stream_generate(
             model, tokenizer, prompt, max_tokens, draft_model=plain_draft, stream=stream, **kwargs
         )
-    return _dflash(model, tokenizer, prompt, max_tokens, draft, lookup=lookup, **kwargs)
+    return _dflash(model, tokenizer, prompt, max_tokens, draft, lookup=lookup, suffix_index=suffix_index, **kwargs)
 
 
 def _dflash(
@@ -271,6 +274,7 @@ def _dflash(
     kv_group_size=64,
     quantized_kv_start=DEFAULT_QUANTIZED_KV_START,
     lookup=True,
+    suffix_index=None,
     **_unused_none,
 ):
     # _unused_none holds max_kv_size and input_embeddings, both None here.
@@ -322,6 +326,7 @@ def _dflash(
         kv_group_size=kv_group_size,
         quantized_kv_start=quantized_kv_start,
         lookup=lookup,
+        suffix_index=suffix_index,
     )
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     return _relabelled(responses, len(ids), prompt_cache, session, earlier + ids, kv)

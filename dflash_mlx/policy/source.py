@@ -4,10 +4,13 @@
 proposer that offers drafts only where it has them, `proposers.base.offered`:
 today `proposers.lookup.LookupProposer`, what followed the longest earlier
 occurrence of the sequence's suffix, a point-mass draft, exact under sampling
-too). Each cycle the planner (`dflash_mlx.planner`) asks it for (block,
-spans): `spans` True means a cycle verifying the source's span without a
-drafter forward; False means the policy's block as usual (the drafter, or
-b = 1). With an adaptive policy the choice is by expected tokens per second:
+too; or `proposers.suffix.SuffixProposer`, what earlier generations produced
+after the same suffix). `SpanChoice` holds one per span source; each cycle the
+planner (`dflash_mlx.planner`) asks it for (block, source): a source means a
+cycle verifying that source's span without a drafter forward; None means the
+policy's block as usual (the drafter, or b = 1). With an adaptive policy the
+choice is by expected tokens per second (the best source's span, where it
+beats the policy's block):
 
 - the lookup's rate at width w is E_l(w) / T_v(w), E_l from the acceptance its
   own cycles have shown (an `AcceptanceEstimate` of its own), T_v(w) the cost
@@ -115,26 +118,28 @@ class SpanDrafting:
         self._lost += 1  # (a match passed by: towards the next probe, which reads the token)
         return self._lost + 1 >= self.gap
 
-    def choose(self, limit: int) -> tuple[int, bool]:
-        """(block, spans) for the next cycle with at most `limit` rows: True, a span of block - 1 tokens
-        from the source, or False and the policy's block."""
-        span = offered(self.source, min(limit, self.max_width) - 1) if limit > 1 else 0
-        if not span:
-            return self.policy.choose(limit), False
-        if not self.adaptive:  # a fixed block: the span fills it
-            b = self.policy.choose(limit)
-            return (min(b, span + 1), True) if b > 1 else (1, False)
+    def offer(self, limit: int) -> int:
+        """The drafts its source offers for a cycle of at most `limit` rows (0: none)."""
+        return offered(self.source, min(limit, self.max_width) - 1) if limit > 1 else 0
+
+    def bid(self, span: int, floor: float) -> tuple[int, float] | None:
+        """Its best width for a span of `span` drafts and that width's rate, where the rate beats `floor`
+        (the policy's best); else None (a loss, towards its next probe), or once a probe is due the width
+        and rate 0 (it runs where no source beats the policy)."""
         width, rate = self._best_width(span + 1)
-        if rate > self.policy.rate(self.policy.best(limit)):
-            self._lost = 0
-            return width, True
+        if rate > floor:
+            return width, rate
         self._lost += 1
-        if self._lost < self.gap:
-            return self.policy.choose(limit), False
-        self._lost, self._probing = 0, True  # a probe: the estimate may be stale (the reply began copying)
-        self.estimate.soften(PROBE_SOFTEN)
-        width, _ = self._best_width(span + 1)
-        return width, True
+        return (width, 0.0) if self._lost >= self.gap else None
+
+    def take(self, span: int, probe: bool) -> int:
+        """Its span of `span` drafts runs next: the width (`probe`: a probe, its estimate softened first,
+        as it may be stale: the reply began copying)."""
+        self._lost = 0
+        if probe:
+            self._probing = True
+            self.estimate.soften(PROBE_SOFTEN)
+        return self._best_width(span + 1)[0]
 
     def _best_width(self, widest: int) -> tuple[int, float]:
         """The lookup width in 2..widest with the best expected rate (the widest within RESOLUTION of it)."""
@@ -160,3 +165,53 @@ class SpanDrafting:
         if self.learns and seconds is not None and seconds > 0:
             self._shared.observe(math.log(seconds / self.policy.cost(width)))
             self.ratio = self._shared.value
+
+
+class SpanChoice:
+    """Several span sources against the block policy (one `SpanDrafting` each: its estimate, probes).
+
+    Each cycle, among the sources offering a span, the span with the best rate where it beats the policy's
+    best block (a source due a probe runs where none does), else the policy's block; with a fixed block the
+    first source offering a span fills it. A batch row (`span_at`) takes the span expected to commit the
+    most tokens at its width where that beats its drafter's block at the same width (the step's cost is the
+    same for both)."""
+
+    def __init__(self, policy, sources: list, *, learns: bool = False, shared: bool = True):
+        self.policy = policy
+        self.drafting = [SpanDrafting(policy, s, learns=learns, shared=shared) for s in sources]
+
+    def may_fire(self) -> bool:
+        """Whether some source may run a span after the next token (`SpanDrafting.may_fire`, asked of each)."""
+        return any([d.may_fire() for d in self.drafting])
+
+    def choose(self, limit: int) -> tuple[int, object | None]:
+        """(block, the span source drafting it, or None for the policy's block) for at most `limit` rows."""
+        offers = [(d, n) for d in self.drafting if (n := d.offer(limit))]
+        if not offers:
+            return self.policy.choose(limit), None
+        if not self.drafting[0].adaptive:  # a fixed block: the first span fills it
+            b = self.policy.choose(limit)
+            return (min(b, offers[0][1] + 1), offers[0][0].source) if b > 1 else (1, None)
+        floor = self.policy.rate(self.policy.best(limit))
+        bids = [(bid[1], k) for k, (d, n) in enumerate(offers) if (bid := d.bid(n, floor)) is not None]
+        if not bids:
+            return self.policy.choose(limit), None
+        rate, k = max(bids, key=lambda bid: (bid[0], -bid[1]))  # (a tie: the first source)
+        d, n = offers[k]
+        return d.take(n, probe=rate <= floor), d.source
+
+    def span_at(self, cap: int, drafter_tokens: float | None) -> tuple[int, object] | None:
+        """(width, source) of a batch row's span at its width `cap`, or None for its drafter's block:
+        `drafter_tokens`, what that block is expected to commit (None: any span is taken)."""
+        best = None
+        for d in self.drafting:
+            n = offered(d.source, cap - 1)
+            if n and (expected := d.estimate.expected_tokens(n + 1)[-1]) > (best[0] if best else -1.0):
+                best = (expected, n, d.source)
+        if best is None or (drafter_tokens is not None and best[0] < drafter_tokens):
+            return None
+        return best[1] + 1, best[2]
+
+    def observe(self, source, width: int, accepted: int | None, seconds: float | None) -> None:
+        """A cycle verifying `source`'s span (`SpanDrafting.observe`)."""
+        next(d for d in self.drafting if d.source is source).observe(width, accepted, seconds)

@@ -6,7 +6,7 @@ their requests on the one `worker.GenerationWorker`, which owns the model.
 serves from the caller's. `stop()` shuts the listener down, cancels the
 running job, fails queued ones with 503, joins the worker and closes the
 socket; it is safe to call more than once. `health()` is ``/health``'s reply.
-With an `api_key` every route but ``/health`` wants it; without one, a server
+With API keys every route but ``/health`` wants one of them; without, a server
 listening beyond the loopback interface warns that anyone who reaches it may
 use it.
 """
@@ -23,6 +23,7 @@ from http.server import ThreadingHTTPServer
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..models.block_size import check_block_size
+from ..proposers.suffix import DEFAULT_TOKENS
 from ..models.chat_template import reasoning_switches
 from ..models.dtype import dtype_name, target_float_dtype
 from ..targets.adapter import embedding_shape, token_embedding
@@ -32,6 +33,7 @@ from .limits import body_limit, longest_token_bytes
 from .openai_responses import DEFAULT_STORED, Conversations
 from .prompt_cache import DEFAULT_SESSIONS
 from .request import ServerInfo
+from .suffix_scope import SuffixScopes
 from .worker import GenerationWorker
 
 
@@ -49,7 +51,7 @@ class DFlashServer(ThreadingHTTPServer):
         model_id: str,
         draft_id: str | None,
         log_requests: bool = False,
-        api_key: str | None = None,
+        api_keys: tuple[str, ...] = (),
         response_store_size: int = DEFAULT_STORED,
     ):
         infos = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -58,14 +60,14 @@ class DFlashServer(ThreadingHTTPServer):
         self.worker, self.info = worker, info
         self.model_id, self.draft_id = model_id, draft_id
         self.log_requests = log_requests
-        self.api_key = api_key or None
+        self.api_keys = tuple(api_keys)
         # the Responses API's previous_response_id, within the worker's byte budget
         self.conversations = Conversations(response_store_size, budget=worker.budget)
         worker.budget.register("responses", self.conversations)
-        if self.api_key is None and not ipaddress.ip_address(self.server_address[0].split("%")[0]).is_loopback:
+        if not self.api_keys and not ipaddress.ip_address(self.server_address[0].split("%")[0]).is_loopback:
             logging.warning(
                 "Listening on %s without an API key: anyone who can reach this address can use the "
-                "model (set --api-key).",
+                "model (set --api-key or --api-keys-file).",
                 self.server_address[0],
             )
         self.created = int(time.time())
@@ -80,7 +82,8 @@ class DFlashServer(ThreadingHTTPServer):
 
     def model_card(self) -> dict:
         """`/v1/models`' entry (OpenAI's fields and Anthropic's), with what this server computes: drafter,
-        default block (and whether it is adaptive, up to block_size), dtype."""
+        default block (and whether it is adaptive, up to block_size), dtype, the suffix index (scope,
+        budget and what it holds; None: off)."""
         has_draft = self.worker.draft is not None
         return {
             "id": self.model_id,
@@ -94,6 +97,7 @@ class DFlashServer(ThreadingHTTPServer):
             "block_size": self.worker.block_size if has_draft else None,
             "adaptive_block": self.worker.adaptive,
             "dtype": dtype_name(target_float_dtype(self.worker.model)),
+            "suffix_index": self.worker.suffix.card() if self.worker.suffix is not None else None,
         }
 
     def health(self) -> tuple[int, dict]:
@@ -159,10 +163,12 @@ def make_server(
     prefill_step_size: int = 2048,
     max_batch_bytes: int | None = None,
     kv: dict | None = None,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     response_store_size: int = DEFAULT_STORED,
     registry_entry=None,
     lookup: bool = True,
+    suffix_cache_tokens: int = DEFAULT_TOKENS,
+    suffix_scope: str | None = None,
 ) -> DFlashServer:
     """A server for a loaded pair (`draft=None`: plain decoding), bound but not yet serving.
 
@@ -184,14 +190,18 @@ def make_server(
     used go first) in every worker mode: a request joins once its caches fit, and one whose caches
     could not fit even alone is refused (`prompts`). `kv` (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``, as
     `stream_generate` takes them) quantizes every request's KV cache as mlx-lm does (requests
-    are then served one at a time). `api_key` (None: none) is required by every route but
-    /health; `response_store_size` bounds the Responses API's stored conversations;
+    are then served one at a time). `api_key` (a key or a list of keys; None: none): one is required by
+    every route but /health; `response_store_size` bounds the Responses API's stored conversations;
     `registry_entry` (the model's models.toml entry) tells how its chat template switches
     reasoning, which requests' thinking / reasoning fields set
     (`models.chat_template.reasoning_switches`). `lookup`: copy-aware drafting for requests that do
-    not set ``lookup``.
+    not set ``lookup``. `suffix_cache_tokens` (0: none) bounds each suffix index: what the server
+    generated drafts what it generates again, shared within `suffix_scope` ("server", "key" or
+    "conversation"; None: "key" with API keys, else "server"), see `suffix_scope`.
     """
     check_block_size(block_size, draft)
+    api_keys = api_keys_of(api_key)
+    suffix = suffix_scopes(suffix_cache_tokens, suffix_scope, len(api_keys))
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
     if not isinstance(tokenizer, TokenizerWrapper):  # its think / tool-call markers split the replies
@@ -210,6 +220,7 @@ def make_server(
         prefill_step_size=prefill_step_size,
         max_batch_bytes=max_batch_bytes,
         kv=kv,
+        suffix=suffix,
     )
     vocab = vocab_size(model, tokenizer)
     room = worker.budget.total - worker.weights
@@ -234,7 +245,7 @@ def make_server(
         model_id=model_id,
         draft_id=draft_id,
         log_requests=log_requests,
-        api_key=api_key,
+        api_keys=api_keys,
         response_store_size=response_store_size,
     )
     worker.start()
@@ -256,6 +267,7 @@ def make_worker(
     prefill_step_size: int = 2048,
     max_batch_bytes: int | None = None,
     kv: dict | None = None,
+    suffix: SuffixScopes | None = None,
 ) -> GenerationWorker:
     """The generation worker `make_server` puts behind its listener (not started)."""
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -275,4 +287,21 @@ def make_worker(
         prefill_step_size=prefill_step_size,
         max_batch_bytes=max_batch_bytes,
         kv=kv,
+        suffix=suffix,
     )
+
+
+def api_keys_of(api_key) -> tuple[str, ...]:
+    """The server's API keys from a key, a list of keys or None; an empty or repeated key is refused."""
+    keys = () if api_key is None else (api_key,) if isinstance(api_key, str) else tuple(api_key)
+    for key in keys:
+        if not isinstance(key, str) or not key.strip() or key != key.strip():
+            raise ValueError("an API key must be a non-empty string without surrounding whitespace.")
+    if len(set(keys)) != len(keys):
+        raise ValueError("an API key is given twice.")
+    return keys
+
+
+def suffix_scopes(max_tokens: int, scope: str | None, keys: int) -> SuffixScopes | None:
+    """The server's suffix indexes (None: `max_tokens` 0, none)."""
+    return SuffixScopes(scope, max_tokens, keys) if max_tokens != 0 else None

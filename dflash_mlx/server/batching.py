@@ -210,8 +210,10 @@ class BatchedServing:
             self._insert(group)
 
     def _insert(self, group: list[_Row]) -> None:
+        suffix = self.worker.suffix_index
         requests = [
             (r.session, mx.array(r.prompt, mx.int32), r.acceptor, r.max_tokens, r.max_block, r.job.request.lookup)
+            + (suffix(r.job.request, r.session),)
             for r in group
         ]
         for row in group:

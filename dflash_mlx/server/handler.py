@@ -5,8 +5,9 @@ completions (`openai_chat`: POST ``/v1/chat/completions``, ``/v1/completions``),
 Anthropic's Messages API (`anthropic`: ``/v1/messages``,
 ``/v1/messages/count_tokens``) and OpenAI's Responses API
 (`openai_responses`: ``/v1/responses``), each also without ``/v1``; GET
-``/v1/models`` and ``/health``. With an API key (``--api-key``) every route but
-``/health`` wants it as ``x-api-key`` or ``Authorization: Bearer``: else a 401.
+``/v1/models`` and ``/health``. With API keys (``--api-key``, ``--api-keys-file``) every route but
+``/health`` wants one as ``x-api-key`` or ``Authorization: Bearer``: else a 401; a request carries
+the number of its key (never the key), its suffix scope (`suffix_scope`).
 A request is validated (a 400 naming the field, in its dialect's error shape),
 prepared in this thread (`prompts`: template, tokens, limits, grammar; the
 decode thread only decodes), queued on the worker, and answered once its first
@@ -89,15 +90,21 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _authorized(self) -> bool:
-        """Whether the request carries the server's API key (always, when it has none)."""
-        key = self.server.api_key
-        if key is None:
+        """Whether the request carries one of the server's API keys (always, when it has none); which one
+        is `self._key` (its number; None without keys)."""
+        self._key = None
+        keys = self.server.api_keys
+        if not keys:
             return True
         given = self.headers.get("x-api-key")
         bearer = self.headers.get("Authorization", "")
         if given is None and bearer[:7].lower() == "bearer ":
             given = bearer[7:].strip()
-        return given is not None and hmac.compare_digest(given.encode(), key.encode())
+        if given is None:
+            return False
+        matches = [hmac.compare_digest(given.encode(), key.encode()) for key in keys]  # (every key compared)
+        self._key = matches.index(True) if any(matches) else None
+        return self._key is not None
 
     def _read_json(self):
         """The body, parsed; a `RequestError` (411, 413 or 400) when it cannot be."""
@@ -219,6 +226,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         try:
             exchange = dialect.parse(self._read_json(), self.server)
+            exchange.request.key = self._key  # (its scope: `suffix_scope`)
             answer = exchange.answer(self.server)
             prepared = self.server.worker.prepare(exchange.request) if answer is None else None
         except RequestError as e:

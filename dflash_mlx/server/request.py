@@ -128,6 +128,7 @@ class GenerationRequest:
     top_logprobs: int = 0
     num_draft_tokens: int | None = None
     lookup: bool = True  # copy-aware drafting (`policy.source`; in a batch, `batch.engine`)
+    key: int | None = None  # the number of the API key it came with (never the key): its suffix scope
     stream: bool = False
     include_usage: bool = False
     model: str | None = None

@@ -12,15 +12,17 @@ sessions, one per conversation, so a request whose prompt extends a cached
 conversation (its next turn, even after other conversations ran) only
 prefills what is new, and a prompt that shares a long prefix with another
 (a system prompt, tools) starts from a copy of it. Output is unchanged by
-this (the session and server tests check it). Everything the server keeps
-counts against one byte budget (`budget.MemoryBudget`, ``--max-batch-bytes``):
-a request makes room for its caches (its prompt and ``max_tokens``, at the
-`limits.Footprint`) before it runs, evicting the least recently used of the
-prompt cache, the stored responses and the compiled grammars. A cancelled job
-(its client went away: `handler`) stops between prefill chunks or at its next
-token, and its session, holding the prompt and the tokens generated so far, is
-filed in the prompt cache like a finished one; `stop` cancels the running
-job, fails the queued ones with 503 and ends the thread.
+this (the session and server tests check it). Its suffix indexes
+(`suffix_scope`) keep what it generated: a request drafts from its scope's.
+Everything the server keeps counts against one byte budget
+(`budget.MemoryBudget`, ``--max-batch-bytes``): a request makes room for its
+caches (its prompt and ``max_tokens``, at the `limits.Footprint`) before it
+runs, evicting the least recently used of the prompt cache, the stored
+responses and the compiled grammars. A cancelled job (its client went away:
+`handler`) stops between prefill chunks or at its next token, and its session,
+holding the prompt and the tokens generated so far, is filed in the prompt
+cache like a finished one; `stop` cancels the running job, fails the queued
+ones with 503 and ends the thread.
 
 A request's failure stays that request's, answered by its cause
 (`events.failure`): a grammar that fails mid-output is a 400 naming the
@@ -111,7 +113,9 @@ class GenerationWorker:
         prefill_step_size: int = 2048,
         max_batch_bytes: int | None = None,
         kv: dict | None = None,
+        suffix=None,
     ):
+        """`suffix`: the server's `suffix_scope.SuffixScopes` (None: no suffix drafting)."""
         if group is not None and prompt_cache_dir is not None:
             raise ValueError(
                 "prompt_cache_dir: a sharded server keeps its prompt cache in memory only (the "
@@ -128,8 +132,10 @@ class GenerationWorker:
         # structured outputs' grammars, compiled as requests are parsed
         self.grammars = Grammars(tokenizer, budget=self.budget)
         store = SessionStore(prompt_cache_dir, identity(model, draft)) if prompt_cache_dir is not None else None
+        self.suffix = suffix
+        own = suffix.conversation_index if suffix is not None else lambda: None  # (scope "conversation")
         self.sessions = PromptCache(
-            lambda: make_session(model, draft),
+            lambda: make_session(model, draft, suffix_index=own()),
             max_sessions=prompt_cache_size,
             max_bytes=prompt_cache_bytes,
             store=store,
@@ -325,6 +331,7 @@ class GenerationWorker:
             **self.kv,
             response_format=prepared.grammar,
             lookup=req.lookup,
+            suffix_index=self.suffix_index(req, session),
             prompt_progress_callback=cancel_between_chunks,
         )
         return responses, RunStats(block_size=block_size, adaptive=adaptive)
@@ -367,6 +374,11 @@ class GenerationWorker:
         except Exception:
             logging.exception("Could not keep a conversation in the prompt cache; it is dropped")
         self.budget.enforce()
+
+    def suffix_index(self, req: GenerationRequest, session):
+        """The suffix index `req` drafts from and records in: its scope's, or its conversation's own."""
+        index = self.suffix.for_request(req.key) if self.suffix is not None else None
+        return index if index is not None else session.suffix_index
 
     def running(self, job: Job, now: bool) -> None:
         """Mark `job` as being generated (`now`) or done: `stop` cancels the running ones."""
