@@ -373,6 +373,7 @@ def make_session(
     """
     if max_draft_context is not None and max_draft_context < 1:
         raise ValueError(f"max_draft_context must be >= 1, got {max_draft_context}.")
+    check_suffix_index(suffix_index)
     proposer = as_proposer(draft, model, max_draft_context)
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     return Session(
