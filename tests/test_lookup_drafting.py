@@ -23,7 +23,15 @@ from dflash_mlx.proposers.base import Proposal
 from dflash_mlx.proposers.lookup import LookupIndex, LookupProposer
 from dflash_mlx.proposers.oracle import OracleProposer
 from dflash_mlx.sampling import SamplingSettings, distribution
-from helpers import TINY_VOCAB, assert_same_stream, chi_square_p, prompt_ids, reference, without_eos
+from helpers import (
+    TINY_VOCAB,
+    assert_same_stream,
+    check_follows,
+    prompt_ids,
+    reference,
+    two_token_distributions,
+    without_eos,
+)
 
 FAMILIES = ["qwen3", "qwen3_5", "qwen3_next", "llama_sliding", "gemma3_text", "gemma4"]
 CURVE = CostTable.curve([1, 2, 4, 8, 16], [0.010, 0.0125, 0.0175, 0.0275, 0.0475])  # a row: a quarter forward
@@ -165,23 +173,6 @@ def _copying_prompt(model, settings: SamplingSettings) -> list[int]:
     raise AssertionError("no copying prompt found")
 
 
-def _two_token_distributions(model, prompt, s: SamplingSettings):
-    """The target's exact distributions of the first token and of the second (the first marginalised)."""
-    p1 = np.array(distribution(model(mx.array(prompt)[None])[0, -1:], s)[0], dtype=np.float64)
-    support = np.nonzero(p1 > 1e-9)[0]
-    rows = model(mx.array([prompt + [int(t)] for t in support]))[:, -1]
-    return p1, (p1[support, None] * np.array(distribution(rows, s), dtype=np.float64)).sum(axis=0)
-
-
-def _check_follows(tokens: list[int], probs: np.ndarray) -> None:
-    counts = np.bincount(tokens, minlength=probs.size)
-    assert counts[probs <= 1e-9].sum() == 0
-    probs = probs / probs.sum()
-    small = probs * len(tokens) < 5  # bins expected fewer than 5 times are pooled into one
-    c, p = np.append(counts[~small], counts[small].sum()), np.append(probs[~small], probs[small].sum())
-    assert chi_square_p(c, p) > 1e-3
-
-
 SAMPLED = dict(temperature=1.0, top_k=4)
 
 
@@ -190,7 +181,7 @@ def test_sampled_tokens_follow_the_target_where_the_lookup_proposes_point_masses
     second comes from a cycle verifying a lookup span (q one-hot), accepted in some runs, not in others."""
     model, tokenizer, draft = tiny_pair("qwen3")
     prompt = _copying_prompt(model, SamplingSettings(**SAMPLED))
-    p1, p2 = _two_token_distributions(model, prompt, SamplingSettings(**SAMPLED))
+    p1, p2 = two_token_distributions(model, prompt, SamplingSettings(**SAMPLED))
     firsts, seconds, accepted, runs = [], [], 0, 600
     session = make_session(model, draft)  # (the prompt is prefilled once; its index kept)
     with without_eos(tokenizer) as tok:
@@ -207,15 +198,15 @@ def test_sampled_tokens_follow_the_target_where_the_lookup_proposes_point_masses
             seconds.append(out[1].token)
             accepted += out[1].source == "lookup"
     assert 0.05 * runs < accepted < 0.95 * runs
-    _check_follows(firsts, p1)
-    _check_follows(seconds, p2)
+    check_follows(firsts, p1)
+    check_follows(seconds, p2)
 
 
 def test_batched_sampled_rows_with_lookup_spans_follow_the_target(tiny_pair):
     """The same in a batch: every row verifies a lookup span (with slots past its cap) at a fixed block."""
     model, tokenizer, draft = tiny_pair("qwen3")
     prompt = _copying_prompt(model, SamplingSettings(**SAMPLED))
-    p1, p2 = _two_token_distributions(model, prompt, SamplingSettings(**SAMPLED))
+    p1, p2 = two_token_distributions(model, prompt, SamplingSettings(**SAMPLED))
     runs = 480
     got: dict[int, list] = {}
     with without_eos(tokenizer) as tok:
@@ -225,8 +216,8 @@ def test_batched_sampled_rows_with_lookup_spans_follow_the_target(tiny_pair):
             got.setdefault(i, []).append(r)
     assert all(len(out) == 2 for out in got.values()) and len(got) == runs
     assert 0.05 * runs < sum(out[1].source == "lookup" for out in got.values()) < 0.95 * runs
-    _check_follows([out[0].token for out in got.values()], p1)
-    _check_follows([out[1].token for out in got.values()], p2)
+    check_follows([out[0].token for out in got.values()], p1)
+    check_follows([out[1].token for out in got.values()], p2)
 
 
 def test_batched_rows_with_lookup_spans_equal_the_rows_served_alone(tiny_pair):

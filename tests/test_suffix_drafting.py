@@ -23,7 +23,15 @@ from dflash_mlx.policy.adaptive import AdaptiveBlock
 from dflash_mlx.policy.cost import CostTable
 from dflash_mlx.proposers.suffix import SuffixProposer
 from dflash_mlx.sampling import SamplingSettings, distribution
-from helpers import TINY_VOCAB, assert_same_stream, chi_square_p, prompt_ids, reference, without_eos
+from helpers import (
+    TINY_VOCAB,
+    assert_same_stream,
+    check_follows,
+    prompt_ids,
+    reference,
+    two_token_distributions,
+    without_eos,
+)
 
 FAMILIES = ["qwen3", "qwen3_5", "llama_sliding", "gemma3_text"]  # KV, Gated DeltaNet, sliding-window rings
 CURVE = CostTable.curve([1, 2, 4, 8, 16], [0.010, 0.0125, 0.0175, 0.0275, 0.0475])  # a row: a quarter forward
@@ -207,21 +215,6 @@ def _first_token_picks(model, prompt: list[int], settings: SamplingSettings) -> 
     return p1, dict(zip(likely, picks))
 
 
-def _second_token_distribution(model, prompt: list[int], p1: np.ndarray, s: SamplingSettings) -> np.ndarray:
-    support = np.nonzero(p1 > 1e-9)[0]
-    rows = model(mx.array([prompt + [int(t)] for t in support]))[:, -1]
-    return (p1[support, None] * np.array(distribution(rows, s), dtype=np.float64)).sum(axis=0)
-
-
-def _follows(tokens: list[int], probs: np.ndarray) -> None:
-    counts = np.bincount(tokens, minlength=probs.size)
-    assert counts[probs <= 1e-9].sum() == 0
-    probs = probs / probs.sum()
-    small = probs * len(tokens) < 5  # bins expected fewer than 5 times are pooled into one
-    c, p = np.append(counts[~small], counts[small].sum()), np.append(probs[~small], probs[small].sum())
-    assert chi_square_p(c, p) > 1e-3
-
-
 def test_sampled_tokens_follow_the_target_where_the_suffix_proposes_point_masses(tiny_pair):
     """Over many seeds, the second sampled token follows the target's exact distribution while its cycle
     verifies a suffix span (the greedy pick an earlier generation made after the first token), accepted in
@@ -229,7 +222,7 @@ def test_sampled_tokens_follow_the_target_where_the_suffix_proposes_point_masses
     model, tokenizer, draft = tiny_pair("qwen3")
     prompt, settings = prompt_ids(12, seed=4), SamplingSettings(**SAMPLED)
     p1, picks = _first_token_picks(model, prompt, settings)
-    p2 = _second_token_distribution(model, prompt, p1, settings)
+    p2 = two_token_distributions(model, prompt, settings)[1]
     firsts, seconds, accepted, runs = [], [], 0, 600
     session = make_session(model, draft)  # (the prompt is prefilled once)
     mx.random.seed(0)
@@ -257,8 +250,30 @@ def test_sampled_tokens_follow_the_target_where_the_suffix_proposes_point_masses
             seconds.append(out[1].token)
             accepted += out[1].source == "suffix"
     assert 0.05 * runs < accepted < 0.95 * runs
-    _follows(firsts, p1)
-    _follows(seconds, p2)
+    check_follows(firsts, p1)
+    check_follows(seconds, p2)
+
+
+def test_batched_sampled_rows_with_suffix_spans_follow_the_target(tiny_pair):
+    """The same in a batch (unseeded rows, which draft from the index; every row also records its tokens, so
+    later rows vote among what earlier rows sampled too: still point masses)."""
+    model, tokenizer, draft = tiny_pair("qwen3")
+    prompt, settings = prompt_ids(12, seed=4), SamplingSettings(**SAMPLED)
+    p1, picks = _first_token_picks(model, prompt, settings)
+    p2 = two_token_distributions(model, prompt, settings)[1]
+    index, runs, got = SuffixIndex(), 480, {}
+    for x, pick in picks.items():
+        record(index, prompt + [x], [pick])
+    mx.random.seed(1)
+    with without_eos(tokenizer) as tok:
+        for i, r in stream_batch_generate(
+            model, draft, tok, [prompt] * runs, max_tokens=2, block_size=4, max_batch=8, suffix_index=index, **SAMPLED
+        ):
+            got.setdefault(i, []).append(r)
+    assert all(len(out) == 2 for out in got.values()) and len(got) == runs
+    assert 0.05 * runs < sum(out[1].source == "suffix" for out in got.values()) < 0.95 * runs
+    check_follows([out[0].token for out in got.values()], p1)
+    check_follows([out[1].token for out in got.values()], p2)
 
 
 def test_a_seeded_sampled_call_records_but_drafts_only_from_its_own_conversation(tiny_pair):

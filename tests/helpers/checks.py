@@ -8,7 +8,8 @@
   and the oracle both reproduce mlx-lm's greedy stream.
 - ``with_eos`` / ``without_eos``: a copy of a (shared, cached) tokenizer with other stop
   tokens; the original is never mutated.
-- ``chi_square_p``: Pearson's goodness-of-fit p-value for the sampling tests.
+- ``chi_square_p``: Pearson's goodness-of-fit p-value for the sampling tests; ``two_token_distributions``
+  and ``check_follows``: the target's exact first two distributions, and samples checked against one.
 
 dflash_mlx is imported where it is used, so the package imports without it (as the
 builders do).
@@ -137,18 +138,36 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
+def two_token_distributions(model, prompt: list[int], settings) -> tuple[np.ndarray, np.ndarray]:
+    """The target's exact distributions (`settings`: a `SamplingSettings`) of the first token after `prompt`
+    and of the second (the first marginalised)."""
+    from dflash_mlx.sampling import distribution
+
+    p1 = np.array(distribution(model(mx.array(prompt)[None])[0, -1:], settings)[0], dtype=np.float64)
+    support = np.nonzero(p1 > 1e-9)[0]
+    rows = model(mx.array([prompt + [int(t)] for t in support]))[:, -1]
+    return p1, (p1[support, None] * np.array(distribution(rows, settings), dtype=np.float64)).sum(axis=0)
+
+
+def check_follows(tokens: list[int], probs: np.ndarray) -> None:
+    """The sampled `tokens` follow `probs` (none outside its support; Pearson's test, bins expected fewer than
+    5 times pooled into one)."""
+    counts = np.bincount(tokens, minlength=probs.size)
+    assert counts[probs <= 1e-9].sum() == 0
+    probs = probs / probs.sum()
+    small = probs * len(tokens) < 5
+    c, p = np.append(counts[~small], counts[small].sum()), np.append(probs[~small], probs[small].sum())
+    assert chi_square_p(c, p) > 1e-3
+
+
 def check_first_two_sampled_tokens(model, draft, tokenizer, prompt, settings: dict, runs: int = 1000) -> None:
     """Over `runs` seeds, the first two tokens of `stream_generate(..., **settings)` follow the target's exact
     distributions (enumerated with the target; the second comes from a cycle that verified one draft)."""
     from dflash_mlx import stream_generate
-    from dflash_mlx.sampling import SamplingSettings, distribution
+    from dflash_mlx.sampling import SamplingSettings
 
     s = SamplingSettings(**{k: v for k, v in settings.items() if k != "draft_sampling"})
-    logits = model(mx.array(prompt)[None])[0, -1:]
-    p1 = np.array(distribution(logits, s)[0], dtype=np.float64)
-    support = np.nonzero(p1 > 1e-9)[0]
-    rows = model(mx.array([prompt + [int(t)] for t in support]))[:, -1]
-    p2 = (p1[support, None] * np.array(distribution(rows, s), dtype=np.float64)).sum(axis=0)
+    p1, p2 = two_token_distributions(model, prompt, s)
     firsts, seconds = [], []
     with without_eos(tokenizer) as tok:
         for seed in range(runs):
@@ -156,11 +175,6 @@ def check_first_two_sampled_tokens(model, draft, tokenizer, prompt, settings: di
             assert out[2].cycle_tokens is not None and (out[1].cycle_tokens is None or out[1].cycle_tokens == 1)
             firsts.append(out[0].token)
             seconds.append(out[1].token)
-    for tokens, probs in ((firsts, p1), (seconds, p2)):
-        counts = np.bincount(tokens, minlength=probs.size)
-        assert counts[probs <= 1e-9].sum() == 0
-        probs = probs / probs.sum()
-        small = probs * runs < 5  # bins expected fewer than 5 times are pooled into one
-        c, p = np.append(counts[~small], counts[small].sum()), np.append(probs[~small], probs[small].sum())
-        assert chi_square_p(c, p) > 1e-3
+    check_follows(firsts, p1)
+    check_follows(seconds, p2)
     assert not math.isnan(p2.sum())
