@@ -104,6 +104,7 @@ class Session:
         self._lookup: LookupIndex | None = None  # the last generation's tokens, indexed (`lookup_source`)
         self._lookup_source: LookupProposer | None = None  # that index as a span source
         self.suffix_index = check_suffix_index(suffix_index)  # the default of calls that pass none
+        self._suffix_prompt: list[int] | None = None  # the last prompt recorded in a private suffix index
 
     def opened(self, settle) -> None:
         """A generation began on these caches; `settle()` makes them hold only what it committed (its
@@ -236,11 +237,24 @@ class Session:
         if self.proposer is None or acceptor.constraint is not None:
             return []
         sources = [self.lookup_source(prompt)] if lookup else []
+        if suffix is not None and suffix is self.suffix_index and suffix.private:
+            suffix = self._conversation_index(prompt)
         if suffix is not None:
             source = SuffixProposer(suffix, drafts=not acceptor.seeded)
             source.start(self.target, prompt)
             sources.append(source)
         return sources
+
+    def _conversation_index(self, prompt: list[int]) -> SuffixIndex:
+        """The session's private suffix index for a generation from `prompt`: it holds what this conversation
+        produced, a conversation being requests each of whose prompts contains the one before (its next
+        turn, a retried step); a prompt of another (a session the prompt cache branched for a prompt sharing
+        only a prefix) starts an empty one."""
+        held = self._suffix_prompt
+        if held is not None and prompt[: len(held)] != held:
+            self.suffix_index = SuffixIndex(self.suffix_index.max_tokens, private=True)
+        self._suffix_prompt = list(prompt)
+        return self.suffix_index
 
     def fed(self, tokens: list[int]) -> None:
         """`tokens` were committed to the caches after the prompt."""
@@ -272,7 +286,7 @@ class Session:
     def copy(self) -> Session:
         """An independent session holding the same tokens (its own caches, drafter context and
         checkpoint; the proposer must have `fork(context=True)`). A shared suffix index stays shared; a
-        private one (a conversation's) is not copied: the copy is another conversation."""
+        private one (a conversation's) is copied: the copy keeps it for a prompt of the same conversation."""
         if self._given:
             raise RuntimeError("A session over a caller's cache list cannot be copied.")
         self._settle()
@@ -284,13 +298,13 @@ class Session:
             proposer = fork(context=True)
         suffix = self.suffix_index
         if suffix is not None and suffix.private:
-            suffix = SuffixIndex(suffix.max_tokens, private=True)
+            suffix = suffix.copy()
         other = Session(
             self.target, proposer, self.draft, draft_sampling=self.draft_sampling, kv=self.kv, suffix_index=suffix
         )
         other.cache = copy.deepcopy(self.cache)
         other.tokens, other._checkpoint = list(self.tokens), copy.deepcopy(self._checkpoint)
-        other.prompt_length = self.prompt_length
+        other.prompt_length, other._suffix_prompt = self.prompt_length, self._suffix_prompt
         if self._lookup is not None:  # (copied: rebuilding it would cost a pass over every token)
             other._lookup = self._lookup.copy()
             other._lookup_source = LookupProposer(other._lookup)

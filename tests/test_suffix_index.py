@@ -212,6 +212,18 @@ def test_threads_share_it():
             assert end + 1 < len(tokens) and hash(tuple(tokens[end - sx.MIN_MATCH + 1 : end + 1])) == key
 
 
+def test_a_copy_is_independent():
+    """A conversation's index copied with its session: the same spans, then each goes its own way."""
+    index = SuffixIndex(500, private=True)
+    _generation(index, list(range(40)), list(range(100, 140)))
+    other = index.copy()
+    assert other.private and other.nbytes == index.nbytes and other.tokens == index.tokens
+    assert other.lookup(list(range(40)), 6).tokens == index.lookup(list(range(40)), 6).tokens == list(range(100, 106))
+    _generation(other, list(range(40)), list(range(200, 500)))  # (a tie with the first: the most recent wins)
+    assert other.lookup(list(range(40)), 6).tokens == list(range(200, 206)) and other.tokens == 404
+    assert index.lookup(list(range(40)), 6).tokens == list(range(100, 106)) and index.tokens == 72
+
+
 def test_a_seeded_generation_records_without_drafting():
     index = SuffixIndex()
     _generation(index, list(range(40)), list(range(100, 120)), drafts=False)

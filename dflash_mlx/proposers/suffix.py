@@ -111,8 +111,9 @@ class SuffixIndex:
 
     `max_tokens`: the budget in tokens (the sequences' prompt tokens included); the least recently used
     sequences (recorded or drafted from) are evicted to stay within it. `private`: the index of one
-    conversation (a server's ``--suffix-scope conversation``): a copied session starts an empty one
-    (`session.Session.copy`) and the session counts it in its bytes.
+    conversation (a server's ``--suffix-scope conversation``), which its session holds, counts in its
+    bytes and copies with it, and replaces with an empty one for a prompt of another conversation
+    (`session.Session.span_sources`).
     """
 
     def __init__(self, max_tokens: int = DEFAULT_TOKENS, *, private: bool = False):
@@ -129,6 +130,19 @@ class SuffixIndex:
 
     def __len__(self) -> int:
         return len(self._sequences)
+
+    def copy(self) -> SuffixIndex:
+        """An independent index holding the same (a conversation's, when its session is copied)."""
+        other = SuffixIndex(self.max_tokens, private=self.private)
+        with self._lock:
+            for sid, sequence in self._sequences.items():
+                copied = other._sequences[sid] = _Sequence(sequence.tokens.tolist(), sequence.stamp)
+                copied.used = sequence.used
+            other._grams = {key: array("q", entries) for key, entries in self._grams.items()}
+            other._next_id, other._clock = self._next_id, self._clock
+            other._held, other._entries = self._held, self._entries
+            other._rates = [list(counts) for counts in self._rates]
+        return other
 
     @property
     def tokens(self) -> int:

@@ -9,7 +9,9 @@ first), so a request that produces what an earlier one produced drafts it:
   draft another key's;
 - ``conversation``: each conversation's session in the prompt cache holds its
   own (`SuffixIndex(private=True)`, counted in the session's bytes): only
-  what this conversation produced before (a retried step) drafts.
+  what this conversation produced before drafts (a retried step, a later
+  turn); a conversation is requests each of whose prompts contains the one
+  before (`session.Session.span_sources`).
 
 A draft is accepted only where the target would produce the same token, so
 greedy text cannot leak; timing can (docs/serving.md), and a seeded sampled
