@@ -13,6 +13,12 @@
            on a float32 copy of the bundled target, driven by `dflash-mlx bench --backend openai`
   agent    an agent-style conversation (a long system prompt, four turns) through both servers,
            each with its prompt cache and without: time to first token and latency per turn
+  repeat   a repeated agent step (the suffix index): 8 GSM8K questions in fresh conversations, then the same under
+           another system prompt, streamed to the default `dflash-mlx serve` (batched); the second pass's decode
+           speed on a server that served the first against a fresh server, started afresh and alternated every
+           round, the text compared
+  norepeat nothing to repeat (distinct GSM8K questions, MT-Bench first turns): the default server against one with
+           `--suffix-cache-tokens 0`, started afresh and alternated every round, the text compared
   batch    `dflash_mlx.batch_generate` against mlx-lm's `batch_generate` at several batch widths
   sharded  the same job in one process and as 2 ring ranks on this machine (`mlx.launch`)
   load     the adaptive block as the machine's load changes: the curve cached while CPU-bound processes ran,
@@ -796,6 +802,187 @@ def agent(args) -> None:
     )
     for name, turns in report["legs"].items():
         print(f"| {name} | " + " | ".join(f"{t['ttft_s']:.2f} / {t['latency_s']:.2f}" for t in turns) + " |")
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------------------ suffix: repeat, norepeat
+
+REPEAT_SYSTEMS = (
+    "You are a helpful assistant.",
+    "You are a patient math tutor: explain every step.",
+)
+
+
+def stream_step(client, model: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed greedy chat completion (an agent step in a fresh conversation): its text, completion
+    tokens, seconds after the first token and tokens drafted by the suffix index."""
+    first, text, usage, dflash = None, "", None, {}
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        usage = chunk.usage or usage
+        dflash = (chunk.model_extra or {}).get("dflash") or dflash
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            text += chunk.choices[0].delta.content
+    done = time.perf_counter()
+    suffix = dflash.get("tokens_by_source", {}).get("suffix", 0)
+    return {"text": text, "tokens": usage.completion_tokens, "decode_s": done - (first or done), "suffix": suffix}
+
+
+def stream_pass(url: str, conversations: list[list[dict]], max_tokens: int, concurrency: int) -> dict:
+    """Each conversation as one streamed request (`concurrency` in flight): the replies and the pass's decode
+    speed, its tokens after the first over the seconds after the first token, summed over the requests."""
+    import openai
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key=os.environ.get("DFLASH_MLX_API_KEY", "unused"), timeout=900)
+    model = client.models.list().data[0].id
+    with ThreadPoolExecutor(concurrency) as pool:
+        steps = list(pool.map(lambda c: stream_step(client, model, c, max_tokens), conversations))
+    client.close()
+    seconds = sum(s["decode_s"] for s in steps)
+    return {
+        "tps": sum(s["tokens"] - 1 for s in steps) / seconds if seconds > 0 else 0.0,
+        "texts": [s["text"] for s in steps],
+        "suffix_tokens": sum(s["suffix"] for s in steps),
+        "tokens": sum(s["tokens"] for s in steps),
+    }
+
+
+def gsm8k_chats(count: int, system: str | None = None, skip: int = 0) -> list[list[dict]]:
+    from dflash_mlx.datasets import sample
+
+    head = [{"role": "system", "content": system}] if system else []
+    return [head + [{"role": "user", "content": c[0]}] for c in sample("gsm8k", skip + count)[skip:]]
+
+
+def alternated(rounds: int, names: list[str]):
+    """(round, the servers' order): the order reversed every other round."""
+    for k in range(rounds):
+        yield k, names if k % 2 == 0 else names[::-1]
+
+
+def repeat(args) -> None:
+    """The repeated agent step: the second pass (the same questions under another system prompt) on a server
+    that served the first pass against a fresh server (which first serves `--control` other questions)."""
+    out_dir = Path(tempfile.mkdtemp(prefix="bench-repeat-"))
+    first, second = (gsm8k_chats(args.questions, system) for system in REPEAT_SYSTEMS)
+    control = gsm8k_chats(args.control, REPEAT_SYSTEMS[0], skip=args.questions) if args.control else []
+    command = [shutil.which("dflash-mlx"), "serve", *args.serve_arg]
+    rounds = []
+    for k, order in alternated(args.rounds, ["served the first pass", "fresh"]):
+        result = {}
+        for name in order:  # one server at a time, started afresh every round
+            server = Server(command, out_dir / f"r{k}-{name.split()[0]}.log")
+            try:
+                warm_up = first if name != "fresh" else control or [[{"role": "user", "content": "Hello"}]]
+                stream_pass(server.url, warm_up, args.max_tokens, args.concurrency)
+                result[name] = stream_pass(server.url, second, args.max_tokens, args.concurrency)
+            finally:
+                server.stop()
+        warm, fresh = result["served the first pass"], result["fresh"]
+        rounds.append(
+            {
+                "order": order,
+                "speedup": warm["tps"] / fresh["tps"],
+                "tps": warm["tps"],
+                "fresh_tps": fresh["tps"],
+                "suffix_tokens": warm["suffix_tokens"],
+                "fresh_suffix_tokens": fresh["suffix_tokens"],
+                "same_text": warm["texts"] == fresh["texts"],
+            }
+        )
+        print(json.dumps(rounds[-1]), flush=True)
+    report = {
+        "questions": args.questions,
+        "max_tokens": args.max_tokens,
+        "concurrency": args.concurrency,
+        "control": args.control,
+        "speedup": statistics.median(r["speedup"] for r in rounds),
+        "same_text": all(r["same_text"] for r in rounds),
+        "rounds": rounds,
+    }
+    print(
+        f"\n{args.questions} GSM8K questions, then the same under another system prompt, {args.max_tokens} tokens, "
+        f"streamed ({args.concurrency} at a time), median of {args.rounds} rounds (logs in {out_dir})\n\n"
+        "| second pass | decode tok/s | suffix tokens |\n|---|---:|---:|\n"
+        f"| on a server that served the first | {statistics.median(r['tps'] for r in rounds):.1f} "
+        f"| {statistics.median(r['suffix_tokens'] for r in rounds)} |\n"
+        f"| on a fresh server | {statistics.median(r['fresh_tps'] for r in rounds):.1f} "
+        f"| {statistics.median(r['fresh_suffix_tokens'] for r in rounds)} |\n\n"
+        f"speedup {report['speedup']:.2f}x ({', '.join(format(r['speedup'], '.2f') for r in rounds)}); "
+        f"identical text: {report['same_text']}"
+    )
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def norepeat(args) -> None:
+    """Workloads with nothing to repeat (distinct GSM8K questions, MT-Bench first turns): the default server
+    against one with --suffix-cache-tokens 0, started afresh every round, alternated."""
+    from dflash_mlx.datasets import sample
+
+    out_dir = Path(tempfile.mkdtemp(prefix="bench-norepeat-"))
+    workloads = {
+        "gsm8k": gsm8k_chats(args.num_prompts),
+        "mt-bench": [[{"role": "user", "content": c[0]}] for c in sample("mt-bench", args.num_prompts)],
+    }
+    exe = shutil.which("dflash-mlx")
+    commands = {
+        "suffix": [exe, "serve", *args.serve_arg],
+        "off": [exe, "serve", "--suffix-cache-tokens", "0", *args.serve_arg],
+    }
+    rounds = []
+    for k, order in alternated(args.rounds, list(commands)):
+        result = {}
+        for name in order:
+            server = Server(commands[name], out_dir / f"r{k}-{name}.log")
+            try:
+                stream_pass(server.url, [[{"role": "user", "content": "Hello"}]], 8, 1)  # a warm-up
+                result[name] = {
+                    w: stream_pass(server.url, c, args.max_tokens, args.concurrency) for w, c in workloads.items()
+                }
+            finally:
+                server.stop()
+        rounds.append(
+            {
+                w: {
+                    "ratio": result["suffix"][w]["tps"] / result["off"][w]["tps"],
+                    "tps": result["suffix"][w]["tps"],
+                    "off_tps": result["off"][w]["tps"],
+                    "suffix_tokens": result["suffix"][w]["suffix_tokens"],
+                    "same_text": result["suffix"][w]["texts"] == result["off"][w]["texts"],
+                }
+                for w in workloads
+            }
+        )
+        print(json.dumps({"order": order, **rounds[-1]}), flush=True)
+    report = {"num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rounds": rounds, "workloads": {}}
+    print(
+        f"\n{args.num_prompts} prompts each, {args.max_tokens} tokens, streamed ({args.concurrency} at a time), "
+        f"median of {args.rounds} rounds (logs in {out_dir})\n\n| workload | default tok/s | --suffix-cache-tokens 0 "
+        "tok/s | ratio (rounds) | suffix tokens | identical text |\n|---|---:|---:|---:|---:|---|"
+    )
+    for w in workloads:
+        ratios = [r[w]["ratio"] for r in rounds]
+        report["workloads"][w] = {
+            "ratio": statistics.median(ratios),
+            "same_text": all(r[w]["same_text"] for r in rounds),
+        }
+        print(
+            f"| {w} | {statistics.median(r[w]['tps'] for r in rounds):.1f} "
+            f"| {statistics.median(r[w]['off_tps'] for r in rounds):.1f} "
+            f"| {statistics.median(ratios):.3f}x ({', '.join(f'{x:.3f}' for x in ratios)}) "
+            f"| {statistics.median(r[w]['suffix_tokens'] for r in rounds)} | {report['workloads'][w]['same_text']} |"
+        )
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
@@ -1604,6 +1791,23 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--out", type=Path)
 
+    p = sub.add_parser("repeat", help="a repeated agent step: the suffix index's second pass against a fresh server")
+    p.add_argument("--questions", type=int, default=8, help="GSM8K questions per pass")
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=1, help="requests of a pass in flight")
+    p.add_argument("--control", type=int, default=0, help="other GSM8K questions the fresh server serves first")
+    p.add_argument("--serve-arg", action="append", default=[], help="an argument for both servers (repeatable)")
+    p.add_argument("--out", type=Path)
+
+    p = sub.add_parser("norepeat", help="nothing to repeat: the default server against --suffix-cache-tokens 0")
+    p.add_argument("--num-prompts", type=int, default=20, help="prompts per workload (GSM8K, MT-Bench)")
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    p.add_argument("--serve-arg", action="append", default=[], help="an argument for both servers (repeatable)")
+    p.add_argument("--out", type=Path)
+
     p = sub.add_parser("batch", help="batch_generate against mlx-lm's")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -1704,6 +1908,8 @@ def main() -> None:
             "legs": legs,
             "serving": serving,
             "agent": agent,
+            "repeat": repeat,
+            "norepeat": norepeat,
             "batch": batch,
             "sharded": sharded,
             "load": load,

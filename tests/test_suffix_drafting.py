@@ -292,3 +292,19 @@ def test_a_seeded_sampled_call_records_but_drafts_only_from_its_own_conversation
             unseeded.update(r.source for r in stream_generate(model, draft, tok, prompt, **kw))
     assert seeded["suffix"] == 0 and unseeded["suffix"] > 0
     assert index.tokens > held  # the seeded calls' replies are recorded too
+
+
+def test_the_chat_keeps_an_index_across_reset_and_shows_its_tokens(tiny_pair_dirs):
+    """`dflash-mlx chat`: the same question after /reset drafts the first reply (the panel's and the
+    summary's sources name "suffix"); --suffix-cache-tokens 0 turns it off."""
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli.commands import app
+
+    target, draft = tiny_pair_dirs("qwen3")
+    args = ["chat", "--model", str(target), "--draft", str(draft), "-n", "40", "--block-size", "4", "--lookup", "off"]
+    script = "hello there\n/reset\nhello there\n/stats\n/quit\n"
+    on = CliRunner().invoke(app, args, input=script, catch_exceptions=False)
+    off = CliRunner().invoke(app, [*args, "--suffix-cache-tokens", "0"], input=script, catch_exceptions=False)
+    assert on.exit_code == off.exit_code == 0, on.output
+    assert "suffix" in on.stdout and "suffix" not in off.stdout

@@ -34,10 +34,11 @@ def test_a_later_generation_drafts_what_an_earlier_one_produced():
     first.commit(reply)
     again = _generation(index, [7, 8, 9] + prompt, [])  # another conversation ending alike
     assert _spans(again, 8) == reply[:8]
-    # the prior acceptance (0.8 a token) trusts a fresh index for 10 tokens (0.8 ** 10 > MIN_PROB > 0.8 ** 11)
-    assert _spans(again, 40) == reply[:10]
-    shallow = _generation(index, [1, 2, 3] + prompt[-5:], [])  # a 5-token match: at most 5 tokens (SPAN_FACTOR)
-    assert _spans(shallow, 8) == reply[:5]
+    assert _spans(again, 40) == reply[:32]  # a match 32 deep: at most 32 tokens (SPAN_FACTOR)
+    # a match 5 deep: at most 5 tokens, and the prior acceptance of such matches (0.5 a token) trusts a fresh
+    # index for 3 (0.5 ** 3 > MIN_PROB > 0.5 ** 4)
+    assert _spans(_generation(index, [1, 2, 3] + prompt[-5:], []), 8) == reply[:3]
+    assert _spans(_generation(index, [1, 2, 3] + prompt[-12:], []), 40) == reply[:6]  # 12 deep: 0.7 ** 6 > 0.1
     assert _generation(index, [1, 2] + prompt[-3:], []).offer(8) == 0  # shorter than MIN_MATCH: no draft
 
 
@@ -48,7 +49,7 @@ def test_the_most_frequent_continuation_wins_then_the_most_recent():
         _generation(index, [], context + tail)
     assert _generation(index, [0] + context, []).offer(1) == 1
     source = _generation(index, [0] + context, [])
-    # 2 of 3 occurrences say 5: probability 0.8 * 2/3; then 6 (both left agree)
+    # 2 of 3 occurrences say 5: probability 0.5 * 2/3 (a match 6 deep); then 6 (both left agree)
     assert _spans(source, 2) == [5, 6]
     index = SuffixIndex()
     for tail in ([5, 6], [7, 8]):
@@ -60,7 +61,7 @@ def test_the_most_frequent_continuation_wins_then_the_most_recent():
 
 
 def _brute_force(sequences: list[list[int]], pattern: list[int], limit: int) -> tuple[list[int], int]:
-    """What the index should propose after `pattern` (a fresh index: every class at the prior rate; the
+    """What the index should propose after `pattern` (a fresh index: every depth class at its prior rate; the
     sequences recorded one after another, so insertion order is theirs and recency their order)."""
     key = pattern[-sx.MIN_MATCH :]
     occurrences = [
@@ -86,7 +87,8 @@ def _brute_force(sequences: list[list[int]], pattern: list[int], limit: int) -> 
                 break
             counts = {t: sum(1 for u, _ in nexts if u == t) for t, _ in nexts}
             token = max(counts, key=lambda t: (counts[t], max(k for u, k in nexts if u == t)))
-            p = reach * sx.PRIOR_RATE * counts[token] / len(nexts)
+            rate = sx.PRIOR_RATES[max(k for k, low in enumerate(sx.DEPTH_CLASSES) if depth >= low)]
+            p = reach * rate * counts[token] / len(nexts)
             if p < sx.MIN_PROB:
                 break
             node = [(k, end) for k, end in node if end + at < len(sequences[k]) and sequences[k][end + at] == token]

@@ -13,7 +13,9 @@ choice is by expected tokens per second (the best source's span, where it
 beats the policy's block):
 
 - the lookup's rate at width w is E_l(w) / T_v(w), E_l from the acceptance its
-  own cycles have shown (an `AcceptanceEstimate` of its own), T_v(w) the cost
+  own cycles have shown (an `AcceptanceEstimate` of its own; a source that
+  knows better gives its own, `expected_tokens`: the suffix index's
+  probabilities, learnt across generations), T_v(w) the cost
   of a verify of w rows with no drafter forward: T_v(w) = ratio * T(w), T the
   policy's cost model (which prices a DFlash cycle of w rows, drafter forward
   included) and `ratio` learned online from the lookup cycles the engine times
@@ -141,9 +143,15 @@ class SpanDrafting:
             self.estimate.soften(PROBE_SOFTEN)
         return self._best_width(span + 1)[0]
 
+    def expected_tokens(self, widest: int) -> list[float]:
+        """[E(1), ..., E(widest)] of its span: the source's own (`expected_tokens`: the suffix index's
+        probabilities, learnt across generations) where it gives one, else its cycles' acceptance so far."""
+        own = getattr(self.source, "expected_tokens", None)
+        return own(widest) if own is not None else self.estimate.expected_tokens(widest)
+
     def _best_width(self, widest: int) -> tuple[int, float]:
         """The lookup width in 2..widest with the best expected rate (the widest within RESOLUTION of it)."""
-        expected = self.estimate.expected_tokens(widest)
+        expected = self.expected_tokens(widest)
         cost, ratio = self.policy.cost, self.ratio
         rates = [expected[w - 1] / (ratio * cost(w)) for w in range(2, widest + 1)]
         top = max(rates)
@@ -206,7 +214,7 @@ class SpanChoice:
         best = None
         for d in self.drafting:
             n = offered(d.source, cap - 1)
-            if n and (expected := d.estimate.expected_tokens(n + 1)[-1]) > (best[0] if best else -1.0):
+            if n and (expected := d.expected_tokens(n + 1)[-1]) > (best[0] if best else -1.0):
                 best = (expected, n, d.source)
         if best is None or (drafter_tokens is not None and best[0] < drafter_tokens):
             return None

@@ -30,6 +30,10 @@ Optional methods, looked up with `getattr`:
   cycle (a copy index whose context has no match); the planner then asks
   another source. A proposer without `offer` always offers `count`. A source
   that offers fewer than asked proposes exactly what it offered.
+- `expected_tokens(widest) -> [E(1), ..., E(widest)]`: what a cycle verifying
+  its offer cut to w - 1 drafts is expected to commit (a span source that
+  knows its drafts' odds, as the suffix index does); without it the planner
+  estimates that from the source's cycles so far.
 - `fork(context=False)`: an independent copy on the same weights, with an
   empty context, or with a copy of this one's context (`Session.copy`: the
   server's prompt cache branches a conversation). Batched decoding gives every
@@ -52,8 +56,9 @@ Optional methods, looked up with `getattr`:
 `proposers.dflash` wraps DFlash (v1) and DFlash 2 drafters (`as_proposer`
 turns what a caller passes as `draft` into a proposer), `proposers.dspark`
 DSpark drafters (their context kept by `proposers.context`); `proposers.lookup`
-drafts spans copied from the context; `proposers.mtp` drafts with a target's
-own multi-token-prediction heads; `proposers.oracle` knows the answer (tests,
+drafts spans copied from the context; `proposers.suffix` spans from what
+earlier generations produced; `proposers.mtp` drafts with a target's own
+multi-token-prediction heads; `proposers.oracle` knows the answer (tests,
 benchmarks).
 """
 

@@ -18,11 +18,13 @@ occurrences matching at least that deep agree on most (frequency; a tie goes
 to the most recently used sequence). Each token's probability is its share of
 the occurrences still on the path times the rate at which drafts from matches
 of that depth were accepted so far (`observe`: learnt from every generation
-using the index); the span ends where the product of the probabilities falls
-below MIN_PROB, or after SPAN_FACTOR x depth tokens: a deep match is trusted
-further. The depth whose span expects the most accepted tokens wins
-(SuffixDecoding's score). A depth whose rate withholds its spans fades towards
-the prior with each span withheld, so it is tried again.
+using the index, from a prior that trusts deeper matches more); the span ends
+where the product of the probabilities falls below MIN_PROB, or after
+SPAN_FACTOR x depth tokens: a deep match is trusted further. The depth whose
+span expects the most accepted tokens wins (SuffixDecoding's score), and that
+expectation is what the policy weighs the span by (`expected_tokens`). A depth
+whose rate withholds its spans fades towards its prior with each span
+withheld, so it is tried again.
 
 Drafts are point masses (q one-hot): exact under sampling too. A draft from
 another conversation is accepted only where the target would produce the same
@@ -54,7 +56,9 @@ SPAN_FACTOR = 1.0  # a span is at most this many tokens per matched token (Suffi
 MIN_PROB = 0.1  # a span ends where its next token's probability falls below this
 DEFAULT_TOKENS = 100_000  # the default budget: a few hundred replies, about 20 MB
 DEPTH_CLASSES = (MIN_MATCH, 8, 16, MAX_MATCH)  # acceptance is learnt per class of depth: 4-7, 8-15, 16-31, 32
-PRIOR_RATE, PRIOR_WEIGHT = 0.8, 2.0  # a class's acceptance before it has drafted: optimistic, quickly corrected
+# a class's acceptance per token before its spans were verified: the deeper the match, the likelier the same text
+# follows (a whole MAX_MATCH window repeated is a repeat); corrected after a few spans (PRIOR_WEIGHT)
+PRIOR_RATES, PRIOR_WEIGHT = (0.5, 0.7, 0.85, 0.95), 2.0
 DISCOUNT = 0.98  # weight of older spans per new one (about 50 spans of memory per class)
 FADE = 0.97  # weight kept per span a class's rate withheld: after a few dozen it is tried again
 POSITION_BITS = 32  # an occurrence: (sequence id << POSITION_BITS) | the position its n-gram ends at
@@ -67,10 +71,12 @@ _SEQUENCE_BYTES = sys.getsizeof(array("i"))  # + the sequence object (its slots)
 
 @dataclass
 class Continuation:
-    """A span the index proposes: its tokens, the depth of the match it follows and the sequences it came
+    """A span the index proposes: its tokens, the probability that each is reached accepted (the product of
+    its and the earlier tokens' probabilities), the depth of the match it follows and the sequences it came
     from."""
 
     tokens: list[int]
+    reach: list[float]
     depth: int
     sequences: tuple[int, ...]
 
@@ -269,20 +275,21 @@ class SuffixIndex:
             for depth in sorted({d for d, _ in found}, reverse=True):
                 cap = min(limit, math.ceil(SPAN_FACTOR * depth))
                 node = [occurrence for d, occurrence in found if d >= depth]
-                expected, tokens, sources = self._walk(node, cap, self._rate(depth))
+                reach, tokens, sources = self._walk(node, cap, self._rate(depth))
                 if not tokens and self._walk(node, 1, 1.0)[1]:
                     self._fade(depth)  # the frequencies would draft here: only the rate withheld it
-                if tokens and (best is None or expected > best[0]):
-                    best = (expected, tokens, depth, sources)
+                if tokens and (best is None or sum(reach) > sum(best[0])):  # expected accepted tokens
+                    best = (reach, tokens, depth, sources)
             if best is None:
                 return None
-            return Continuation(best[1], best[2], tuple({sid for _, _, sid in best[3]}))
+            return Continuation(best[1], best[0], best[2], tuple({sid for _, _, sid in best[3]}))
 
     @staticmethod
-    def _walk(node: list, cap: int, rate: float) -> tuple[float, list[int], list]:
+    def _walk(node: list, cap: int, rate: float) -> tuple[list[float], list[int], list]:
         """The continuation the occurrences `node` ((sequence, end, id) triples) agree on most, at most
-        `cap` tokens: (expected accepted tokens, the tokens, the occurrences that hold all of them)."""
-        tokens, reach, expected = [], 1.0, 0.0
+        `cap` tokens: (each token's probability of being reached accepted, the tokens, the occurrences that
+        hold all of them)."""
+        tokens, reach = [], []
         while len(tokens) < cap:
             at = len(tokens) + 1
             votes: dict[int, list] = {}
@@ -294,13 +301,13 @@ class SuffixIndex:
             if not votes:
                 break
             token, (count, _) = max(votes.items(), key=lambda item: item[1])
-            p = reach * rate * count / sum(v[0] for v in votes.values())
+            p = (reach[-1] if reach else 1.0) * rate * count / sum(v[0] for v in votes.values())
             if p < MIN_PROB:
                 break
             node = [o for o in node if o[1] + at < len(o[0].tokens) and o[0].tokens[o[1] + at] == token]
             tokens.append(token)
-            reach, expected = p, expected + p
-        return expected, tokens, node
+            reach.append(p)
+        return reach, tokens, node
 
     def used(self, sequences: tuple[int, ...]) -> None:
         """A span from `sequences` is being verified: they are the most recently used."""
@@ -311,8 +318,10 @@ class SuffixIndex:
     # -- what its spans' acceptance teaches it ----------------------------------------------------
 
     def _rate(self, depth: int) -> float:
-        accepted, reached = self._rates[_depth_class(depth)]
-        return (accepted + PRIOR_WEIGHT * PRIOR_RATE) / (reached + PRIOR_WEIGHT)
+        """The acceptance per token learnt for spans from matches `depth` deep."""
+        k = _depth_class(depth)
+        accepted, reached = self._rates[k]
+        return (accepted + PRIOR_WEIGHT * PRIOR_RATES[k]) / (reached + PRIOR_WEIGHT)
 
     def _fade(self, depth: int) -> None:
         counts = self._rates[_depth_class(depth)]
@@ -385,6 +394,13 @@ class SuffixProposer:
             return 0
         found = self._continuation(count)
         return min(count, len(found.tokens)) if found is not None else 0
+
+    def expected_tokens(self, widest: int) -> list[float]:
+        """[E(1), ..., E(widest)]: what a cycle verifying the anchor and w - 1 tokens of its span is expected
+        to commit, by the index's probabilities (`policy.source` compares it with the drafter's)."""
+        found = self._continuation(widest - 1) if self.drafts and widest > 1 else None
+        reach = found.reach if found is not None else []
+        return [1.0 + sum(reach[: w - 1]) for w in range(1, widest + 1)]
 
     def propose(self, anchor, position: int, count: int, *, sampling=None, key=None) -> Proposal:
         """The span after the anchor (the sequence's last token, committed): point masses."""
