@@ -164,7 +164,7 @@ def serve(
             "--api-key",
             envvar="DFLASH_MLX_API_KEY",
             help="Require this key (x-api-key or Authorization: Bearer) on every route but /health (default: none); "
-            "repeat it to accept several.",
+            "repeat it to accept several (DFLASH_MLX_API_KEY: whitespace-separated).",
         ),
     ] = None,
     api_keys_file: Annotated[
