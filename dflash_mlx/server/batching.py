@@ -68,6 +68,7 @@ class _Row:
     stream: RowStream | None = None
     cached: int = 0  # prompt tokens its session held when it was taken from the prompt cache
     state: str = "normal"  # the reply's first channel (`prompts.Prepared`)
+    suffix: object = None  # the suffix index it drafts from and records in (`worker.suffix_index`)
     uid: int | None = None
     widest: int = 1  # the most rows it shared a step with (itself included)
 
@@ -159,6 +160,7 @@ class BatchedServing:
             StopText(req.stop),
             cached=session.usable_prefix(prompt),
             state=prepared.state,
+            suffix=worker.suffix_index(prepared, session),
         )
 
     # -- joining ----------------------------------------------------------------------------------
@@ -210,10 +212,9 @@ class BatchedServing:
             self._insert(group)
 
     def _insert(self, group: list[_Row]) -> None:
-        suffix = self.worker.suffix_index
         requests = [
             (r.session, mx.array(r.prompt, mx.int32), r.acceptor, r.max_tokens, r.max_block, r.job.request.lookup)
-            + (suffix(r.job.request, r.session),)
+            + (r.suffix,)
             for r in group
         ]
         for row in group:
@@ -325,8 +326,8 @@ class BatchedServing:
         self.rows.pop(row.uid, None)
         row.job.events.put(end)
         self.worker.running(row.job, False)
-        self.worker.file_session(row.session)  # (after the reply: writing it to disk never delays the client)
-        self._count_active()
+        self._count_active()  # (its session moves from the active rows to the prompt cache)
+        self.worker.ended(row.session)  # (after the reply: writing it to disk never delays the client)
 
     def _fail(self, row: _Row, end: Failed) -> None:
         """End the row's request with `end`; its session is dropped (its caches may be unsound)."""
@@ -334,6 +335,7 @@ class BatchedServing:
         row.job.events.put(end)
         self.worker.running(row.job, False)
         self._count_active()
+        self.worker.ended(None)
 
 
 def _server_failure(e: Exception) -> Failed:

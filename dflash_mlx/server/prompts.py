@@ -1,8 +1,9 @@
-"""What a request becomes before it is queued: its prompt tokens, its token limit and its grammar.
+"""What a request becomes before it is queued: its prompt tokens, its token limit, its grammar, its suffix index.
 
 The decode thread only decodes: a request's chat template, its tokenizing, the
-checks against the model's context and the memory budget, and its compiled
-grammar are made here, in the request's own thread (the HTTP handler's), and the
+checks against the model's context and the memory budget, its compiled
+grammar and the suffix index of its scope (`suffix_scope`: the server's or its
+API key's) are made here, in the request's own thread (the HTTP handler's), and the
 job carries them to the worker (`Prepared`). A request that cannot be served
 is refused here (a `RequestError`: 400 naming its messages, prompt or
 ``max_tokens``) before anything is queued:
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
+from ..proposers.suffix import SuffixIndex
 from ..structured import Grammar
 from .channels import initial_state
 from .errors import RequestError
@@ -38,14 +40,21 @@ class Prepared:
     max_tokens: int  # cut to the context that remains
     grammar: Grammar | None  # compiled (`formats.Grammars`)
     state: str = "normal"  # the reply's first channel (`channels.initial_state`)
+    # the suffix index of its scope (`suffix_scope.SuffixScopes.for_request`); None: its conversation's own
+    # (scope "conversation": its session's, taken on the decode thread) or no suffix drafting
+    suffix: SuffixIndex | None = None
 
 
 class Preparer:
-    """Prepares requests for one worker (its tokenizer, context, memory budget and grammars)."""
+    """Prepares requests for one worker (its tokenizer, context, memory budget, grammars and suffix scopes:
+    a `suffix_scope.SuffixScopes`, None without suffix drafting)."""
 
-    def __init__(self, tokenizer, context_length: int | None, budget: int, weights: int, footprint, grammars):
+    def __init__(
+        self, tokenizer, context_length: int | None, budget: int, weights: int, footprint, grammars, suffix=None
+    ):
         self.tokenizer, self.context_length = tokenizer, context_length
         self.budget, self.weights, self.footprint, self.grammars = budget, weights, footprint, grammars
+        self.suffix = suffix
 
     def prepare(self, req: GenerationRequest) -> Prepared:
         """The request's prompt, token limit and grammar; a `RequestError` when it cannot be served."""
@@ -66,7 +75,8 @@ class Preparer:
         self._check_memory(len(prompt), max_tokens, field)
         grammar = self.grammars.get(req.grammar) if req.grammar else None
         state = initial_state(self.tokenizer, prompt) if req.kind == "chat" else "normal"
-        return Prepared(prompt, max_tokens, grammar, state)
+        suffix = self.suffix.for_request(req.key) if self.suffix is not None else None
+        return Prepared(prompt, max_tokens, grammar, state, suffix)
 
     def _check_memory(self, prompt: int, max_tokens: int, field: str) -> None:
         """A 400 when the caches of `prompt` + `max_tokens` tokens cannot fit in the budget even alone."""

@@ -145,11 +145,12 @@ class GenerationWorker:
             ("active", self.active),
             ("prompt_cache", self.sessions if self.group is None else Counted(self.sessions)),
             ("grammars", self.grammars),
+            *([("suffix_index", suffix if self.group is None else Counted(suffix))] if suffix is not None else []),
         ]:
             self.budget.register(name, part)
         self.footprint = Footprint.measure(lambda: make_session(model, draft), lookup=draft is not None)
         self.prompts = Preparer(
-            tokenizer, context_length, self.budget.total, self.weights, self.footprint, self.grammars
+            tokenizer, context_length, self.budget.total, self.weights, self.footprint, self.grammars, suffix
         )
         self.cancelled = 0  # jobs that ended cancelled (`/health`)
         self._jobs: queue.Queue = queue.Queue()
@@ -293,8 +294,8 @@ class GenerationWorker:
             self.active.nbytes = 0
             if isinstance(end, Failed) and end.message == CANCELLED:
                 self.count_cancelled()
-            if session is not None and (isinstance(end, Finished) or end.message == CANCELLED):
-                self.file_session(session)  # a cancelled job's caches are sound too
+            sound = isinstance(end, Finished) or end.message == CANCELLED  # (a cancelled job's caches are too)
+            self.ended(session if sound else None)
 
     def _make_room(self, session, prepared: Prepared) -> None:
         """Count the request's caches (its prompt and max_tokens) as active, evicting to make room."""
@@ -331,7 +332,7 @@ class GenerationWorker:
             **self.kv,
             response_format=prepared.grammar,
             lookup=req.lookup,
-            suffix_index=self.suffix_index(req, session),
+            suffix_index=self.suffix_index(prepared, session),
             prompt_progress_callback=cancel_between_chunks,
         )
         return responses, RunStats(block_size=block_size, adaptive=adaptive)
@@ -365,20 +366,23 @@ class GenerationWorker:
         with self._lock:
             self.cancelled += 1
 
-    def file_session(self, session) -> None:
-        """Put a finished request's session back in the prompt cache (after its reply: writing it to
-        disk never delays the client), within the byte budget; one that cannot be filed is dropped and
-        logged."""
-        try:
-            self.sessions.put(session)
-        except Exception:
-            logging.exception("Could not keep a conversation in the prompt cache; it is dropped")
+    def ended(self, session) -> None:
+        """A request ended (after its reply): its session goes back in the prompt cache (writing it to disk
+        never delays the client; None: dropped, its caches may be unsound; one that cannot be filed is
+        dropped and logged), then what the server keeps is brought within the byte budget (the prompt
+        cache and the suffix index that recorded the request's tokens grew)."""
+        if session is not None:
+            try:
+                self.sessions.put(session)
+            except Exception:
+                logging.exception("Could not keep a conversation in the prompt cache; it is dropped")
         self.budget.enforce()
 
-    def suffix_index(self, req: GenerationRequest, session):
-        """The suffix index `req` drafts from and records in: its scope's, or its conversation's own."""
-        index = self.suffix.for_request(req.key) if self.suffix is not None else None
-        return index if index is not None else session.suffix_index
+    @staticmethod
+    def suffix_index(prepared: Prepared, session):
+        """The suffix index a request drafts from and records in: its scope's (chosen as it was prepared), or
+        its conversation's own (its session's, scope "conversation"; None: no suffix drafting)."""
+        return prepared.suffix if prepared.suffix is not None else session.suffix_index
 
     def running(self, job: Job, now: bool) -> None:
         """Mark `job` as being generated (`now`) or done: `stop` cancels the running ones."""
