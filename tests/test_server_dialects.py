@@ -249,6 +249,24 @@ def test_the_store_keeps_the_most_recent_conversations():
         Conversations(0).get("a")
 
 
+def test_a_stored_conversation_is_its_owners():
+    """With several API keys a response is stored for its key's number: another key's read of it is refused
+    as an unknown id is (the same message), and does not make it the most recently used."""
+    store = Conversations(2)
+    store.put("a", [{"role": "user", "content": "a"}], owner=0)
+    store.put("b", [], owner=0)
+    refused = {}
+    for owner, name in ((1, "a"), (None, "a"), (1, "nope")):
+        with pytest.raises(RequestError) as caught:
+            store.get(name, owner)
+        refused[(owner, name)] = str(caught.value).replace(repr(name), "<id>")
+    assert len(set(refused.values())) == 1, refused
+    store.put("c", [], owner=0)  # the least recently used goes: a, untouched by the refused reads
+    with pytest.raises(RequestError):
+        store.get("a", 0)
+    assert store.get("b", 0) == [] and store.get("c", 0) == []
+
+
 BAD = [
     ("/v1/messages", {"max_tokens": None}, "max_tokens"),
     ("/v1/messages", {"max_tokens": 0}, "max_tokens"),

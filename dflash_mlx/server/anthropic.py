@@ -275,7 +275,7 @@ class Messages(Exchange):
         self.blocks = Blocks()
 
     @classmethod
-    def parse(cls, body, server) -> Messages:
+    def parse(cls, body, server, key: int | None = None) -> Messages:
         return cls(parse(body, server.info, CREATE), server.model_id)
 
     def _message(self, content: list, usage_: dict, outcome: Outcome | None = None) -> dict:
@@ -365,7 +365,7 @@ class CountTokens(Messages):
     """A POST /v1/messages/count_tokens request: the prompt's tokens, nothing generated."""
 
     @classmethod
-    def parse(cls, body, server) -> CountTokens:
+    def parse(cls, body, server, key: int | None = None) -> CountTokens:
         return cls(parse(body, server.info, COUNT), server.model_id)
 
     def answer(self, server) -> dict:

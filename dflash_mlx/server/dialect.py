@@ -51,8 +51,9 @@ class Exchange:
         self.request, self.model = request, model
 
     @classmethod
-    def parse(cls, body, server) -> Exchange:
-        """The exchange of a parsed JSON body (`server`: its `info`, `model_id`, stores); raises
+    def parse(cls, body, server, key: int | None = None) -> Exchange:
+        """The exchange of a parsed JSON body (`server`: its `info`, `model_id`, stores; `key`: the number
+        of the API key the request came with, None without keys: what it may reach of the stores); raises
         `RequestError` naming the field."""
         raise NotImplementedError
 

@@ -7,9 +7,10 @@ Anthropic's Messages API (`anthropic`: ``/v1/messages``,
 (`openai_responses`: ``/v1/responses``), each also without ``/v1``; GET
 ``/v1/models`` and ``/health``. With API keys (``--api-key``, ``--api-keys-file``) every route but
 ``/health`` wants one as ``x-api-key`` or ``Authorization: Bearer``: else a 401; a request carries
-the number of its key (never the key), its suffix scope (`suffix_scope`).
+the number of its key (never the key): the scope of its suffix index (`suffix_scope`) and of the stored
+responses it may continue (`openai_responses`).
 A request is validated (a 400 naming the field, in its dialect's error shape),
-prepared in this thread (`prompts`: template, tokens, limits, grammar; the
+prepared in this thread (`prompts`: template, tokens, limits, grammar, suffix index; the
 decode thread only decodes), queued on the worker, and answered once its first
 token exists, so errors found before generation starts still get a proper
 status. A body larger than `limits.body_limit` (what a prompt filling the
@@ -225,8 +226,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send_json(401, dialect.error(401, UNAUTHORIZED))
             return
         try:
-            exchange = dialect.parse(self._read_json(), self.server)
-            exchange.request.key = self._key  # (its scope: `suffix_scope`)
+            exchange = dialect.parse(self._read_json(), self.server, self._key)
+            exchange.request.key = self._key  # (its suffix index's scope: `suffix_scope`)
             answer = exchange.answer(self.server)
             prepared = self.server.worker.prepare(exchange.request) if answer is None else None
         except RequestError as e:

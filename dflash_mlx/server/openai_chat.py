@@ -199,7 +199,7 @@ class Completion(Exchange):
         self.first = True
 
     @classmethod
-    def parse(cls, body, server) -> Completion:
+    def parse(cls, body, server, key: int | None = None) -> Completion:
         return cls(parse_request(cls.kind, body, server.info), server.model_id)
 
     def feed(self, delta: Delta, token: Token, holding: bool) -> list:

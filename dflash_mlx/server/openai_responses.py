@@ -13,7 +13,9 @@ the oldest open call). ``previous_response_id`` puts the stored conversation
 of that response (its input and output, `Conversations`) before the input:
 the server keeps the conversations of its most recent responses
 (``--response-store-size``, least recently used first out; ``store: false``
-keeps nothing) and an unknown or evicted id is a 400 naming it; the prompt
+keeps nothing), each for the API key that made it (a server with several keys:
+one key's stored responses are not another's), and an unknown or evicted id,
+or another key's, is the same 400 naming it; the prompt
 cache reuses the conversation's prefix as for any other turn. ``tools`` of type function, ``tool_choice``
 (checked, not enforced, as in every dialect), ``reasoning.effort``
 (``none`` is ``--reasoning off``, ``minimal`` ``low``, the others themselves;
@@ -82,17 +84,18 @@ DEFAULT_STORED = 100  # responses whose conversations are kept (--response-store
 
 
 class Conversations(Kept):
-    """The conversations (chat messages, instructions aside) of the most recent responses, by id: at most
-    `size` (0: none kept), the least recently used going first, within the server's byte `budget` (each
-    counted at the bytes of its Python objects); shared by the handler threads."""
+    """The conversations (chat messages, instructions aside) of the most recent responses, by id and owner
+    (the number of the API key that made it; None: the server has no key): at most `size` (0: none kept),
+    the least recently used going first, within the server's byte `budget` (each counted at the bytes of
+    its Python objects); shared by the handler threads. Another owner's id reads as unknown."""
 
     def __init__(self, size: int = DEFAULT_STORED, budget=None):
         if size < 0:
             raise ValueError(f"the response store size must be >= 0, got {size}.")
         super().__init__(size, budget)
 
-    def get(self, response_id: str) -> list[dict]:
-        messages = super().get(response_id)
+    def get(self, response_id: str, owner: int | None = None) -> list[dict]:
+        messages = super().get((owner, response_id))
         if messages is None:
             raise RequestError(
                 "previous_response_id",
@@ -102,8 +105,8 @@ class Conversations(Kept):
             )
         return list(messages)
 
-    def put(self, response_id: str, messages: list[dict]) -> None:
-        super().put(response_id, messages, python_bytes(messages))
+    def put(self, response_id: str, messages: list[dict], owner: int | None = None) -> None:
+        super().put((owner, response_id), messages, python_bytes(messages))
 
 
 def error(status: int, message: str, field: str | None = None) -> dict:
@@ -213,7 +216,7 @@ def _options(b: Fields, info) -> dict:
 
 class Responses(Exchange):
     """A POST /v1/responses request; `conversation`: the messages to store with its reply (None: not
-    stored)."""
+    stored), for the API key numbered `owner`."""
 
     error = staticmethod(error)
 
@@ -224,14 +227,16 @@ class Responses(Exchange):
         echo: dict,
         conversation: list | None,
         conversations: Conversations,
+        owner: int | None = None,
     ):
         super().__init__(request, model)
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
         self.echo, self.conversation, self.conversations = echo, conversation, conversations
+        self.owner = owner
         self.blocks, self.ids, self.sequence, self.reasoning_tokens = Blocks(), {}, 0, 0
 
     @classmethod
-    def parse(cls, body, server) -> Responses:
+    def parse(cls, body, server, key: int | None = None) -> Responses:
         b, info = Fields(body), server.info
         b.unknown(KNOWN)
         req = GenerationRequest(kind="chat", model=check_model(body.get("model"), info))
@@ -239,7 +244,7 @@ class Responses(Exchange):
         req.tools, req.tool_choice = tools or None, _tool_choice(body.get("tool_choice"), tools)
         req.chat_template_kwargs = {**info.chat_template_args, **_options(b, info)}
         previous = b.string("previous_response_id")
-        history = server.conversations.get(previous) if previous else []
+        history = server.conversations.get(previous, key) if previous else []
         messages = history + _items(body.get("input"), ToolCalls(history))
         instructions = b.string("instructions")
         req.messages = ([{"role": "system", "content": instructions}] if instructions else []) + messages
@@ -266,7 +271,7 @@ class Responses(Exchange):
             "truncation": "disabled",
             "user": body.get("user"),
         }
-        return cls(req, server.model_id, echo, messages if store else None, server.conversations)
+        return cls(req, server.model_id, echo, messages if store else None, server.conversations, key)
 
     # -- the response object ------------------------------------------------------------------------
 
@@ -348,7 +353,7 @@ class Responses(Exchange):
     def finish(self, delta, outcome: Outcome) -> list:
         events = self.feed(delta) + self._steps(self.blocks.close())
         if self.conversation is not None:
-            self.conversations.put(self.id, self.conversation + [self._assistant()])
+            self.conversations.put(self.id, self.conversation + [self._assistant()], self.owner)
         if not self.request.stream:
             return []
         status = "incomplete" if outcome.finish_reason == "length" else "completed"
