@@ -1,9 +1,11 @@
 """The server's suffix indexes (`server.suffix_scope`): what it generated drafts what it generates again,
-within each scope, in both worker modes; several API keys; the budget; the console script's flags.
+within each scope, in both worker modes; several API keys; the index's token budget and its place in the
+server's one byte budget; the console script's flags; the Responses API's store scoped per key.
 
 Privacy is checked by counting suffix tokens: with scope ``key`` a key's reply drafts exactly as many
 suffix tokens as on a server that never served the other key (fixed blocks: the drafting choices do not
-follow timing), with scope ``server`` more; the text is the same everywhere (greedy).
+follow timing), with scope ``server`` more; the text is the same everywhere (greedy). With several keys
+a key cannot continue another key's stored response: the official client gets the 400 of an unknown id.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import urllib.request
 
 import pytest
 
+from dflash_mlx import make_session
 from dflash_mlx.server import make_server
+from dflash_mlx.server.limits import Footprint, weight_bytes
 from helpers import prompt_ids, without_eos
 from helpers.servers import ServeProcess
 
@@ -114,9 +118,60 @@ def test_the_index_stays_within_its_budget_under_distinct_requests(pair, concurr
             ask(server, None, prompt_ids(30, seed=100 + seed), max_tokens=40)
             state = card(server)
             assert 0 < state["tokens"] <= 150 and state["bytes"] > 0
-        assert server.worker.suffix_bytes == state["bytes"]  # (what the batch's memory budget counts)
+        assert server.health()[1]["memory"]["parts"]["suffix_index"] == state["bytes"]  # (the byte budget's part)
     with served(pair, concurrency, suffix_cache_tokens=0) as off:
         assert card(off) is None and suffix_of(ask(off, None, prompt_ids(20, seed=3))) == 0
+
+
+def used(server) -> dict:
+    """The byte budget's use (`/health`'s ``memory``)."""
+    return server.health()[1]["memory"]
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_the_index_gives_memory_back_within_the_servers_byte_budget(pair, concurrency):
+    """Under a byte budget with room for the weights and three requests' caches (not the index's 100,000
+    tokens), distinct requests keep the server within it after each: the least recently used sequences of
+    the index go with the oldest conversations (it holds fewer tokens than on a roomy server, where it holds
+    them all), and the newest stays: its request again drafts its reply."""
+    model, _, draft = pair
+    footprint = Footprint.measure(lambda: make_session(model, draft), lookup=True)
+    budget = weight_bytes(model, draft) + 3 * footprint.bytes(40 + 48)
+    prompts = [prompt_ids(40, seed=200 + i) for i in range(10)]
+    with served(pair, concurrency) as roomy:
+        for prompt in prompts:
+            ask(roomy, None, prompt)
+        unbounded = card(roomy)["tokens"]
+    with served(pair, concurrency, max_batch_bytes=budget) as server:
+        for prompt in prompts:
+            first = ask(server, None, prompt)
+            memory = used(server)
+            assert memory["budget_bytes"] == budget and memory["used_bytes"] <= budget, memory
+        assert 0 < card(server)["tokens"] < unbounded, (card(server), unbounded)  # (it gave some back)
+        assert 0 < memory["parts"]["suffix_index"] == card(server)["bytes"]
+        assert suffix_of(ask(server, None, prompts[-1])) > suffix_of(first) + 10
+        assert used(server)["used_bytes"] <= budget
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_scope_conversation_the_oldest_conversations_give_memory_back(pair, concurrency):
+    """Scope conversation: each conversation's index is its session's, so under the same budget the oldest
+    conversations go whole (their next turn is prefilled again and drafts nothing from before), the newest
+    stay (a retried step drafts its reply), and the shared part holds nothing."""
+    model, _, draft = pair
+    footprint = Footprint.measure(lambda: make_session(model, draft), lookup=True)
+    budget = weight_bytes(model, draft) + 3 * footprint.bytes(40 + 48)
+    prompts = [prompt_ids(40, seed=300 + i) for i in range(8)]
+    with served(pair, concurrency, suffix_scope="conversation", max_batch_bytes=budget) as server:
+        for prompt in prompts:
+            first = ask(server, None, prompt)
+            assert used(server)["used_bytes"] <= budget
+        retried = ask(server, None, prompts[-1])
+        assert retried["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert suffix_of(retried) > suffix_of(first) + 10
+        oldest = ask(server, None, prompts[0])
+        assert oldest["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert used(server)["used_bytes"] <= budget and used(server)["parts"]["suffix_index"] == 0
 
 
 def test_bad_scopes_and_keys_are_refused(pair, tmp_path):
@@ -146,24 +201,54 @@ def test_bad_scopes_and_keys_are_refused(pair, tmp_path):
             make_server(model, tokenizer, draft, port=0, **kw)
 
 
-def test_the_console_script_takes_several_keys_and_the_suffix_flags(tmp_path):
-    """`dflash-mlx serve` on the bundled default: a repeated --api-key and a keys file, --suffix-cache-tokens;
-    the official client with either key; a bad scope refused naming the flag."""
-    import openai
-
-    keys = tmp_path / "keys.txt"
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    """`dflash-mlx serve` on the bundled default with a repeated --api-key, a keys file and
+    --suffix-cache-tokens."""
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text("# the team's key\nteam-key\n\n")
     flags = ["--api-key", "one-key", "--api-key", "two-key", "--api-keys-file", str(keys)]
     server = ServeProcess(*flags, "--suffix-cache-tokens", "5000")
-    try:
-        for key in ("one-key", "two-key", "team-key"):
-            client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
-            reply = client.completions.create(model="demo", prompt="Tom has 3 apples.", max_tokens=8)
+    yield server
+    assert server.stop() == 0, server.stderr
+
+
+def client(server, key: str):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=300)
+
+
+def test_the_console_script_takes_several_keys_and_the_suffix_flags(keyed):
+    """The official client with either key; a key the server does not know is a 401."""
+    import openai
+
+    for key in ("one-key", "two-key", "team-key"):
+        with client(keyed, key) as oai:
+            reply = oai.completions.create(model="demo", prompt="Tom has 3 apples.", max_tokens=8)
             assert reply.usage.completion_tokens == 8
-            info = client.models.list().data[0].model_extra["suffix_index"]
+            info = oai.models.list().data[0].model_extra["suffix_index"]
             assert info["scope"] == "key" and info["max_tokens"] == 5000 and info["tokens"] > 0
-            client.close()
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=server.url + "/v1", api_key="nobody", max_retries=0).models.list()
-    finally:
-        assert server.stop() == 0
+    with pytest.raises(openai.AuthenticationError), client(keyed, "nobody") as oai:
+        oai.models.list()
+
+
+def test_one_keys_stored_responses_are_not_anothers(keyed):
+    """Through the official client: a key continues its own stored response; another key naming it gets the
+    400 an id never made gets (the same message but for the id: nothing says it exists), and the first key
+    can still continue it."""
+    import openai
+
+    with client(keyed, "one-key") as one, client(keyed, "two-key") as two:
+        first = one.responses.create(model="demo", input="Tom has 3 apples.", max_output_tokens=8)
+        refusals = []
+        for previous in (first.id, "resp_" + "0" * 32):
+            with pytest.raises(openai.BadRequestError) as caught:
+                two.responses.create(model="demo", previous_response_id=previous, input="And then?")
+            assert caught.value.body["param"] == "previous_response_id"
+            refusals.append(caught.value.body["message"].replace(previous, "<id>"))
+        assert refusals[0] == refusals[1]
+        again = one.responses.create(
+            model="demo", previous_response_id=first.id, input="And then?", max_output_tokens=8
+        )
+        assert again.status in ("completed", "incomplete") and again.usage.input_tokens > first.usage.input_tokens
