@@ -3,7 +3,7 @@
 - `MemoryBudget` evicts the least recently used entry of all its parts until what is asked fits, and
   says when nothing more can go (no server).
 - In process, one request at a time: ``/health`` shows each part (weights, active requests, the prompt
-  cache, stored responses, compiled grammars) against the budget, and a budget that holds three
+  cache, stored responses, compiled grammars, the suffix index) against the budget, and a budget that holds three
   conversations keeps the most recent (an older one's next turn prefills its whole prompt again).
 - The real ``dflash-mlx serve --decode-concurrency 1`` under a budget that holds about ten 1,500-token
   conversations: twenty of them keep its resident memory under the budget + the process as it was with
@@ -126,9 +126,10 @@ def test_health_shows_every_part_against_the_budget(demo):
         status, health = _post(app.url, "/health", None, "GET")
         memory, parts = health["memory"], health["memory"]["parts"]
         assert status == 200 and memory["budget_bytes"] == budget
-        assert set(parts) == {"weights", "active", "prompt_cache", "grammars", "responses"}, parts
+        assert set(parts) == {"weights", "active", "prompt_cache", "grammars", "responses", "suffix_index"}, parts
         assert parts["weights"] == weight_bytes(model, draft) and parts["active"] == 0
         assert parts["prompt_cache"] > 0 and parts["responses"] > 0 and parts["grammars"] > 0, parts
+        assert parts["suffix_index"] > 0, parts  # (what the server generated: `test_server_suffix`)
         assert memory["used_bytes"] == sum(parts.values()) <= budget
         assert health["requests"] == {"running": 0, "queued": 0, "cancelled": 0}
         assert _post(app.url, "/v1/chat/completions", ask)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

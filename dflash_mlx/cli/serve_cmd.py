@@ -150,8 +150,9 @@ def serve(
             "--max-batch-bytes",
             metavar="SIZE",
             help="The one byte budget of everything the server keeps (weights, active requests, prompt cache, "
-            "stored responses, grammars; the least recently used go first), in every worker mode: a request "
-            "whose caches would not fit waits (default: 3/4 of the device's memory; /health shows its use).",
+            "stored responses, grammars, the suffix index; the least recently used go first), in every worker "
+            "mode: a request whose caches would not fit waits (default: 3/4 of the device's memory; /health "
+            "shows its use).",
         ),
     ] = None,
     shard: ShardOpt = None,

@@ -186,7 +186,7 @@ def make_server(
     default, 32; 1, a sharded target or a family the batch cannot run: one at a time), a
     longer prompt joining them prefilled `prefill_step_size` tokens per step. `max_batch_bytes`
     (default: 3/4 of the device's memory) is the one byte budget of everything the server keeps
-    (`budget`: weights, active rows, prompt cache, stored responses, grammars; the least recently
+    (`budget`: weights, active rows, prompt cache, stored responses, grammars, suffix index; the least recently
     used go first) in every worker mode: a request joins once its caches fit, and one whose caches
     could not fit even alone is refused (`prompts`). `kv` (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``, as
     `stream_generate` takes them) quantizes every request's KV cache as mlx-lm does (requests

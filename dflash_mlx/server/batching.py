@@ -21,7 +21,8 @@ already decoding; fresh short prompts join together in one padded prefill. A
 request joins only when its caches fit in the worker's byte budget
 (`budget`) beside the active rows and what the server keeps (the new row: its
 prompt plus max_tokens, at the worker's `limits.Footprint`; the least recently
-used of the prompt cache, stored responses and grammars are evicted first);
+used of the prompt cache, stored responses, grammars and suffix index are
+evicted first);
 else it waits for a row to leave. (One that could not fit even alone was
 refused by `prompts`.)
 

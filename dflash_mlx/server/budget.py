@@ -4,7 +4,9 @@
 memory) bounds the sum of the parts registered with the worker's
 `MemoryBudget`, in every worker mode: the weights, the requests being
 generated (their sessions), the prompt cache (sessions with their lookup
-indexes), the Responses API's stored conversations and the compiled grammars.
+indexes, and their own suffix indexes with ``--suffix-scope conversation``),
+the Responses API's stored conversations, the compiled grammars and the
+shared suffix indexes (`suffix_scope`: sequences, least recently used first).
 Whatever else the server comes to keep registers the same way. A part is any
 object with
 

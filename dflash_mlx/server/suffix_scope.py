@@ -16,8 +16,12 @@ first), so a request that produces what an earlier one produced drafts it:
 A draft is accepted only where the target would produce the same token, so
 greedy text cannot leak; timing can (docs/serving.md), and a seeded sampled
 request drafts only from its own conversation (`session.Session.span_sources`).
-`nbytes`, `oldest` and `evict_oldest` are the shared indexes' together (a
-memory budget's view; the conversations' indexes count in their sessions).
+`nbytes`, `oldest` and `evict_oldest` are the shared indexes' together: one
+part of the server's byte budget (`budget`, "suffix_index" in ``/health``),
+which takes their least recently used sequences back as it takes the prompt
+cache's oldest conversations; the conversations' indexes count in their
+sessions. A request's index is chosen as it is prepared, in its handler's
+thread (`prompts.Prepared.suffix`).
 """
 
 from __future__ import annotations

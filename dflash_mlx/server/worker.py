@@ -18,7 +18,9 @@ Everything the server keeps counts against one byte budget
 (`budget.MemoryBudget`, ``--max-batch-bytes``): a request makes room for its
 caches (its prompt and ``max_tokens``, at the `limits.Footprint`) before it
 runs, evicting the least recently used of the prompt cache, the stored
-responses and the compiled grammars. A cancelled job (its client went away:
+responses, the compiled grammars and the suffix indexes' sequences (which
+grow as a request's tokens are recorded: the budget is enforced again when
+it ends). A cancelled job (its client went away:
 `handler`) stops between prefill chunks or at its next token, and its session,
 holding the prompt and the tokens generated so far, is filed in the prompt
 cache like a finished one; `stop` cancels the running job, fails the queued
