@@ -169,14 +169,9 @@ def stream_batch_generate(
     check_suffix_index(suffix_index)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    encoded = [encode_prompt(tokenizer, p) for p in prompts]
-    if any(p.size == 0 for p in encoded):
-        raise ValueError("A prompt is empty: at least one token is needed.")
     defaults = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     defaults.update(logits_processors=logits_processors, response_format=response_format)
-    rows = _rows(encoded, max_tokens, row_settings, defaults)
-    for row in rows:  # compiled once per distinct format, before any prompt runs
-        row["grammar"] = Grammar.of(tokenizer, row["response_format"])
+    encoded, rows = _encoded_rows(tokenizer, prompts, max_tokens, row_settings, defaults)
     sessions = row_sessions(model, draft, len(encoded))
     decoder = batch_decoder(sessions[0], block_size)
     eos = tokenizer.eos_token_ids
@@ -212,6 +207,18 @@ def stream_batch_generate(
             yield from ((i, r) for r in streams[i].responses(step))
     stats.wall_time = time.perf_counter() - started
     stats.peak_memory = mx.get_peak_memory() / 1e9
+
+
+def _encoded_rows(tokenizer, prompts: list, max_tokens, row_settings, defaults: dict) -> tuple[list, list[dict]]:
+    """The prompts' tokens and each row's settings, its grammar compiled (once per distinct format, before
+    any prompt runs)."""
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    if any(p.size == 0 for p in encoded):
+        raise ValueError("A prompt is empty: at least one token is needed.")
+    rows = _rows(encoded, max_tokens, row_settings, defaults)
+    for row in rows:
+        row["grammar"] = Grammar.of(tokenizer, row["response_format"])
+    return encoded, rows
 
 
 def batch_generate(
