@@ -37,7 +37,8 @@ chat-templated GSM8K / MT-Bench first turns: in and off distribution), untrained
 with a random drafter of the same shape), 4bit (the bundled target quantized to 4 bits, group 64),
 long (the bundled pair on multi-turn GSM8K conversations of at least 1,600 tokens), synthetic (a pair
 `scripts/train_synthetic.py` trained, in --synthetic DIR, on its own prompts). --temperature T > 0
-samples (seeded per unit); greedy runs check every leg's tokens against mlx-lm's.
+samples (seeded per unit; `--unseeded`: no seed, as a user's call without one); greedy runs check every
+leg's tokens against mlx-lm's.
 
 On Linux preload the system OpenBLAS, as the `dflash-mlx` command does for itself:
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python3 scripts/bench.py legs
@@ -309,8 +310,17 @@ def parses_as_json(tokenizer, tokens: list[int]) -> bool:
 
 
 def make_legs(
-    model, tokenizer, draft, names: list[str], max_tokens: int, temperature: float, response_format=None
+    model,
+    tokenizer,
+    draft,
+    names: list[str],
+    max_tokens: int,
+    temperature: float,
+    response_format=None,
+    seeded: bool = True,
 ) -> dict:
+    """mlx-lm's leg and the named dflash-mlx legs, each `leg(prompt, seed)` -> `timed(...)`; `seeded`: the
+    seed is passed (mlx-lm's global generator seeded with it), else every leg runs unseeded."""
     from mlx_lm import stream_generate as mlx_lm_stream_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -320,7 +330,8 @@ def make_legs(
     grammar = Grammar.of(tokenizer, response_format)  # compiled once: each call follows it afresh
 
     def mlx_lm_leg(prompt, seed):
-        mx.random.seed(seed)
+        if seeded:
+            mx.random.seed(seed)
         processors = [GrammarLogitsProcessor(tokenizer, grammar)] if grammar else None
         return timed(
             mlx_lm_stream_generate(
@@ -343,7 +354,7 @@ def make_legs(
                 max_tokens=max_tokens,
                 block_size=block,
                 temperature=temperature,
-                seed=seed,
+                seed=seed if seeded else None,
                 response_format=grammar,
             )
         )
@@ -428,7 +439,16 @@ def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
         "instability": cost.notes.get("instability"),
     }
     compared = args.legs.split(",")
-    legs = make_legs(model, tokenizer, draft, compared, args.max_tokens, args.temperature, args.response_format)
+    legs = make_legs(
+        model,
+        tokenizer,
+        draft,
+        compared,
+        args.max_tokens,
+        args.temperature,
+        args.response_format,
+        seeded=not args.unseeded,
+    )
     for leg in legs.values():  # two warm-ups of each leg
         leg(prompts[0], 0)
         leg(prompts[-1], 0)
@@ -463,6 +483,7 @@ def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
+        "seeded": args.temperature > 0 and not args.unseeded,
         "response_format": args.response_format,
         "calibration": calibration,
         "tps": speeds,
@@ -493,6 +514,7 @@ def legs_table(report: dict) -> str:
     ]
     for st in report["settings"]:
         title = TITLES.get(st["setting"], st["setting"]) + (f", T = {st['temperature']:g}" if st["temperature"] else "")
+        title += ", unseeded" if st["temperature"] and st.get("seeded") is False else ""
         title += ", JSON schema" if st.get("response_format") else ""
         for leg, x in st["legs"].items():
             blocks = " ".join(f"{b}:{n}" for b, n in x["blocks"].items())
@@ -1575,6 +1597,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--unseeded", action="store_true", help="sampled legs without a seed (as a user's call)")
     p.add_argument(
         "--synthetic",
         type=Path,
