@@ -10,7 +10,7 @@ token ("lookup": copied from the context, "dflash": the drafter, or another
 proposer's own name, `proposers.base.source_name`; "target": the target's own
 pick). The block is adaptive unless the caller fixes it (`dflash_mlx.policy`);
 `lookup` (on by default) lets a cycle verify a span copied from the context
-instead (`policy.source`).
+instead (a span source, `policy.adaptive`).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def stream_generate(
     a ValueError.
     `lookup=True` (the default): a cycle may verify, instead of the drafter's block, the tokens that
     followed the longest earlier occurrence of the sequence's end in the prompt or the output (a point
-    mass: exact under sampling too), where that is expected to commit more per second (`policy.source`;
+    mass: exact under sampling too), where that is expected to commit more per second (`policy.adaptive`;
     with a drafter, not under a `response_format`). The output does not change.
     """
     if not isinstance(lookup, bool):

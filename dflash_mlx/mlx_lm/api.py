@@ -8,7 +8,7 @@ drafter; an ordinary draft model, no drafter, or an option DFlash cannot honour
 runs ``mlx_lm.stream_generate`` itself (one warning per reason and process);
 ``kv_bits`` and its options run DFlash on mlx-lm's quantized KV cache. One
 keyword mlx-lm does not have: ``lookup`` (True by default; False: no copy-aware
-drafting, `dflash_mlx.policy.source`), dropped where mlx-lm decodes.
+drafting, `dflash_mlx.policy.adaptive`), dropped where mlx-lm decodes.
 Samplers: `samplers`; mlx-lm's own prompt-cache lists: `cache`;
 `make_prompt_cache` with a drafter gives a `DFlashPromptCache` (a `Session`).
 What users see: docs/usage.md (the drop-in).

@@ -16,8 +16,7 @@ PRIOR_RATE = 0.8  # DFlash drafters accept ~5 of 15 drafts in distribution: opti
 PRIOR_WEIGHT = 0.5  # pseudo-observations behind the prior (a useless drafter's floor: 0.4 / 20.5, 2%)
 DISCOUNT = 0.95  # weight of older observations per new one (about 20 cycles of memory)
 LEARNT_DISCOUNT = 0.99  # the drafter's long-run history (about 100 cycles, across generations)
-LEARNT_WEIGHT = 2.0  # pseudo-observations behind a generation's prior taken from that history
-LEARNT_PRIOR_WEIGHT = 2.0  # pseudo-observations behind the history's own prior (PRIOR_RATE)
+LEARNT_WEIGHT = 2.0  # pseudo-observations behind a generation's prior taken from that history (and its own)
 
 
 class AcceptanceEstimate:
@@ -91,9 +90,9 @@ class AcceptanceEstimate:
     def rate(self, k: int) -> float:
         return self.rates()[k]
 
-    def expected_tokens(self, max_block: int) -> list[float]:
-        """[E(1), E(2), ..., E(max_block)]."""
-        rates = self.rates()
+    def expected_tokens(self, max_block: int, floor: float = 0.0) -> list[float]:
+        """[E(1), E(2), ..., E(max_block)] (`floor`: with every rate at least that: what a probe hopes)."""
+        rates = [max(floor, r) for r in self.rates()]
         out, reach, total = [], 1.0, 1.0
         for b in range(1, max_block + 1):
             out.append(total)
@@ -104,4 +103,4 @@ class AcceptanceEstimate:
 
 def learnt_estimate(positions: int) -> AcceptanceEstimate:
     """A drafter's long-run acceptance (the `priors` of its generations' estimates)."""
-    return AcceptanceEstimate(positions, weight=LEARNT_PRIOR_WEIGHT, discount=LEARNT_DISCOUNT)
+    return AcceptanceEstimate(positions, weight=LEARNT_WEIGHT, discount=LEARNT_DISCOUNT)

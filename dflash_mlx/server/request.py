@@ -126,7 +126,7 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     num_draft_tokens: int | None = None
-    lookup: bool = True  # copy-aware drafting (`policy.source`; in a batch, `batch.engine`)
+    lookup: bool = True  # copy-aware drafting (a span source, `policy.adaptive`; in a batch, `batch.engine`)
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
