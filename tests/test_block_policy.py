@@ -332,3 +332,26 @@ def test_a_probe_that_does_not_pay_waits_for_its_budget():
     steep = AdaptiveBlock(CostTable.curve([1, 2, 3, 4, 5], [0.0084, 0.0187, 0.0249, 0.0310, 0.0372]), 5)
     assert steep.choice.probe_width(steep.drafter, 5, steep.rate(1)) == (2, False)
     assert set(simulate(steep, [0.9], 300)) == {1}
+
+
+def test_every_constant_of_the_policy_is_listed_in_the_docs_with_its_reason():
+    """docs/adaptive.md's table lists each module-level upper-case name of dflash_mlx/policy/ (but `FORMAT`, a
+    file version), with its value and why, and there are fewer than the 51 the policy had before."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    names = set()
+    for path in (root / "dflash_mlx" / "policy").glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets:
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(t, ast.Name) and t.id.isupper():
+                        names.add(t.id)
+    names.discard("FORMAT")
+    doc = (root / "docs" / "adaptive.md").read_text()
+    table = doc[doc.index("## The constants") :]
+    rows = {line.split("|")[1].strip().strip("`") for line in table.splitlines() if line.startswith("| `")}
+    assert rows == names and len(names) < 51
+    assert f"{len(names)}, where there were 51" in " ".join(table.split())

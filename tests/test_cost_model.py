@@ -137,24 +137,25 @@ def test_load_coming_and_going_is_followed_both_ways():
     loaded, speed = timed(AdaptiveBlock(model, 8), Machine(LOADED, seed=3, noise=0.5), 1500, seed=3)
     assert loaded.index(1) <= WINDOW and loaded[WINDOW:].count(1) > 0.98 * (1500 - WINDOW)
     plain = 1 / (LOADED(1) * math.exp(0.5**2 / 2))  # (the mean of the noise)
-    assert speed > 0.9 * plain and model.changes >= 1
+    assert speed > 0.9 * plain
     back = run(AdaptiveBlock(model, 8), Machine(QUIET, seed=4), 200, seed=4)
-    assert back.index(8) <= 2 * WINDOW and back[-150:].count(8) > 130
+    assert model.changes >= 1 and back.index(8) <= 2 * WINDOW + 2 and back[-150:].count(8) > 130
 
 
 def test_noise_alone_is_not_a_change_of_the_machine():
-    """Cycle times scattering by a factor of 1.6 (two CPU-bound jobs on two cores) at a steady level: the
-    newest half-window must lie all beyond CHANGE and SURE deviations of the rest."""
+    """Cycle times scattering by a factor of 1.6 (two CPU-bound jobs on two cores), with bursts of slow
+    cycles, at a steady level: the newest WINDOW cycles must lie all beyond CHANGE and SURE deviations of
+    the cycles before them."""
     model = CostModel(LOADED)
     machine = Machine(LOADED, seed=6, noise=0.5)
     policy = AdaptiveBlock(model, 8)
-    for _ in range(3000):
-        policy.observe(1, 0, machine(1))
+    for i in range(3000):  # (and a burst of slow cycles now and then: another job's time slice)
+        policy.observe(1, 0, machine(1) * (8.0 if i % 97 < WINDOW - 2 else 1.0))
     assert model.changes <= 1
     steady = CostModel(QUIET)
-    for _ in range(40 + WINDOW // 2):
+    for _ in range(40 + WINDOW):
         steady.add("target", 1, QUIET(1) * (CHANGE * 1.1 if steady.cycles >= 40 else 1.0))
-    assert steady.changes == 1 and steady.level("target")[2] == WINDOW // 2  # (a real change, at once)
+    assert steady.changes == 1 and steady.level("target")[0] == pytest.approx(math.log(CHANGE * 1.1))
 
 
 def test_drafting_must_be_proven_where_times_scatter():
@@ -179,7 +180,7 @@ def test_re_timing_while_drafting_keeps_to_its_budget():
 def test_a_frozen_model_never_changes_and_seeded_requests_keep_the_table():
     model = CostModel(BUSY, learns=False)
     run(AdaptiveBlock(model, 8), Machine(QUIET), 300)
-    assert model.cycles == 0 and model.level("drafter") == (0.0, 0.0, 0) and not model.stale("drafter")
+    assert model.cycles == 0 and model.level("drafter") == (0.0, 0.0, 0) and model.stale("drafter") is None
     learning = CostModel(BUSY)
     run(AdaptiveBlock(learning, 8), Machine(QUIET), 300)
     assert ratio(learning) < 0.6 * BUSY(8) / BUSY(1)
@@ -236,17 +237,25 @@ def test_the_batch_levels_are_kept_per_row_count():
 
 
 def test_a_level_that_jumps_drops_the_older_cycles_and_makes_the_others_stale():
-    """Another job starting (slower) or stopping (faster): the newest half-window, all CHANGE times off the
-    rest, is the source's level at once, and every other source's level must be measured afresh."""
+    """Another job starting (slower) or stopping (faster): the newest WINDOW cycles, all CHANGE times off the
+    WINDOW before, are the source's level, and every other source's level must be measured afresh; the way
+    the machine went says which is measured at once (`Choice.wants_timing`)."""
     model = CostModel(QUIET)
-    assert model.stale("target") and model.stale("drafter")  # never timed in this process
-    for _ in range(WINDOW):
+    assert model.stale("target") == 0 and model.stale("drafter") == 0  # never timed in this process
+    for _ in range(2 * WINDOW):
         model.add("target", 1, QUIET(1))
         model.add("drafter", 8, QUIET(8))
-    assert not model.stale("target") and not model.stale("drafter") and model.changes == 0
-    for _ in range(WINDOW // 2):
+    assert model.stale("target") is None and model.stale("drafter") is None and model.changes == 0
+    for _ in range(WINDOW):
         model.add("drafter", 8, 3.0 * QUIET(8))
     assert model.changes == 1 and model.level("drafter")[0] == pytest.approx(math.log(3.0))
-    assert model.level("drafter")[2] == WINDOW // 2 and model.stale("target") and not model.stale("drafter")
+    assert model.stale("target") == 1 and model.stale("drafter") is None  # slower: plain decoding wants timing
     model.add("target", 1, 3.0 * QUIET(1))  # measured afresh: its older cycles are of another machine
     assert model.level("target") == (pytest.approx(math.log(3.0)), pytest.approx(0.0), 1)
+    for _ in range(2 * WINDOW - 1):  # plain decoding runs on the busy machine, then the job stops
+        model.add("target", 1, 3.0 * QUIET(1))
+    assert model.stale("drafter") is None  # (it was timed since)
+    for _ in range(WINDOW):
+        model.add("target", 1, QUIET(1))
+    policy = AdaptiveBlock(model, 8)
+    assert model.stale("drafter") == -1 and policy.choice.wants_timing(policy.drafter)

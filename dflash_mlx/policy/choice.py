@@ -19,7 +19,8 @@ and how its cost is timed. `Choice` runs the rule for one request's policy
   plain decoding is never taken for RESOLUTION's sake.
 - **Probes.** A source not chosen is run now and then: at once while its
   cost wants measuring (`CostModel.stale`: never timed in this process, or
-  not since the machine changed) or after a probe of it paid; else once it has
+  not since the machine changed the way that may make it the better one) or
+  after a probe of it paid; else once it has
   waited as many cycles as keep a failed probe's loss (its seconds beyond
   the time the chosen source takes per token) to BUDGET of the time, and
   at least WINDOW (`cost`: a switch costs more than its timed cycles show). A
@@ -148,9 +149,12 @@ class Choice:
         return src, width
 
     def wants_timing(self, src: Source) -> bool:
-        """Whether `src`'s cost wants measuring at once (`CostModel.stale`: never timed in this process, or
-        not since the machine changed; a span source takes its drafter's meanwhile, an upper bound)."""
-        return src.prior is None and self.cost.stale(src.name, self.rows)
+        """Whether `src`'s cost wants measuring at once (`CostModel.stale`): never timed in this process, or
+        not since the machine changed the way that may make it the better source now: slower for plain
+        decoding (drafting suffers from another job at least as much), faster for the others (the job that
+        made their rows dear may have stopped). A span source takes its drafter's cost meanwhile."""
+        stale = self.cost.stale(src.name, self.rows)
+        return src.prior is None and (stale == 0 or stale == (1 if src is self.plain else -1))
 
     def probe_width(self, src: Source, widest: int, rate: float) -> tuple[int, bool]:
         """(width, hopeful): the narrowest width whose rate would beat `rate` at a good drafter's acceptance,

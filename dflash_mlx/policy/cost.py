@@ -9,10 +9,11 @@ its cost at width b is T(B, b) times e^level: the table gives the shape, the
 loop's own cycles the scale, each source its own (under load a multi-row
 verify slows far more than a one-row step). The level's standard error (its
 cycles' spread over the root of their count) says how sure it is. A source's
-newest half-window all CHANGE times slower or faster than the rest (and SURE
-standard deviations, where cycle times scatter) means the machine changed:
-another job started or stopped. Its older cycles are dropped and every other
-source's level goes *stale*, to be measured again (`stale`). A model that does
+newest WINDOW cycles all CHANGE times slower or faster than the median of the
+ones before them (and SURE standard deviations, where cycle times scatter)
+mean the machine changed: another job started or stopped. Its older cycles are dropped
+and every other source's level goes *stale*, to be measured again (`stale`,
+with the way the machine went). A model that does
 not learn (`learns=False`: seeded requests, sharded ranks, a curve a test
 injects) is the table alone, whatever the timings. Why: docs/adaptive.md.
 """
@@ -25,8 +26,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-WINDOW = 8  # newest timed cycles kept per source and row count (their median is its level)
-CHANGE = 2.0  # a newest half-window all this many times slower or faster than the rest: the machine changed
+WINDOW = 8  # newest timed cycles per source and row count whose median is its level (4 times as many kept)
+CHANGE = 2.0  # a newest window all this many times slower or faster than the cycles before: the machine changed
 SURE = 2.0  # standard deviations past which a difference is taken as real (a change; drafting proven)
 MAD_TO_SD = 1.4826  # (not tuned: a normal sample's standard deviation over its median absolute deviation)
 
@@ -102,7 +103,7 @@ class CostModel:
         self._lock = threading.Lock()
         self._levels: dict[tuple[int, str], deque] = {}  # (rows, source) -> newest log(seconds / T(rows, b))
         self._deviations: dict[tuple[int, str], deque] = {}  # (rows, source) -> |one of those - the median before|
-        self._stale: set[tuple[int, str]] = set()  # levels measured before the machine last changed
+        self._stale: dict[tuple[int, str], int] = {}  # levels timed before the machine changed -> which way
 
     def __call__(self, b: int, rows: int = 1) -> float:
         return self.table(b, rows)
@@ -114,16 +115,17 @@ class CostModel:
         return frozen
 
     def level(self, source: str, rows: int = 1, prior: str | None = None) -> tuple[float, float, int]:
-        """(level, its standard error, the cycles it rests on) of `source` at `rows`: the log of its cycles'
-        seconds over the table's. A source with no timed cycles takes `prior`'s level (a span source: its
-        drafter's, an upper bound), else 0 (the table as calibrated), with no error."""
+        """(level, its standard error, the cycles it rests on) of `source` at `rows`: the log of its newest
+        WINDOW cycles' seconds over the table's (their median). A source with no timed cycles takes `prior`'s
+        level (a span source: its drafter's, an upper bound), else 0 (the table as calibrated), with no error."""
         with self._lock:
             levels = self._levels.get((rows, source))
             if not levels:
                 levels = self._levels.get((rows, prior)) if prior is not None else None
-                return (statistics.median(levels) if levels else 0.0), 0.0, 0
-            n = len(levels)
-            return statistics.median(levels), self._noise(rows, source) / math.sqrt(n), n
+                return (statistics.median(list(levels)[-WINDOW:]) if levels else 0.0), 0.0, 0
+            newest = list(levels)[-WINDOW:]
+            n = len(newest)
+            return statistics.median(newest), self._noise(rows, source) / math.sqrt(n), n
 
     def _noise(self, rows: int, source: str) -> float:
         """The standard deviation of `source`'s cycle times about their level (robust: from the median of
@@ -139,12 +141,15 @@ class CostModel:
         """`source`'s seconds per cycle at width b: the table's, scaled by its level."""
         return self.table(b, rows) * math.exp(self.level(source, rows, prior)[0])
 
-    def stale(self, source: str, rows: int = 1) -> bool:
-        """Whether `source`'s level wants measuring: no timed cycle in this process yet, or none since the
-        machine changed (a model that does not learn: never)."""
+    def stale(self, source: str, rows: int = 1) -> int | None:
+        """Whether `source`'s level wants measuring: None where it is fresh, 0 where it was never timed in
+        this process, else the way the machine changed since its last timed cycle (+1: a source that ran got
+        slower, -1: faster). A model that does not learn: always None."""
         key = (rows, source)
         with self._lock:
-            return self.learns and (not self._levels.get(key) or key in self._stale)
+            if not self.learns:
+                return None
+            return 0 if not self._levels.get(key) else self._stale.get(key)
 
     def add(self, source: str, b: int, seconds: float, rows: int = 1) -> None:
         """A timed cycle of `source` at width b with `rows` rows (nothing where the model does not learn)."""
@@ -153,31 +158,34 @@ class CostModel:
         with self._lock:
             self.cycles += 1
             key = (rows, source)
-            levels = self._levels.setdefault(key, deque(maxlen=WINDOW))
+            levels = self._levels.setdefault(key, deque(maxlen=4 * WINDOW))
             deviations = self._deviations.setdefault(key, deque(maxlen=4 * WINDOW))
-            if key in self._stale:  # measured afresh after the machine changed: its older cycles are of another
-                self._stale.discard(key)
-                levels.clear()
+            if self._stale.pop(key, None) is not None:  # measured afresh since the machine changed: its older
+                levels.clear()  # cycles are of another machine
                 deviations.clear()
             y = math.log(seconds / self.table(b, rows))
             if levels:
-                deviations.append(abs(y - statistics.median(levels)))
+                deviations.append(abs(y - statistics.median(list(levels)[-WINDOW:])))
             levels.append(y)
-            if _changed(levels, self._noise(rows, source)):
-                for _ in range(WINDOW - WINDOW // 2):
+            change = _change(levels, self._noise(rows, source))
+            if change:
+                while len(levels) > WINDOW:
                     levels.popleft()
                 deviations.clear()
-                self._stale |= {k for k in self._levels if k[0] == rows and k != key}
+                self._stale.update({k: change for k in self._levels if k[0] == rows and k != key})
                 self.changes += 1
 
 
-def _changed(window, spread: float) -> bool:
-    """A full window whose newest half lies all above, or all below, the median of the rest by more than
-    CHANGE times and SURE of the rest's standard deviations (`spread`): noise puts a few on either side,
-    another job starting or stopping puts them all on one."""
-    if len(window) < WINDOW:
-        return False
-    values = list(window)
-    older, newest = statistics.median(values[: -(WINDOW // 2)]), values[-(WINDOW // 2) :]
+def _change(levels, spread: float) -> int:
+    """+1 (slower) or -1 (faster) where the newest WINDOW cycles lie all above, or all below, the median of
+    the (at least WINDOW) cycles before them by more than CHANGE times and SURE of the cycles' standard
+    deviations (`spread`): noise, and a burst of a few slow cycles (another job's time slice), put a few on
+    either side; another job starting or stopping puts them all on one. Else 0."""
+    if len(levels) < 2 * WINDOW:
+        return 0
+    values = list(levels)
+    older, newest = statistics.median(values[:-WINDOW]), values[-WINDOW:]
     jump = max(math.log(CHANGE), SURE * spread)
-    return all(y - older > jump for y in newest) or all(older - y > jump for y in newest)
+    if all(y - older > jump for y in newest):
+        return 1
+    return -1 if all(older - y > jump for y in newest) else 0
