@@ -65,8 +65,9 @@ def test_the_choice_weighs_blocks_against_plain_batched_decoding():
 def test_probes_at_plain_decoding_keep_to_their_budget_and_restart():
     table = compute_bound([1, 8], [1, 2, 8])
     choice = BatchBlockChoice(table, 8)
-    rows = [row(False)]  # one row: a probe at block 2 loses 1 ms against plain decoding's 11
-    wait = max(WINDOW, math.ceil((table(2, 1) - table(1, 1)) / (BUDGET * table(1, 1)))) - 1  # plain steps first
+    rows = [row(False)]  # one row: a probe at block 2 loses about 1 ms against plain decoding's 11
+    expected = rows[0].estimate.expected_tokens(2)[-1]  # (its drafts are hardly ever accepted)
+    wait = max(WINDOW, math.ceil((table(2, 1) - expected * table(1, 1)) / (BUDGET * table(1, 1)))) - 1
     blocks = [choice.choose(rows) for _ in range(wait + 1)]
     assert blocks == [1] * wait + [2]
     choice.observe(rows, 2, [0])  # the probe accepted nothing: the next one waits as long
@@ -76,7 +77,8 @@ def test_probes_at_plain_decoding_keep_to_their_budget_and_restart():
     # 8 rows: a probe costs 26 ms where a plain step of the 8 costs 18: it comes much later
     choice = BatchBlockChoice(table, 8)
     rows = [row(False) for _ in range(8)]
-    wait = math.ceil((table(2, 8) - table(1, 8)) / (BUDGET * table(1, 8))) - 1
+    expected = 8 * rows[0].estimate.expected_tokens(2)[-1]
+    wait = math.ceil((table(2, 8) - expected / 8 * table(1, 8)) / (BUDGET * table(1, 8))) - 1
     assert wait > 4 * WINDOW
     assert [choice.choose(rows) for _ in range(wait + 1)] == [1] * wait + [2]
 

@@ -94,9 +94,10 @@ def test_plain_decoding_wins_when_rows_cost_a_forward_each():
     assert chosen[-100:].count(1) > 90
 
 
-def gap(curve: CostTable, probe: int, cycles: int = 1) -> float:
-    """Plain cycles between failed probes of block `probe` on a frozen curve: their loss is BUDGET of the time."""
-    return max(WINDOW, cycles * (curve(probe) - curve(1)) / (BUDGET * curve(1)))
+def gap(curve: CostTable, probe: int, tokens: float = 1.0) -> float:
+    """Plain cycles between probes of block `probe` on a frozen curve, each expected to commit `tokens`
+    (its estimate's E; a useless drafter's, about 1): their expected loss is BUDGET of the time."""
+    return max(WINDOW, (curve(probe) - tokens * curve(1)) / (BUDGET * curve(1)))
 
 
 def test_a_useless_drafter_falls_back_to_plain_decoding_and_probes_rarely():
@@ -176,10 +177,11 @@ def generation(curve, history: DrafterHistory | None, max_block=8):
     """The policy of one greedy generation carrying the drafter's `history` (or none), on a frozen curve."""
     if history is None:
         return AdaptiveBlock(curve, max_block)
-    priors, idle, due = history.begin(max_block - 1)
-    policy = AdaptiveBlock(
-        curve, max_block, AcceptanceEstimate(max_block - 1, priors=priors, record=history.record), history
+    priors, observed, idle, due = history.begin(max_block - 1)
+    estimate = AcceptanceEstimate(
+        max_block - 1, priors=priors, record=history.record, hopes=priors if observed else None
     )
+    policy = AdaptiveBlock(curve, max_block, estimate, history)
     policy.drafter.idle, policy.drafter.due = idle, due
     return policy
 
@@ -213,12 +215,13 @@ def test_one_unlucky_first_cycle_does_not_turn_a_fresh_history():
 def test_a_failed_probe_is_not_followed_by_a_larger_block():
     """A process's first reply with a drafter that is always wrong (`dflash-mlx generate` off distribution):
     once at b = 1, only its probes draft, each at the narrowest block that would pay, and each alone."""
-    chosen = simulate(generation(DRAFTING_COSTS, DrafterHistory(7)), [0.0], 400)
+    policy = generation(DRAFTING_COSTS, DrafterHistory(7))
+    chosen = simulate(policy, [0.0], 400)
     plain = chosen.index(1)
     probes = [b for b in chosen[plain:] if b > 1]
     assert plain <= 5 and probes and set(probes) == {3}
     assert all(b == 1 for a, b in zip(chosen[plain:], chosen[plain + 1 :]) if a > 1)
-    assert len(probes) <= (400 - plain) / gap(DRAFTING_COSTS, 3) + 1
+    assert len(probes) <= (400 - plain) / gap(DRAFTING_COSTS, 3, policy.drafter.expected(3)) + 1
 
 
 def test_softening_keeps_the_rates_and_lowers_their_weight():
@@ -321,13 +324,15 @@ def test_a_probe_that_observed_nothing_runs_at_the_next_generations_first_plain_
     assert [third.choose(100) for _ in range(WINDOW)] == [1] * WINDOW
 
 
-def test_a_probe_that_does_not_pay_waits_for_its_budget():
+def test_a_probe_that_does_not_pay_waits_for_its_expected_loss_to_keep_to_the_budget():
     # drafting costs half a forward, rows are cheap: a drafter accepting 30% of first drafts does not pay
     demo_like = CostTable.curve([1, 2, 3, 4, 6, 8], [0.0070, 0.0106, 0.0110, 0.0113, 0.0120, 0.0128])
     policy = AdaptiveBlock(demo_like, 8)
     chosen = simulate(policy, [0.3, 0.0], 1000)  # its probes often accept a draft, yet plain decoding is better
     probes = sum(b > 1 for b in chosen[100:])
-    assert probes <= 900 / gap(demo_like, 2) + 4
+    expected = policy.drafter.expected(2)  # (above 1: a probe closer to paying is worth running more often)
+    # (a probe that paid, 30% of them, is followed by another at once)
+    assert gap(demo_like, 2, expected) < gap(demo_like, 2) and probes <= 900 / gap(demo_like, 2, expected) / 0.7 + 4
     # 4-bit rows on a CPU: a block of 5 pays only if all 4 drafts are accepted, not at a good drafter's rate
     steep = AdaptiveBlock(CostTable.curve([1, 2, 3, 4, 5], [0.0084, 0.0187, 0.0249, 0.0310, 0.0372]), 5)
     assert steep.choice.probe_width(steep.drafter, 5, steep.rate(1)) == (2, False)

@@ -94,7 +94,7 @@ def test_greedy_across_lookup_dflash_and_plain_switches_equals_mlx_lm(tiny_pair,
     with without_eos(tokenizer) as tok:
         want = reference(model, tok, prompt, 160)
         reply = [r.token for r in want]
-        spans = [15, 15] + [0] * 20 + [15] * 8
+        spans = [15, 15] + [0] * 20 + [15] * 60  # (right long enough that the span's probes find it so)
         runs = (
             (OracleProposer(reply + [0] * 16, [3, 0, 1], TINY_VOCAB, 16), AdaptiveBlock(CURVE, 16), spans),
             (OracleProposer(reply + [0] * 16, [0], TINY_VOCAB, 16), AdaptiveBlock(CURVE, 16), spans),
@@ -121,7 +121,7 @@ def test_greedy_across_lookup_dflash_and_plain_switches_equals_mlx_lm(tiny_pair,
                     ("plain", "lookup"),
                 }
                 <= changes
-            ), seen
+            ), (k, seen)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])

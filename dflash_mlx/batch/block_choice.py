@@ -22,8 +22,8 @@ class RowsEstimate:
     def __init__(self):
         self.rows: list = []
 
-    def expected_tokens(self, b: int, floor: float = 0.0) -> list[float]:
-        expected = [r.estimate.expected_tokens(min(b, r.max_block), floor) for r in self.rows]
+    def expected_tokens(self, b: int, floor: float = 0.0, hoped: bool = False) -> list[float]:
+        expected = [r.estimate.expected_tokens(min(b, r.max_block), floor, hoped) for r in self.rows]
         return [sum(e[min(w, len(e)) - 1] for e in expected) for w in range(1, b + 1)]
 
     def soften(self, factor: float) -> None:

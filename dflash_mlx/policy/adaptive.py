@@ -36,17 +36,18 @@ class DrafterHistory:
         self.unpaid = 0  # generations in a row, before the latest, in which drafting did not pay
         self.paid = False  # drafting paid in the latest generation
 
-    def begin(self, positions: int) -> tuple[list[float], int, bool]:
-        """A new generation: the rates it starts from, the drafter's probe wait, and whether its probe is
-        due at once: a probe it never ran, or drafting paid in one of the last RECENT_GENERATIONS (one reply
-        the drafter did not fit does not keep the next one plain for a probe's wait)."""
+    def begin(self, positions: int) -> tuple[list[float], bool, int, bool]:
+        """A new generation: the rates it starts from, whether they rest on observations (else they are the
+        prior), the drafter's probe wait, and whether its probe is due at once: a probe it never ran, or
+        drafting paid in one of the last RECENT_GENERATIONS (one reply the drafter did not fit does not keep
+        the next one plain for a probe's wait)."""
         with self._lock:
             self.learnt.grow(positions)
             if self.generations:
                 self.unpaid = 0 if self.paid else self.unpaid + 1
             self.generations, self.paid = self.generations + 1, False
             due = self.unrun or self.unpaid < RECENT_GENERATIONS
-            return self.learnt.rates(), self.idle, due
+            return self.learnt.rates(), self.learnt.seen[0] > 0, self.idle, due
 
     def record(self, drafted: int, accepted: int) -> None:
         with self._lock:
@@ -165,8 +166,9 @@ def adaptive_policy(
     history = drafter_history(getattr(proposer, "drafter", proposer), max_block - 1) if carry else None
     if history is None:
         return AdaptiveBlock(cost, max_block)
-    priors, idle, due = history.begin(max_block - 1)
-    estimate = AcceptanceEstimate(max_block - 1, priors=priors, record=history.record)
+    priors, observed, idle, due = history.begin(max_block - 1)
+    hopes = priors if observed else None
+    estimate = AcceptanceEstimate(max_block - 1, priors=priors, record=history.record, hopes=hopes)
     policy = AdaptiveBlock(cost, max_block, estimate, history)
     policy.drafter.idle, policy.drafter.due = idle, due
     return policy

@@ -11,19 +11,23 @@ and how its cost is timed. `Choice` runs the rule for one request's policy
   rate is E(b) / T(b), T from the cost model (the calibrated curve scaled by
   the level the source's own timed cycles show). Of a source's widths the
   widest within RESOLUTION of its best rate is taken.
-- **Proven.** A source that drafts runs instead of plain decoding only where
+- **Proven.** A source that drafts takes over from plain decoding only where
   its rate beats plain decoding's by SURE standard errors of the two
   levels (the timings' spread over the root of their count): on a quiet
   machine a few percent, on a busy one, where cycle times scatter, a wide
-  margin. Between drafting sources, the better rate. A width slower than
-  plain decoding is never taken for RESOLUTION's sake.
+  margin. The source running needs none (its own cycles keep its level
+  fresh: it yields as soon as another's rate beats it). Between drafting
+  sources, the better rate. A width slower than plain decoding is never
+  taken for RESOLUTION's sake.
 - **Probes.** A source not chosen is run now and then: at once while its
   cost wants measuring (`CostModel.stale`: never timed in this process, or
   not since the machine changed the way that may make it the better one) or
   after a probe of it paid; else once it has
-  waited as many cycles as keep a failed probe's loss (its seconds beyond
-  the time the chosen source takes per token) to BUDGET of the time, and
-  at least WINDOW (`cost`: a switch costs more than its timed cycles show). A
+  waited as many cycles as keep a probe's expected loss (its seconds beyond
+  the time the chosen source takes for the tokens it is expected to commit,
+  at the better of its estimate and its drafter's history) to BUDGET of the
+  time, and at least WINDOW (`cost`: a switch costs more than its timed
+  cycles show). A
   probe is the narrowest width that would beat the chosen source were its
   drafts accepted as a good drafter's are (`PRIOR_RATE`), else (a probe for
   its time alone: never where the model does not learn) its narrowest.
@@ -68,9 +72,10 @@ class Source:
     probing: bool = False  # a probe of it was chosen and has observed no acceptance yet
     paid: bool = field(default=False, repr=False)  # a cycle of it committed what plain decoding would have
 
-    def expected(self, b: int, floor: float = 0.0) -> float:
-        """E(b): the tokens a cycle of width b commits (`floor`: at every position's rate at least that)."""
-        return 1.0 if self.estimate is None else self.estimate.expected_tokens(b, floor)[-1]
+    def expected(self, b: int, floor: float = 0.0, hoped: bool = False) -> float:
+        """E(b): the tokens a cycle of width b commits (`floor`: at every position's rate at least that;
+        `hoped`: at the better of its rates and its estimate's hopes, its drafter's history)."""
+        return 1.0 if self.estimate is None else self.estimate.expected_tokens(b, floor, hoped)[-1]
 
 
 class Choice:
@@ -80,6 +85,7 @@ class Choice:
     def __init__(self, cost: CostModel, plain: Source, rows: int = 1):
         self.cost, self.plain, self.rows = cost, plain, rows
         self.last: tuple[int, str] | None = None  # (rows, source) of the last observed cycle
+        self.running: Source = plain  # the source the rule chose last (a probe is not a choice)
         self._stretch: list[tuple[Source, int]] = []  # a probe's cycles still to run
 
     def seconds(self, src: Source, b: int) -> float:
@@ -100,21 +106,22 @@ class Choice:
         return max(b for b, r in rates.items() if r >= min(top, max(floor, top * (1 - RESOLUTION)))), top
 
     def margin(self, src: Source) -> float:
-        """What `src`'s rate is divided by against plain decoding's: 1 for plain decoding, else e to SURE
-        standard errors of the difference of their levels (`cost.SURE`)."""
-        if src is self.plain:
+        """What `src`'s rate is divided by against plain decoding's: 1 for plain decoding and for the source
+        running (its own cycles keep its level fresh), else e to SURE standard errors of the difference of
+        their levels (`cost.SURE`): drafting takes over from plain decoding only once proven."""
+        if src is self.plain or src is self.running:
             return 1.0
         errors = (self.cost.level(s.name, self.rows, s.prior)[1] for s in (src, self.plain))
         return math.exp(SURE * math.hypot(*errors))
 
     def best(self, offers: list[tuple[Source, int]]) -> tuple[Source, int, float]:
-        """The chosen (source, width, rate) among `offers`, (source, widest) of each that can run now
-        (plain decoding first; it wins ties)."""
+        """The chosen (source, width, rate) among `offers`, (source, widest) of each that can run now.
+        Ties go to plain decoding, then to a source whose cost is its prior's (an upper bound)."""
         scored, plain = [], self.rate(self.plain, 1)
         for src, widest in offers:
             b, rate = self.best_width(src, widest, plain)
-            scored.append((rate / self.margin(src), src is self.plain, src, b, rate))
-        _, _, src, b, rate = max(scored, key=lambda s: s[:2])
+            scored.append((rate / self.margin(src), src is self.plain, src.prior is not None, src, b, rate))
+        *_, src, b, rate = max(scored, key=lambda s: s[:3])
         return src, b, rate
 
     def choose(self, offers: list[tuple[Source, int]]) -> tuple[Source, int]:
@@ -125,7 +132,7 @@ class Choice:
             if widest >= b:
                 return src, b
         src, b, rate = self.best(offers)
-        src.idle = 0
+        src.idle, self.running = 0, src
         for other, widest in offers:
             if other is not src:
                 other.idle += 1
@@ -141,7 +148,7 @@ class Choice:
         if not (hopeful or self.cost.learns):
             return None  # (a probe for its time alone, where no time is learnt)
         cycles = 2 if src.settles and (timing or not hopeful) else 1
-        loss = cycles * self.loss(src, width, rate)
+        loss = cycles * self.loss(src, width, rate, hopeful)
         if not (timing or (src.due and hopeful) or self._waited(src, chosen, b, loss)):
             return None
         src.idle, src.due, src.probing = 0, False, True
@@ -169,17 +176,21 @@ class Choice:
     def due(self, src: Source, widest: int, others: list[tuple[Source, int]]) -> bool:
         """Whether `src` would run next were it offered (the best, or its probe due), without choosing; a
         chance passed by counts towards its probe."""
-        chosen, b, rate = self.best(others)
-        if self.best_width(src, widest, rate)[1] / self.margin(src) > rate / self.margin(chosen):
+        if self.best(others + [(src, widest)])[0] is src:
             return True
+        chosen, b, rate = self.best(others)
         src.idle += 1
         width, hopeful = self.probe_width(src, widest, rate)
-        return (hopeful and src.due) or self._waited(src, chosen, b, self.loss(src, width, rate))
+        return (hopeful and src.due) or self._waited(src, chosen, b, self.loss(src, width, rate, hopeful))
 
-    def loss(self, src: Source, width: int, rate: float) -> float:
-        """Seconds a failed cycle of `src` at `width` loses against the chosen source's `rate`: its time
-        beyond what the chosen takes for the tokens it commits (plain decoding's: its drafts all rejected)."""
-        return max(0.0, self.seconds(src, width) - self.plain.expected(1) / rate)
+    def loss(self, src: Source, width: int, rate: float, hopeful: bool = True) -> float:
+        """Seconds a cycle of `src` at `width` is expected to lose against the chosen source's `rate`: its
+        time beyond what the chosen takes for the tokens it is expected to commit (at the better of its
+        estimate and its drafter's history: a drafter usually right is probed again soon after an unlucky
+        stretch, one near the chosen source often, a useless one rarely; for a probe of its time alone,
+        plain decoding's tokens: its drafts all rejected)."""
+        tokens = src.expected(width, hoped=True) if hopeful else self.plain.expected(1)
+        return max(0.0, self.seconds(src, width) - tokens / rate)
 
     def _waited(self, src: Source, chosen: Source, b: int, loss: float) -> bool:
         """Whether `src` has waited long enough for a probe losing `loss` seconds to cost BUDGET of the time

@@ -28,10 +28,12 @@ class AcceptanceEstimate:
         discount: float = DISCOUNT,
         priors: list[float] | None = None,
         record: Callable[[int, int], None] | None = None,
+        hopes: list[float] | None = None,
     ):
         """`priors`: per position, the drafter's long-run rates (`DrafterHistory`), each weighing
         LEARNT_WEIGHT cycles, instead of the fixed prior; `record(drafted, accepted)` is told every
-        observation (the history's)."""
+        observation (the history's); `hopes`: rates a probe may hope for (the history's, where it has
+        observed any: a drafter usually right is probed again soon after an unlucky stretch)."""
         if positions < 0:
             raise ValueError(f"positions must be >= 0, got {positions}.")
         self.prior, self.weight, self.discount = prior, weight, discount
@@ -39,6 +41,7 @@ class AcceptanceEstimate:
         self.seen = [0.0] * positions  # discounted observations per position
         self.record = record
         self._priors = list(priors[:positions]) + [prior] * (positions - len(priors)) if priors is not None else None
+        self.hopes = list(hopes[:positions]) if hopes is not None else None
         self._prior_weights = [LEARNT_WEIGHT] * positions if priors is not None else []
 
     @property
@@ -90,9 +93,14 @@ class AcceptanceEstimate:
     def rate(self, k: int) -> float:
         return self.rates()[k]
 
-    def expected_tokens(self, max_block: int, floor: float = 0.0) -> list[float]:
-        """[E(1), E(2), ..., E(max_block)] (`floor`: with every rate at least that: what a probe hopes)."""
-        rates = [max(floor, r) for r in self.rates()]
+    def expected_tokens(self, max_block: int, floor: float = 0.0, hoped: bool = False) -> list[float]:
+        """[E(1), E(2), ..., E(max_block)] (`floor`: with every rate at least that, what a probe hopes;
+        `hoped`: at the better of these rates and `hopes`, where given: what a probe after an unlucky
+        stretch may commit)."""
+        rates = self.rates()
+        if hoped and self.hopes is not None:
+            rates = [max(r, h) for r, h in zip(rates, self.hopes + rates[len(self.hopes) :])]
+        rates = [max(floor, r) for r in rates]
         out, reach, total = [], 1.0, 1.0
         for b in range(1, max_block + 1):
             out.append(total)
