@@ -20,8 +20,9 @@ and how its cost is timed. `Choice` runs the rule for one request's policy
   sources, the better rate. A width slower than plain decoding is never
   taken for RESOLUTION's sake.
 - **Probes.** A source not chosen is run now and then: at once while its
-  cost wants measuring (`CostModel.stale`: never timed in this process, or
-  not since the machine changed the way that may make it the better one) or
+  cost wants measuring (`CostModel.stale`: timed fewer than THIN times in
+  this process, or not since the machine changed the way that may make it
+  the better one) or
   after a probe of it paid; else once it has
   waited as many cycles as keep a probe's expected loss (its seconds beyond
   the time the chosen source takes for the tokens it is expected to commit,
@@ -37,7 +38,8 @@ and how its cost is timed. `Choice` runs the rule for one request's policy
 - **Timing.** A cycle's seconds go to its source's level unless it is the
   first after another source's and the source `settles` (plain decoding's
   first step after a block is not pipelined; a drafter's first block takes
-  in the rows that waited): a probe that wants timing runs two cycles.
+  in the rows that waited): a probe that wants timing runs that cycle and as
+  many more as bring its level to THIN timed cycles.
 
 Why each rule: docs/adaptive.md.
 """
@@ -47,7 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .cost import SURE, WINDOW, CostModel
+from .cost import SURE, THIN, WINDOW, CostModel
 from .estimate import PRIOR_RATE
 
 BUDGET = 0.01  # time failed probes may cost, against running the chosen source
@@ -147,7 +149,7 @@ class Choice:
         timing = self.wants_timing(src)
         if not (hopeful or self.cost.learns):
             return None  # (a probe for its time alone, where no time is learnt)
-        cycles = 2 if src.settles and (timing or not hopeful) else 1
+        cycles = self.cycles(src, timing or not hopeful)
         loss = cycles * self.loss(src, width, rate, hopeful)
         if not (timing or (src.due and hopeful) or self._waited(src, chosen, b, loss)):
             return None
@@ -155,9 +157,16 @@ class Choice:
         self._stretch = [(src, width)] * (cycles - 1)
         return src, width
 
+    def cycles(self, src: Source, timing: bool) -> int:
+        """A probe's cycles: one for its acceptance; for its time, its first after a switch not timed where it
+        `settles`, then as many as bring its level to THIN timed cycles (one at least)."""
+        if not timing:
+            return 1
+        return int(src.settles) + max(1, THIN - self.cost.level(src.name, self.rows, src.prior)[2])
+
     def wants_timing(self, src: Source) -> bool:
-        """Whether `src`'s cost wants measuring at once (`CostModel.stale`): never timed in this process, or
-        not since the machine changed the way that may make it the better source now: slower for plain
+        """Whether `src`'s cost wants measuring at once (`CostModel.stale`): timed fewer than THIN times in this
+        process, or not since the machine changed the way that may make it the better source now: slower for plain
         decoding (drafting suffers from another job at least as much), faster for the others (the job that
         made their rows dear may have stopped). A span source takes its drafter's cost meanwhile."""
         stale = self.cost.stale(src.name, self.rows)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 WINDOW = 8  # newest timed cycles per source and row count whose median is its level (4 times as many kept)
 CHANGE = 2.0  # a newest window all this many times slower or faster than the cycles before: the machine changed
 SURE = 2.0  # standard deviations past which a difference is taken as real (a change; drafting proven)
+THIN = 3  # timed cycles a level rests on before it is trusted (fewer: measured again at once)
 MAD_TO_SD = 1.4826  # (not tuned: a normal sample's standard deviation over its median absolute deviation)
 
 
@@ -142,14 +143,15 @@ class CostModel:
         return self.table(b, rows) * math.exp(self.level(source, rows, prior)[0])
 
     def stale(self, source: str, rows: int = 1) -> int | None:
-        """Whether `source`'s level wants measuring: None where it is fresh, 0 where it was never timed in
-        this process, else the way the machine changed since its last timed cycle (+1: a source that ran got
-        slower, -1: faster). A model that does not learn: always None."""
+        """Whether `source`'s level wants measuring: None where it is fresh, 0 where it rests on fewer than
+        THIN timed cycles in this process (one slow moment does not decide), else the way the machine
+        changed since its last timed cycle (+1: a source that ran got slower, -1: faster). A model that does
+        not learn: always None."""
         key = (rows, source)
         with self._lock:
             if not self.learns:
                 return None
-            return 0 if not self._levels.get(key) else self._stale.get(key)
+            return 0 if len(self._levels.get(key, ())) < THIN else self._stale.get(key)
 
     def add(self, source: str, b: int, seconds: float, rows: int = 1) -> None:
         """A timed cycle of `source` at width b with `rows` rows (nothing where the model does not learn)."""
