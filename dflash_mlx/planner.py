@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .acceptance import Acceptor
-from .proposers.base import Proposal, offered, source_name
+from .proposers.base import Proposal, offered, reads_features, source_name
 from .targets.quantized_kv import KVQuantization
 
 CONTEXT_BATCH = 64  # rows of b = 1 features the drafter receives at once
@@ -62,7 +62,7 @@ class DrafterContext:
     """
 
     def __init__(self, proposer):
-        self.proposer = proposer if proposer is not None and proposer.layer_ids else None
+        self.proposer = proposer if reads_features(proposer) else None
         self._waiting: list[mx.array] = []
         self._rows = 0
 
@@ -144,7 +144,7 @@ class CyclePlanner:
             b = self.policy.choose(room)
             i = next((i for i, n in enumerate(offers) if n), None)
             return self._span(i, min(b, offers[i] + 1)) if b > 1 and i is not None else self._drafted(b)
-        src, width = self.policy.choose_source(room, [(e, n + 1) for e, n in zip(self.entries, offers) if n])
+        src, width = self.policy.choose_from(room, [(e, n + 1) for e, n in zip(self.entries, offers) if n])
         return self._span(self.entries.index(src), width) if src in self.entries else self._drafted(width)
 
     def _span(self, i: int, width: int) -> Plan:

@@ -37,6 +37,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
 from .proposers import Proposer, as_proposer
+from .proposers.base import reads_features
 from .proposers.lookup import LookupIndex, LookupProposer
 from .targets.adapter import TargetAdapter
 from .targets.quantized_kv import KVQuantization, kv_quantization
@@ -105,7 +106,7 @@ class Session:
 
     def closed(self, settle) -> None:
         """The generation `settle` belongs to is over."""
-        if self._open is settle:
+        if self._open == settle:  # (a bound method is a new object at each access: equal, not identical)
             self._open = None
 
     def _settle(self) -> None:
@@ -137,7 +138,7 @@ class Session:
         rest = tokens[keep:]
         if rest:
             _, features = self.target.forward(mx.array(rest, mx.int32)[None], self.cache, logits=False)
-            feeds = self.proposer is not None and bool(self.proposer.layer_ids)
+            feeds = reads_features(self.proposer)
             if feeds:
                 self.proposer.add_context(features)
             mx.eval([c.state for c in self.cache if c is not None], self.proposer.state() if feeds else [])
@@ -215,7 +216,7 @@ class Session:
     def lookup_source(self, prompt: list[int]) -> LookupProposer:
         """The span source of a generation's copy-aware drafting, in step with `prompt` (the planner
         commits what the generation adds): the last generation's index, cut back to what it shares with
-        `prompt` (the cut rebuilds the index; a chat's next turn extends it)."""
+        `prompt` (trimmed in place; a chat's next turn extends it)."""
         if self._lookup_source is None:
             self._lookup = LookupIndex()
             self._lookup_source = LookupProposer(self._lookup)
@@ -234,17 +235,19 @@ class Session:
         a single-row update of a full ring cache, which cannot be undone.)
         """
         rollback(self.cache, record, keep=1)
-        if features is not None and self.proposer is not None and self.proposer.layer_ids:
+        if features is not None and reads_features(self.proposer):
             self.proposer.add_context(features[:, :1])
         self.tokens.append(anchor)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the arrays this session holds: target caches, drafter context, checkpoint."""
+        """Bytes this session holds: target caches, drafter context, checkpoint (arrays) and the lookup
+        index of copy-aware drafting."""
         arrays = [c.state for c in self.cache or [] if c is not None]
         arrays += self.proposer.state() if self.proposer is not None else []
         arrays += self._checkpoint.states if self._checkpoint else []
-        return sum(a.nbytes for _, a in tree_flatten(arrays) if isinstance(a, mx.array))
+        index = self._lookup.nbytes if self._lookup is not None else 0
+        return index + sum(a.nbytes for _, a in tree_flatten(arrays) if isinstance(a, mx.array))
 
     def copy(self) -> Session:
         """An independent session holding the same tokens (its own caches, drafter context and
@@ -262,6 +265,9 @@ class Session:
         other.cache = copy.deepcopy(self.cache)
         other.tokens, other._checkpoint = list(self.tokens), copy.deepcopy(self._checkpoint)
         other.prompt_length = self.prompt_length
+        if self._lookup is not None:  # (copied: rebuilding it would cost a pass over every token)
+            other._lookup = self._lookup.copy()
+            other._lookup_source = LookupProposer(other._lookup)
         return other
 
     def saved(self) -> dict:
@@ -281,7 +287,7 @@ class Session:
         """Hold a saved session's state (the caches must be this target's)."""
         if self._given:
             raise RuntimeError("A session over a caller's cache list cannot take another.")
-        if self.proposer is not None and self.proposer.layer_ids:
+        if reads_features(self.proposer):
             if draft is None:
                 raise ValueError("the saved session has no drafter context")
             self.proposer.restore_context(self.target, draft)
@@ -298,6 +304,12 @@ class Session:
                 c.trim(held(c) - checkpoint.position)
             else:
                 c.state = _copy(state)
+
+
+def adapter_for(model: nn.Module, proposer: Proposer | None) -> TargetAdapter:
+    """The target seen with the features `proposer` reads (its layers; the final hidden state)."""
+    layer_ids = proposer.layer_ids if proposer is not None else ()
+    return TargetAdapter(model, layer_ids, final=bool(getattr(proposer, "reads_final", False)))
 
 
 def check_draft_sampling(value: str) -> None:
@@ -326,7 +338,7 @@ def make_session(
     proposer = as_proposer(draft, model, max_draft_context)
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     return Session(
-        TargetAdapter(model, proposer.layer_ids if proposer else ()),
+        adapter_for(model, proposer),
         proposer,
         draft,
         draft_sampling=draft_sampling,

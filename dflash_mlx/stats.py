@@ -107,10 +107,13 @@ class RunStats:
 
     def sources_dict(self) -> dict[str, int]:
         """Tokens per source: "lookup" (copied from the context), the drafter's ("dflash", or a proposer's
-        own name), "target" (the target's own picks): the usual ones always, any other that drafted."""
+        own name such as "dspark"), "target" (the target's own picks): lookup and target always, "dflash"
+        unless another drafter drafted, any other that drafted."""
         if not self.sources:
             return {}
-        names = ["lookup", "dflash"] + sorted(set(self.sources) - {"lookup", "dflash", "target"}) + ["target"]
+        others = sorted(set(self.sources) - {"lookup", "dflash", "target"})
+        drafters = ["dflash"] if "dflash" in self.sources or not others else []
+        names = ["lookup", *drafters, *others, "target"]
         return {k: self.sources.get(k, 0) for k in names}
 
     def sources_line(self) -> str:

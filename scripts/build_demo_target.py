@@ -24,7 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "gsm8k_train.jsonl"
+DATA = Path(
+    os.environ.get("GSM8K_TRAIN") or Path(__file__).resolve().parents[2] / "shared" / "datasets" / "gsm8k_train.jsonl"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 GSM8K_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 CHAT_TEMPLATE = (
@@ -49,6 +51,16 @@ CONFIG = dict(
     bos_token_id=None,
     eos_token_id=2,
 )
+# `--family mimo`: the same size in MiMo's architecture (qwen2-style layers), whose checkpoints keep multi-token-
+# prediction heads (`dflash-mlx train --arch mtp` trains them; the MTP benchmark, scripts/build_mtp_bench.sh)
+FAMILIES = {
+    "qwen3": CONFIG,
+    "mimo": {
+        **{k: v for k, v in CONFIG.items() if k != "head_dim"},
+        "model_type": "mimo",
+        "num_nextn_predict_layers": 1,
+    },
+}
 
 
 def clean_answer(answer: str) -> str:
@@ -120,13 +132,15 @@ def token_stream(work: Path):
     return ids
 
 
-def train(work: Path, epochs: float, seq_len: int, batch: int, lr: float, save_every: int) -> None:
+def train(
+    work: Path, epochs: float, seq_len: int, batch: int, lr: float, save_every: int, family: str = "qwen3"
+) -> None:
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
     import numpy as np
     from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.models import qwen3
+    import importlib
 
     ids = token_stream(work)
     n_seq = (len(ids) - 1) // seq_len
@@ -135,7 +149,8 @@ def train(work: Path, epochs: float, seq_len: int, batch: int, lr: float, save_e
     print(f"{len(ids)} tokens, {n_seq} sequences of {seq_len}, {steps_per_epoch} steps/epoch, {total} steps")
 
     mx.random.seed(0)
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(CONFIG))
+    arch = importlib.import_module(f"mlx_lm.models.{family}")
+    model = arch.Model(arch.ModelArgs.from_dict(FAMILIES[family]))
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"parameters: {n_params / 1e6:.2f}M")
     warmup = max(1, int(0.03 * total))
@@ -207,7 +222,7 @@ def save_checkpoint(model, opt, step: int, ckpt: Path) -> None:
         os.rename(tmp, ckpt)
 
 
-def export(work: Path, out: Path) -> None:
+def export(work: Path, out: Path, family: str = "qwen3") -> None:
     import shutil
 
     import mlx.core as mx
@@ -218,7 +233,7 @@ def export(work: Path, out: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (tmp / "config.json").write_text(json.dumps(dict(CONFIG, torch_dtype="bfloat16"), indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(dict(FAMILIES[family], torch_dtype="bfloat16"), indent=2) + "\n")
     for f in (work / "tokenizer").iterdir():
         shutil.copy(f, tmp / f.name)
     shutil.rmtree(out, ignore_errors=True)
@@ -236,16 +251,17 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="qwen3", help="the target's architecture")
     a = p.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
     if a.step == "tokenizer":
         build_tokenizer(a.work)
     elif a.step == "train":
-        train(a.work, a.epochs, a.seq_len, a.batch_size, a.lr, a.save_every)
+        train(a.work, a.epochs, a.seq_len, a.batch_size, a.lr, a.save_every, a.family)
     else:
         if a.out is None:
             sys.exit("export needs --out DIR")
-        export(a.work, a.out)
+        export(a.work, a.out, a.family)
 
 
 if __name__ == "__main__":

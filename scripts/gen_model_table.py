@@ -39,8 +39,8 @@ def render_table(models_toml: Path) -> str:
     entries = _registry_module().load_registry(models_toml)
     lines = [
         "| name | target | also matches (MLX conversions, unverified) | drafter | family | block | kind "
-        "| reasoning | notes |",
-        "|---|---|---|---|---|---:|---|---|---|",
+        "| publisher | reasoning | notes |",
+        "|---|---|---|---|---|---:|---|---|---|---|",
     ]
     for e in entries:
         also = "<br>".join(f"`{m}`" for m in e.mlx_targets)
@@ -53,7 +53,7 @@ def render_table(models_toml: Path) -> str:
         notes = "; ".join(n for n in (e.notes, e.memory_note and f"**{e.memory_note}**") if n)
         lines.append(
             f"| `{e.name}` | `{e.target}`{where} | {also} | `{e.draft}`{where} | {e.family or ''} | {e.block_size} "
-            f"| {e.kind} | {reasoning} | {_cell(notes)} |"
+            f"| {e.kind} | {e.publisher or ''} | {reasoning} | {_cell(notes)} |"
         )
     return "\n".join(lines)
 

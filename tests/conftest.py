@@ -69,6 +69,13 @@ def tiny_draft(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def mtp_target(tmp_path_factory):
+    """Factory: ``mtp_target("qwen3_next", mtp_layers=1, ...) -> Path`` (a target keeping MTP heads,
+    ``helpers.make_mtp_target``)."""
+    return _Builder(tmp_path_factory.mktemp("mtp-targets"), helpers.make_mtp_target, "mtp")
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory):
     """Factory: ``tiny_tokenizer(add_bos=False) -> Path`` (tokenizer files only)."""
 

@@ -41,6 +41,9 @@ def test_models_lists_registry_entries():
     assert result.exit_code == 0, result.output
     assert "qwen3-4b" in result.output
     assert "z-lab/Qwen3-4B-DFlash-b16" in result.output
+    out = " ".join(result.output.split())
+    assert "RedHatAI/Qwen3.8-27B-speculator.dspark" in out and "published by the community" in out
+    assert "DSpark; published by the method's authors" in out
 
 
 def _console_script() -> str:
@@ -178,3 +181,18 @@ def test_ranks_sharing_a_machine_split_its_openblas_threads(tmp_path, monkeypatc
     _, new_env = openblas.reexec_plan(LIB, {**env, "OPENBLAS_NUM_THREADS": "3"}, EXE, ARGV)
     assert new_env["OPENBLAS_NUM_THREADS"] == "3"  # the user's choice stays
     assert "OPENBLAS_NUM_THREADS" not in openblas.reexec_plan(LIB, {}, EXE, ARGV)[1]
+
+
+def test_tables_and_headers_name_the_drafters_kind(tiny_pair):
+    """`dflash-mlx bench`'s legs and the chat header say DFlash, DFlash 2, DSpark, MTP or a proposer's name."""
+    from dflash_mlx.cli.common import drafter_label
+    from dflash_mlx.proposers.oracle import OracleProposer
+
+    _, _, draft = tiny_pair("qwen3")
+    assert drafter_label(draft) == "DFlash"
+    assert drafter_label(OracleProposer([1], [0], 8)) == "oracle"
+
+    class Heads:
+        name = "mtp"
+
+    assert drafter_label(Heads()) == "MTP"

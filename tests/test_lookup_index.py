@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import random
+import tracemalloc
 
 import pytest
 
+from dflash_mlx import make_session
 from dflash_mlx.proposers.lookup import LookupIndex
 
 
@@ -55,3 +57,79 @@ def test_truncate_forgets_what_was_cut():
 def test_a_continuation_that_reaches_the_end_copies_on():
     index = LookupIndex([7, 1, 2, 3, 1, 2, 3])
     assert index.propose(8) == [1, 2, 3, 1, 2, 3, 1, 2]  # the period repeats
+
+
+def _same_index(index: LookupIndex, fresh: LookupIndex) -> None:
+    """The same table and chains as a fresh build, and so the same proposals."""
+    assert index.tokens == fresh.tokens
+    assert index._ends == fresh._ends
+    assert [list(b) for b in index._before] == [list(b) for b in fresh._before]
+    for limit in (1, 4, 9):
+        assert index.propose(limit) == fresh.propose(limit)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_trimmed_index_proposes_what_a_fresh_one_of_the_kept_tokens_does(seed):
+    """Cut back in place (an occurrence past the cut falls back to an earlier one or goes), then grown again:
+    at every length the proposals (and the table) are those of an index built from scratch."""
+    rng = random.Random(seed)
+    alphabet = 3 + seed  # small alphabets: n-grams recur, so cut occurrences have earlier ones to fall back to
+    index = LookupIndex([rng.randrange(alphabet) for _ in range(300)])
+    for _ in range(8):
+        index.truncate(rng.randrange(0, len(index) + 2))
+        _same_index(index, LookupIndex(index.tokens))
+        for _ in range(rng.randrange(1, 40)):
+            index.extend([rng.randrange(alphabet)])
+            assert index.propose(6) == _brute_force(index.tokens, 6, 3, 8)
+        _same_index(index, LookupIndex(index.tokens))
+
+
+def test_follow_and_copy_keep_the_index_exact():
+    rng = random.Random(7)
+    tokens = [rng.randrange(4) for _ in range(200)]
+    index = LookupIndex(tokens)
+    other = tokens[:120] + [rng.randrange(4) for _ in range(50)]  # a conversation edited at token 120
+    index.follow(other)
+    _same_index(index, LookupIndex(other))
+    copy = index.copy()
+    copy.extend([1, 2, 3])
+    _same_index(index, LookupIndex(other))  # the copy is its own
+    _same_index(copy, LookupIndex(other + [1, 2, 3]))
+
+
+@pytest.mark.parametrize("vocab", [150_000, 40])
+def test_nbytes_is_within_a_fifth_of_what_the_index_allocates(vocab):
+    """tracemalloc's count of what building the index allocated (its table, tuples, positions, tokens and
+    chains) against `nbytes`: text of a large vocabulary (no n-gram repeats) and a repetitive one."""
+    rng = random.Random(0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tokens = [rng.randrange(257, 257 + vocab) for _ in range(20_000)]  # (ids beyond the cached small ints)
+        index = LookupIndex(tokens)
+        del tokens
+        built = index.nbytes, tracemalloc.get_traced_memory()[0] - before
+        index.truncate(12_000)  # (in place: the table keeps its size, the rest shrinks)
+        trimmed = index.nbytes, tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    for counted, allocated in (built, trimmed):
+        assert abs(counted - allocated) <= 0.2 * allocated, (counted, allocated)
+
+
+def test_a_sessions_bytes_count_its_lookup_index(tiny_pair):
+    """`Session.nbytes` grows by what building its lookup index allocates (tracemalloc, within a fifth)."""
+    model, _, draft = tiny_pair("qwen3")
+    session = make_session(model, draft)
+    rng, bare = random.Random(1), session.nbytes
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        prompt = [rng.randrange(257, 4096) for _ in range(8_000)]  # (its ids: the index's to keep)
+        session.lookup_source(prompt)
+        del prompt
+        allocated = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert abs((session.nbytes - bare) - allocated) <= 0.2 * allocated, (session.nbytes - bare, allocated)
+    assert session.copy().nbytes - bare > 0.8 * allocated  # a copied conversation keeps (and counts) its index

@@ -222,3 +222,23 @@ def test_the_console_script_and_the_server_take_the_kv_flags():
     finally:
         assert server.stop() == 0
     assert reply.choices[0].text == want and "one request at a time: a quantized KV cache" in server.stderr
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_dspark_drafter_with_a_quantized_kv_cache(tiny_pair_dirs, tmp_path, bits):
+    """The same check with a DSpark drafter (its rows drafted left to right, `proposers.dspark`)."""
+    from dflash_mlx import load_draft
+    from helpers import load_pair
+    from helpers.dspark import make_dspark
+
+    target_dir, _ = tiny_pair_dirs("qwen3", head_dim=32)
+    model, tokenizer, _ = load_pair(target_dir)
+    draft = load_draft(make_dspark(tmp_path / "dspark", target_dir, target_layer_ids=[1, 2]), model)
+    prompt = prompt_ids(14, seed=4)
+    with without_eos(tokenizer) as tok:
+        for start, block_size in [(0, 8), (14, 4), (23, 8)]:
+            kw = dict(KV, kv_bits=bits, quantized_kv_start=start, prefill_step_size=5)
+            got, want = run_both(model, tok, draft, prompt, 40, block_size, **kw)
+            kernels = kernel_difference(model, prompt, want, block_size, **kw)
+            assert_same_stream(got, want, logprob_atol=max(KERNEL_MARGIN * kernels, ULPS))
+            assert_cycle_accounting(got, block_size)

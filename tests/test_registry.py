@@ -13,6 +13,7 @@ from helpers import ALL_FAMILIES as TINY_FAMILIES
 from helpers.architectures import ARCHITECTURES
 from dflash_mlx.models.registry import (
     KINDS,
+    PUBLISHERS,
     RegistryEntry,
     RegistryError,
     load_registry,
@@ -32,6 +33,7 @@ draft = "acme/Tiny-1B-DFlash"
 block_size = 8
 family = "qwen3"
 kind = "dflash"
+publisher = "authors"
 notes = "test entry"
 """
 
@@ -67,6 +69,7 @@ def test_known_pair_fields():
         draft="z-lab/Qwen3-4B-DFlash-b16",
         block_size=16,
         kind="dflash",
+        publisher="authors",
         family="qwen3",
         mlx_targets=(
             "mlx-community/Qwen3-4B-bf16",
@@ -81,7 +84,11 @@ def test_known_pair_fields():
     llama = lookup("llama3.1-8b-instruct")
     assert llama.block_size == 10
     assert llama.draft == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
-    assert {e.kind for e in registry_entries()} <= {"dflash", "dflash2"}
+    assert "dspark" in {e.kind for e in registry_entries()} and {e.kind for e in registry_entries()} <= set(KINDS)
+    assert {e.publisher for e in registry_entries() if not e.bundled} <= set(PUBLISHERS)
+    dspark = lookup("qwen3-14b")
+    assert (dspark.kind, dspark.publisher, dspark.draft) == ("dspark", "authors", "deepseek-ai/dspark_qwen3_14b_block7")
+    assert lookup("Qwen/Qwen3.8-27B").publisher == "community"
 
 
 @pytest.mark.parametrize(
@@ -131,6 +138,8 @@ def test_load_registry_from_file(tmp_path):
         ("block_size = 8", 'block_size = "8"', "block_size"),
         ("block_size = 8", "block_size = 1", "block_size"),
         ('kind = "dflash"', 'kind = "eagle"', "kind"),
+        ('publisher = "authors"', 'publisher = "someone"', "publisher"),
+        ('publisher = "authors"\n', "", "publisher"),
         ('draft = "acme/Tiny-1B-DFlash"', 'draft = "not a repo"', "draft"),
         ('draft = "acme/Tiny-1B-DFlash"\n', "", "draft"),
         ('family = "qwen3"', "family = 3", "family"),

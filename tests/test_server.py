@@ -128,7 +128,8 @@ def streamed_text(events, kind):
 
 
 def test_models_health_and_unknown_paths(server):
-    assert request(server, "GET", "/health") == (200, {"status": "ok"})
+    status, health = request(server, "GET", "/health")  # (use against the byte budget: test_server_budget)
+    assert status == 200 and health["status"] == "ok" and health["requests"]["running"] == 0
     status, body = request(server, "GET", "/v1/models")
     assert status == 200 and [m["id"] for m in body["data"]] == ["tiny"] and body["data"][0]["draft"]
     assert request(server, "GET", "/v1/nothing")[0] == 404

@@ -386,15 +386,15 @@ def test_the_three_dialects_batch_together(server, monkeypatch):
         "responses": ("/v1/responses", {"model": "scripted", "input": QUESTION, "tools": [FUNCTION]}),
     }
     alone = {name: post(server, *job)[1] for name, job in jobs.items()}
-    worker, prepare, held = server.worker, server.worker.prepare, []
+    worker, running, held = server.worker, server.worker.running, []
 
-    def when_all_queued(job):  # the first job admitted waits for the others to be queued (once)
-        while not held and worker._jobs.qsize() < len(jobs) - 1:
+    def when_all_queued(job, now):  # the first job admitted waits for the others to be queued (once)
+        while now and not held and worker._jobs.qsize() < len(jobs) - 1:
             threading.Event().wait(0.01)
         held.append(job)
-        return prepare(job)
+        return running(job, now)
 
-    monkeypatch.setattr(worker, "prepare", when_all_queued)
+    monkeypatch.setattr(worker, "running", when_all_queued)
     together = {}
     threads = [
         threading.Thread(target=lambda n=name, j=job: together.__setitem__(n, post(server, *j)[1]))

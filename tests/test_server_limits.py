@@ -3,13 +3,15 @@
 - The real ``dflash-mlx serve`` on the bundled pair, batched (the default) and
   ``--decode-concurrency 1``: a table of hostile and odd requests covering every
   request field (oversized numbers, wrong types, deep nesting, huge stop lists,
-  unknown fields, content parts, a stream cancelled mid-flight), each followed
-  by a normal request that must return the reply it returned before the sweep;
-  then good and bad requests interleaved from threads.
-- In process, faults injected into each stage of the batched loop (admit,
-  prefill, step, deliver, save) and of the one-at-a-time worker fail only the
-  requests of that stage; the others get the texts they get when served
-  alone, and the server serves on; a fault in the loop itself restarts it.
+  unknown fields, content parts, a stream cancelled mid-flight, bodies larger
+  than a prompt filling the context can take: 413), each followed by a normal
+  request that must return the reply it returned before the sweep; then good
+  and bad requests interleaved from threads.
+- In process, faults injected into each stage of the batched loop (admit:
+  preparing it in its handler's thread; prefill, step, deliver, save) and of
+  the one-at-a-time worker fail only the requests of that stage; the others
+  get the texts they get when served alone, and the server serves on; a fault
+  in the loop itself restarts it.
 - A request whose caches cannot fit in the memory budget even alone is
   refused, naming max_tokens or the prompt.
 - The library and the CLI refuse a block wider than the drafter's.
@@ -38,6 +40,7 @@ QUESTION = "Tom has 3 boxes with 12 apples each. How many apples?"
 MESSAGES = [{"role": "user", "content": QUESTION}]
 NORMAL = {"model": "demo", "messages": MESSAGES, "max_tokens": 24}
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+BIG = {"role": "user", "content": "apples " * (20 * 2**20 // 7)}  # one long message: a 20 MB body
 
 
 def _chat(**fields) -> dict:
@@ -82,7 +85,7 @@ HOSTILE = [
     ("seed 2**64", CHAT, _chat(seed=2**64), None, BAD),
     ("seed negative", CHAT, _chat(seed=-1), None, BAD),
     ("stop: 10,000 sequences", CHAT, _chat(stop=["x"] * 10_000), None, BAD),
-    ("stop: one of a million characters", CHAT, _chat(stop=["x" * 1_000_000]), None, BAD),
+    ("stop: one of 10,000 characters", CHAT, _chat(stop=["x" * 10_000]), None, BAD),
     ("stop: an empty string", CHAT, _chat(stop=[""]), None, BAD),
     ("stop: a number", CHAT, _chat(stop=5), None, BAD),
     ("repetition_context_size 10**12", CHAT, _chat(repetition_penalty=1.1, repetition_context_size=10**12), None, BAD),
@@ -125,7 +128,8 @@ HOSTILE = [
         BAD,
     ),
     ("a message without a role", CHAT, _chat(messages=[{"content": "hi"}]), None, BAD),
-    ("a prompt of 200,000 words", CHAT, _chat(messages=[{"role": "user", "content": "apples " * 200_000}]), None, BAD),
+    ("a prompt of 20,000 words", CHAT, _chat(messages=[{"role": "user", "content": "apples " * 20_000}]), None, BAD),
+    ("a body of 20 MB (beyond what the context can take)", CHAT, _chat(messages=[BIG]), None, {413}),
     ("tools not a list", CHAT, _chat(tools="all"), None, BAD),
     (
         "a tool with a deep schema",
@@ -186,7 +190,7 @@ HOSTILE = [
         BAD,
     ),
     (
-        "response_format: an enum of 200,000 strings",
+        "response_format: an enum of 200,000 strings (a body beyond what the context can take)",
         CHAT,
         _chat(
             response_format={
@@ -195,7 +199,7 @@ HOSTILE = [
             }
         ),
         None,
-        BAD,
+        {413},
     ),
     (
         "response_format: an array of at least 10**9 items (cut by max_tokens)",
@@ -274,7 +278,7 @@ HOSTILE = [
     ("metadata of 17 keys", CHAT, _chat(metadata={str(i): "v" for i in range(17)}), None, BAD),
     ("metadata a list", CHAT, _chat(metadata=["a"]), None, BAD),
     ("service_tier a number", CHAT, _chat(service_tier=5), None, BAD),
-    ("safety_identifier of a million characters", CHAT, _chat(safety_identifier="x" * 10**6), None, BAD),
+    ("safety_identifier of 10,000 characters", CHAT, _chat(safety_identifier="x" * 10_000), None, BAD),
     ("prompt_cache_key an object", CHAT, _chat(prompt_cache_key={"a": 1}), None, BAD),
     ("prompt_cache_options with more", CHAT, _chat(prompt_cache_options={"mode": "implicit", "x": 1}), None, BAD),
     ("modalities audio", CHAT, _chat(modalities=["audio"]), None, BAD),
@@ -442,6 +446,7 @@ def _input(**fields) -> dict:
     return {**INPUT, **fields}
 
 
+TOO_LARGE = "413"  # refused before it is read: larger than what a prompt filling the context can take
 # (name, path, body, the field a 400 names; None: served, 200)
 DIALECT_HOSTILE = [
     ("messages: max_tokens missing", ANTHROPIC, _ask(max_tokens=None), "max_tokens"),
@@ -457,16 +462,16 @@ DIALECT_HOSTILE = [
     ("messages: top_k beyond the vocabulary", ANTHROPIC, _ask(top_k=10**12), "top_k"),
     ("messages: 10,000 stop sequences", ANTHROPIC, _ask(stop_sequences=["x"] * 10_000), "stop_sequences"),
     (
-        "messages: a stop sequence of a million characters",
+        "messages: a stop sequence of 10,000 characters",
         ANTHROPIC,
-        _ask(stop_sequences=["x" * 10**6]),
+        _ask(stop_sequences=["x" * 10_000]),
         "stop_sequences",
     ),
     ("messages: content not a list", ANTHROPIC, _ask(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
     (
-        "messages: 100,000 text blocks",
+        "messages: 5,000 text blocks (longer than the context)",
         ANTHROPIC,
-        _ask(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * 100_000}]),
+        _ask(messages=[{"role": "user", "content": [{"type": "text", "text": "apples "}] * 5_000}]),
         "messages",
     ),
     ("messages: a role of its own", ANTHROPIC, _ask(messages=[{"role": "system", "content": "hi"}]), "messages[0]"),
@@ -523,20 +528,26 @@ DIALECT_HOSTILE = [
         None,
     ),
     (
-        "count_tokens: 200,000 words",
+        "count_tokens: 20,000 words (beyond the context: counted)",
         "/v1/messages/count_tokens",
-        {"model": "demo", "messages": [{"role": "user", "content": "apples " * 200_000}]},
+        {"model": "demo", "messages": [{"role": "user", "content": "apples " * 20_000}]},
         None,
     ),
     ("count_tokens: max_tokens", "/v1/messages/count_tokens", _ask(), "max_tokens"),
     (
-        "messages: a prompt of 200,000 words",
+        "messages: a prompt of 20,000 words",
         ANTHROPIC,
-        _ask(messages=[{"role": "user", "content": "apples " * 200_000}]),
+        _ask(messages=[{"role": "user", "content": "apples " * 20_000}]),
         "messages",
     ),
     ("responses: input a number", RESPONSES, _input(input=5), "input"),
-    ("responses: 100,000 items", RESPONSES, _input(input=[{"role": "user", "content": "a"}] * 100_000), "input"),
+    (
+        "responses: 5,000 items (longer than the context)",
+        RESPONSES,
+        _input(input=[{"role": "user", "content": "apples "}] * 5_000),
+        "input",
+    ),
+    ("responses: a body of 20 MB", RESPONSES, _input(input=[BIG]), TOO_LARGE),
     (
         "responses: an item without a role",
         RESPONSES,
@@ -590,10 +601,10 @@ DIALECT_HOSTILE = [
         "output_config.format.schema",
     ),
     (
-        "messages: output_config.format a schema of 200,000 enum values",
+        "messages: output_config.format a schema of 200,000 enum values (a body beyond the context)",
         ANTHROPIC,
         _ask(output_config={"format": {"type": "json_schema", "schema": {"enum": [f"v{i}" for i in range(200_000)]}}}),
-        "output_config.format.schema",
+        TOO_LARGE,
     ),
     (
         "messages: output_config.format json_schema",
@@ -625,6 +636,8 @@ def test_hostile_requests_in_the_agent_dialects_leave_the_server_serving_unchang
         status, reply = _post(served.url, path, body)
         if field is None:
             assert status == 200, (name, reply)
+        elif field == TOO_LARGE:
+            assert status == 413 and "context" in json.dumps(reply), (name, status, reply)
         else:
             assert status == 400, (name, status, reply)
             assert reply["error"]["message"].startswith(field + ":"), (name, reply)
@@ -680,9 +693,9 @@ def _inject(app, stage: str, monkeypatch) -> list:
         raise Injected(stage)
 
     if stage == "admit":
-        prepare = worker.prepare
+        prepare = worker.prepare  # (in the request's handler thread, before it is queued)
         monkeypatch.setattr(
-            worker, "prepare", lambda job: fail([FAULTY]) if _is_faulty(job.request.prompt) else prepare(job)
+            worker, "prepare", lambda request: fail([FAULTY]) if _is_faulty(request.prompt) else prepare(request)
         )
     elif stage in ("prefill", "step"):
         make = batching.batch_decoder
@@ -794,7 +807,7 @@ def test_a_failing_loop_is_restarted_not_left_dead(no_eos_pair, monkeypatch):
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_a_request_whose_caches_cannot_fit_alone_is_refused(no_eos_pair, concurrency):
     model, tok, draft = no_eos_pair
-    footprint = Footprint.measure(lambda: make_session(model, draft))
+    footprint = Footprint.measure(lambda: make_session(model, draft), lookup=True)  # (as the server measures it)
     budget = weight_bytes(model, draft) + footprint.bytes(300)  # room for one allocation step of tokens
     app = make_server(model, tok, draft, port=0, decode_concurrency=concurrency, max_batch_bytes=budget).start()
     try:

@@ -7,11 +7,14 @@
   returns a valid parsed object with DFlash on (cycles of more than one token in the ``dflash`` object),
   whole and streamed; the Responses API's ``text.format`` (``responses.parse``) and Anthropic's
   ``output_config.format`` too; a schema llguidance cannot compile is a 400 naming ``response_format``
-  (``text.format``, ``output_config.format``).
+  (``text.format``, ``output_config.format``), and so are the issue's two schemas that compile but fail at
+  their first token (an ``anyOf`` of 5,000 objects, a ``$ref`` loop), in every dialect.
 - In process: the greedy text under a schema equals plain constrained decoding of the same model
   through mlx-lm (`GrammarLogitsProcessor`), for concurrent requests with different schemas (batched
   rows) on the bundled pair and on a second family (a tiny llama pair); ``reasoning_effort`` switches
-  the template's reasoning and the legacy ``functions`` round trip (the scripted target).
+  the template's reasoning and the legacy ``functions`` round trip (the scripted target); a schema that
+  fails mid-output is its request's 400 naming ``response_format`` while the requests beside it (rows of
+  its batch) get the text they get alone, with ``--decode-concurrency`` 1 and 4.
 """
 
 from __future__ import annotations
@@ -154,8 +157,25 @@ def test_the_responses_and_messages_apis_take_a_schema(demo):
     Order.model_validate_json("".join(b.text for b in message.content if b.type == "text"))
 
 
-def test_a_schema_the_grammar_library_rejects_is_a_400_naming_the_field(demo):
-    bad = {"type": "object", "properties": {"a": {"type": "strin"}}}
+# the issue's two schemas: both compile, then fail at the first token (5,000 alternatives once the forced
+# "{" is taken, past llguidance's limits; a reference loop that never reaches a token)
+ROW_LIMIT = {"anyOf": [{"type": "object", "properties": {"k": {"const": i}}} for i in range(5000)]}
+REF_LOOP = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+MID_OUTPUT = {  # starts (a free integer first), then fails at "a"
+    "type": "object",
+    "properties": {"x": {"type": "integer"}, "a": ROW_LIMIT},
+    "required": ["x", "a"],
+}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"type": "object", "properties": {"a": {"type": "strin"}}}, ROW_LIMIT, REF_LOOP],
+    ids=["an unknown type", "anyOf of 5,000 objects", "a $ref loop"],
+)
+def test_a_schema_the_grammar_library_rejects_is_a_400_naming_the_field(demo, bad):
+    """Refused while compiling, or at the first token (the issue's two schemas compile, then fail there):
+    a 400 naming the format field of each dialect, before anything is queued."""
     client = _client(demo.url)
     with pytest.raises(openai.BadRequestError) as caught:
         _chat(client, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": bad}})
@@ -175,6 +195,7 @@ def test_a_schema_the_grammar_library_rejects_is_a_400_naming_the_field(demo):
             output_config={"format": {"type": "json_schema", "schema": bad}},
         )
     assert caught.value.body["error"]["message"].startswith("output_config.format.schema:")
+    assert demo.proc.poll() is None and "Traceback" not in demo.stderr, demo.stderr
 
 
 # -- in process: equal to plain constrained decoding ----------------------------------------------
@@ -279,3 +300,40 @@ def test_the_legacy_functions_round_trip(scripted):
     assert status == 200 and answer["choices"][0]["message"]["content"], answer
     status, refused = _post(scripted, "/v1/chat/completions", {**body, "function_call": {"name": 5}})
     assert status == 400 and refused["error"]["param"] == "function_call"
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_a_grammar_that_fails_is_its_requests_400_and_the_others_are_served_as_alone(concurrency):
+    """Beside two ordinary requests (and in a batch, as rows beside them): a schema the grammar library
+    cannot start is refused before it is queued, one that fails mid-output ends with a 400 naming its
+    format field; the ordinary requests get the text they get alone, in both worker modes."""
+    model, tokenizer, draft = load("demo")
+    plain = [{"messages": MESSAGES, "max_tokens": 40}, {"prompt": QUESTION, "max_tokens": 40}]
+    paths = ["/v1/chat/completions", "/v1/completions"]
+    failing = [
+        {"messages": MESSAGES, "max_tokens": 40, "response_format": {"type": "json_schema", "json_schema": s}}
+        for s in ({"name": "start", "schema": ROW_LIMIT}, {"name": "mid", "schema": MID_OUTPUT})
+    ]
+    server = make_server(model, tokenizer, draft, port=0, model_id="demo", decode_concurrency=concurrency).start()
+    try:
+        alone = [_post(server, path, body) for path, body in zip(paths, plain)]
+        replies: list = [None] * 4
+
+        def ask(i):
+            replies[i] = _post(server, (paths + paths[:1] * 2)[i], (plain + failing)[i])
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        after = _post(server, paths[0], plain[0])  # the server serves on, unchanged
+    finally:
+        server.stop()
+    for (status, body), want in zip(replies[:2], alone):
+        assert status == 200 and body["choices"] == want[1]["choices"], (body, want)
+    (start_status, start), (mid_status, mid) = replies[2:]
+    assert start_status == 400 and start["error"]["param"] == "response_format.json_schema.schema", start
+    assert mid_status == 400 and mid["error"]["param"] == "response_format", mid
+    assert mid["error"]["message"].startswith("response_format: "), mid
+    assert after[0] == 200 and after[1]["choices"] == alone[0][1]["choices"], after

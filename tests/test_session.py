@@ -308,3 +308,19 @@ def test_the_draft_sampling_choice_belongs_to_its_call(tiny_pair):
     seen.clear()
     list(stream_generate(model, spy, tokenizer, "the cat", max_tokens=12, temperature=0.8, session=argmax_session))
     assert seen and all(s is None for s in seen)
+
+
+def test_a_finished_generation_leaves_nothing_open_on_its_session(tiny_pair):
+    """A generation run to its end (or closed) lets go of its session: nothing of its loop stays reachable
+    from the session (else every session kept a reference cycle through its last loop, and memory a prompt
+    cache evicts would wait for the cyclic collector)."""
+    model, tokenizer, draft = tiny_pair("qwen3")
+    session = make_session(model, draft)
+    with without_eos(tokenizer) as tok:
+        run(model, draft, tok, session, prompt_ids(20, seed=21), 12)
+        assert session._open is None
+        stream = stream_generate(model, draft, tok, prompt_ids(20, seed=22), max_tokens=40, session=session)
+        next(stream)
+        assert session._open is not None  # (open: settled should the session be used before it is closed)
+        stream.close()
+        assert session._open is None

@@ -353,3 +353,19 @@ def test_the_shard_group_is_found_wherever_shard_puts_it():
     mlp = model.model.layers[0].mlp
     mlp.experts = [mlp.up_proj, AllToShardedLinear.from_linear(mlp.gate_proj, group=group)]  # a list of children
     assert tensor_group(model) is group
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_sharded_greedy_with_a_dspark_drafter(pairs, tmp_path, family):
+    """A DSpark drafter on a tensor-sharded target: its own head (qwen3), the target's vocabulary-sharded
+    head reused (qwen3_5); every rank generates mlx-lm's tokens."""
+    from helpers.dspark import make_dspark
+
+    target, _ = pairs[family]
+    draft = make_dspark(tmp_path / "dspark", target, target_layer_ids=[1, 2], own_head=family == "qwen3")
+    prompt = prompt_ids(12, seed=3)
+    want = single_process_greedy(target, prompt, 24)
+    runs = [dict(prompt=prompt, max_tokens=24, block_size=b) for b in (3, 8)] + [dict(prompt=prompt, max_tokens=24)]
+    rank0, rank1 = run_ranks(tmp_path, target=str(target), draft=str(draft), runs=runs)
+    assert "error" not in rank0 and "error" not in rank1, (rank0.get("error"), rank1.get("error"))
+    assert rank0["runs"] == rank1["runs"] == [want] * len(runs)

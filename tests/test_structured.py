@@ -213,14 +213,26 @@ def test_a_format_llguidance_cannot_compile_is_a_value_error(demo):
 # -- sampling -----------------------------------------------------------------------------------
 
 RUNS = 1500
+# a DSpark drafter with the target's embedding and head and a small Markov bias (drafts like the DFlash one's)
+DSPARK_REUSING_THE_TARGETS_HEAD = dict(
+    target_layer_ids=[1, 2], head_std=0.01, own_head=False, own_embedding=False, seed=1, block_size=4, logits_start=1
+)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["dflash", "dspark"])
 @pytest.mark.parametrize("draft_sampling", ["sample", "argmax"])
-def test_sampled_tokens_follow_the_constrained_target(tiny_pair, draft_sampling):
+def test_sampled_tokens_follow_the_constrained_target(tiny_pair, qwen3_target, tmp_path, draft_sampling, drafter):
     """Over seeded runs, the first two tokens under a grammar follow the target's distribution masked by
-    the grammar (enumerated with the target); the second comes from a cycle verifying a draft."""
+    the grammar (enumerated with the target); the second comes from a cycle verifying a draft. A DSpark
+    drafter (the target's head, a Markov bias) has its rows chosen one by one under the grammar, q with the
+    bias of the draft before."""
     model, tokenizer, draft = tiny_pair("qwen3")
+    if drafter == "dspark":
+        from dflash_mlx import load_draft
+        from helpers.dspark import make_dspark
+
+        draft = load_draft(make_dspark(tmp_path / "dspark", qwen3_target, **DSPARK_REUSING_THE_TARGETS_HEAD), model)
     prompt = prompt_ids(6, seed=5)
     grammar = Grammar(tokenizer, llguidance.grammar_from("regex", "[a-z ]{1,12}"))
     settings = SamplingSettings(temperature=1.5)

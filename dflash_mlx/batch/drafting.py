@@ -6,7 +6,9 @@ one batch (`draft_logits_together`); each row then chooses its drafts from
 its own logits as its own call would (argmax, a sample of q, or under its
 grammar). Other rows draft one by one through their planner (a span source's
 span, a proposer without the hooks). Drafts only decide how many tokens a
-verify accepts, never which, so every row's output is what it is alone.
+verify accepts, never which, so every row's output is what it is alone. A
+row whose grammar fails while drafting (`faulted`) drafts nothing and leaves
+after the step; the other rows are untouched.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import mlx.core as mx
 
 from ..planner import Plan
 from ..proposers.base import Proposal
+from ..structured.constraint import GrammarFault
 
 
 def propose_rows(rows: list, plans: list[Plan], count: int) -> list[Proposal | None]:
@@ -35,7 +38,7 @@ def propose_rows(rows: list, plans: list[Plan], count: int) -> list[Proposal | N
         for i in members:
             row, plan = rows[i], plans[i]
             anchor = mx.array([row.anchor], mx.int32)
-            out[i] = row.planner.draft(plan, anchor, row.position, None if plan.spans else count)
+            out[i] = faulted(row, row.planner.draft, plan, anchor, row.position, None if plan.spans else count)
     return out
 
 
@@ -49,4 +52,14 @@ def _together(rows: list, count: int) -> list[Proposal]:
             r.acceptor.next_key()  # (the keys a row draws stay those of its own proposer calls)
         best = mx.argmax(logits, axis=-1).astype(mx.int32)
         return [Proposal(tokens=best[i]) for i in range(len(rows))]
-    return [r.planner.drafts_from_logits(logits[i]) for i, r in enumerate(rows)]
+    return [faulted(r, r.planner.drafts_from_logits, logits[i]) for i, r in enumerate(rows)]
+
+
+def faulted(row, stage, *args):
+    """`stage(*args)`, one row's own grammar work; None when its grammar fails there (`row.fault` is set: the
+    row leaves after this step, the others go on)."""
+    try:
+        return stage(*args)
+    except GrammarFault as e:
+        row.fault = e
+        return None

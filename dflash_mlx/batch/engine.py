@@ -11,7 +11,10 @@ and masks), each row's acceptor judges its own rows, and each row keeps its
 own accepted prefix (a ragged KV row is shortened; a Gated DeltaNet row is
 replayed over its kept rows). A row that stops (a stop token, its
 max_tokens) leaves: its caches go back to its session, which a prompt cache
-can keep. The output of every row is what it would be served alone.
+can keep. A row whose grammar fails (`structured.GrammarFault`: a limit
+of the grammar library met mid-output) leaves at that step with its `fault`
+and no tokens; the other rows go on. The output of every row is what it
+would be served alone.
 
 Every row of a step verifies the same block b: the decoder's fixed block,
 or with a `block_choice.BatchBlockChoice` the b that maximises the batch's
@@ -43,7 +46,7 @@ import mlx.core as mx
 from ..acceptance import Acceptor
 from ..engine import speculative_cycles
 from ..models.block_size import check_block_size
-from ..policy.adaptive import AdaptiveBlock, adaptive_policy
+from ..policy.adaptive import AdaptiveBlock, adaptive_policy, choose_source
 from ..policy.calibration import cost_model
 from ..planner import CyclePlanner, Plan
 from ..policy.base import FixedBlock
@@ -52,7 +55,7 @@ from ..sampling import log_softmax
 from ..session import Session
 from ..targets.rollback import rollback
 from .block_choice import BatchBlockChoice
-from .drafting import propose_rows
+from .drafting import faulted, propose_rows
 from .prefill import prefill_together
 from .ragged_cache import batch_layer, batch_problem, keep_rows, unbatch_layer
 
@@ -75,6 +78,7 @@ class BatchRow:
     position: int = 0  # the anchor's position
     committed: int = 0
     finish: str | None = None
+    fault: Exception | None = None  # its grammar failed (`structured.GrammarFault`): it leaves at this step
 
 
 @dataclass
@@ -88,6 +92,7 @@ class RowTokens:
     block_size: int
     finish: str | None  # "stop", "length" or None
     source: str = "target"  # what drafted its accepted drafts: a source's name
+    fault: Exception | None = None  # the row's grammar failed: it left with no tokens ("error")
 
 
 class BatchDecoder:
@@ -106,7 +111,7 @@ class BatchDecoder:
         self.rows: list[BatchRow] = []
         self._cache: list | None = None  # the batch's caches while rows are in it
         self._next_uid = 0
-        self._costs: dict = {}  # (max block, sampled) -> the single-request cost model of this setup
+        self._costs: dict = {}  # (max block, sampled, drafter) -> the single-request cost model of this setup
 
     # -- rows joining and leaving ---------------------------------------------------------------
 
@@ -239,14 +244,16 @@ class BatchDecoder:
         policy = None
         if not fixed and cap > 1:  # alone, a row chooses as `stream_generate` does (greedy: carrying history)
             sampled = not acceptor.settings.greedy
-            if (cap, sampled) not in self._costs:  # (looking a model up reads the models' facts)
-                self._costs[cap, sampled] = cost_model(self.target, session.proposer, cap, sampled=sampled)
+            cap = choose_source(self.target, session.proposer, cap, sampled=sampled)  # (a RatedChoice: its member)
+            key = (cap, sampled, id(getattr(session.proposer, "drafter", None)))
+            if key not in self._costs:  # (looking a model up reads the models' facts)
+                self._costs[key] = cost_model(self.target, session.proposer, cap, sampled=sampled)
             policy = adaptive_policy(
                 self.target,
                 session.proposer,
                 cap,
                 carry=not sampled,
-                cost=self._costs[cap, sampled],
+                cost=self._costs[key],
                 frozen=acceptor.seeded,
             )
         row = BatchRow(
@@ -345,33 +352,37 @@ class BatchDecoder:
 
     def _take(self, rows: list, verdicts: list, plans: list[Plan], b: int) -> tuple[list, list[int], list]:
         """Each row's share of the step: its tokens (cut at its stop token and max_tokens), committed to its
-        session and planner; the rows kept per row and the acceptance its drafter showed (None: a span's)."""
+        session and planner; the rows kept per row and the acceptance its drafter showed (None: a span's).
+        A row whose grammar failed (`fault`) commits nothing and leaves."""
         out, keep, accepts = [], [], []
         for i, (row, plan) in enumerate(zip(self.rows, plans)):
             values = verdicts[i]
             # (past a row's own drafts the committed token is the target's: argmax, or a sample of its
             # distribution whether the padding there was accepted under q one-hot or replaced)
             accepted = min(values[0], plan.width - 1)
-            accepts.append(None if plan.spans else accepted)
+            accepts.append(None if plan.spans or row.fault else accepted)
             tokens = values[1 : accepted + 2]
             room = row.max_tokens - row.committed if row.max_tokens >= 0 else len(tokens)
-            tokens = tokens[:room]
+            tokens = tokens[:room] if row.fault is None else []
             stop = next((k for k, t in enumerate(tokens) if t in row.stop_tokens), None)
             finish = None
             if stop is not None:
                 tokens, finish = tokens[: stop + 1], "stop"
             elif row.max_tokens >= 0 and row.committed + len(tokens) >= row.max_tokens:
                 finish = "length"
-            keep.append(len(tokens))
-            row.session.fed([row.anchor] + tokens[:-1])
-            row.planner.commit(tokens)
-            row.committed += len(tokens)
-            row.position += len(tokens)
-            row.anchor = tokens[-1]
-            row.finish = finish
-            logprobs = log_softmax(rows[i][: len(tokens)])
+            keep.append(max(len(tokens), 1))
+            if tokens:
+                row.session.fed([row.anchor] + tokens[:-1])
+                faulted(row, row.planner.commit, tokens)
+                row.committed += len(tokens)
+                row.position += len(tokens)
+                row.anchor = tokens[-1]
+            row.finish = "error" if row.fault is not None else finish
+            logprobs = log_softmax(rows[i][: len(tokens)]) if tokens else rows[i][:0]
             drafted = min(accepted, len(tokens))
-            out.append(RowTokens(row.uid, tokens, logprobs, drafted, min(b, row.max_block), finish, plan.name))
+            out.append(
+                RowTokens(row.uid, tokens, logprobs, drafted, min(b, row.max_block), row.finish, plan.name, row.fault)
+            )
         return out, keep, accepts
 
     def _learn(self, b: int, accepts: list, single: bool, seconds: float | None) -> None:
@@ -398,9 +409,9 @@ class BatchDecoder:
         """Each row's processed verify rows and [accepted, t_0..t_{b-1}] (one host sync for all).
 
         Greedy rows without logits processors or a grammar are judged together (argmax and the accepted
-        prefix over [B, b] at once); the others by their own acceptor."""
+        prefix over [B, b] at once); the others by their own acceptor (a row whose grammar failed: none)."""
         plain = [r.acceptor.raw_logits and r.acceptor.settings.greedy for r in self.rows]
-        rows = [logits[i] if plain[i] else r.acceptor.process(logits[i], drafts[i]) for i, r in enumerate(self.rows)]
+        rows = [logits[i] if plain[i] else self._processed(r, logits[i], drafts[i]) for i, r in enumerate(self.rows)]
         judged = {}
         together = [i for i, ok in enumerate(plain) if ok]
         if together:
@@ -413,7 +424,9 @@ class BatchDecoder:
                 accepted = mx.zeros((len(together), 1), mx.int32)
             judged["together"] = mx.concatenate([accepted, best], axis=1)
         for i, r in enumerate(self.rows):
-            if not plain[i]:
+            if r.fault is not None:
+                judged[i] = mx.zeros((rows[i].shape[0] + 1,), mx.int32)
+            elif not plain[i]:
                 judged[i] = r.acceptor.verdict(rows[i], drafts[i], probs[i])
         mx.eval(list(judged.values()))
         values = judged["together"].tolist() if together else []
@@ -424,3 +437,12 @@ class BatchDecoder:
             if verdicts[i] is None:
                 verdicts[i] = judged[i].tolist()
         return rows, verdicts
+
+    @staticmethod
+    def _processed(row: BatchRow, logits: mx.array, drafts: mx.array | None) -> mx.array:
+        """The row's verify rows through its processors and grammar (as they are once its grammar failed)."""
+        if row.fault is None:
+            processed = faulted(row, row.acceptor.process, logits, drafts)
+            if processed is not None:
+                return processed
+        return logits

@@ -200,6 +200,8 @@ def stream_batch_generate(
         stats.decode_time += time.perf_counter() - tic
         stats.generation_steps += 1 if steps else 0
         for step in steps:
+            if step.fault is not None:  # (a row's grammar failed: the library raises it)
+                raise step.fault
             stats.generation_tokens += len(step.tokens)
             i = index[step.uid]
             yield from ((i, r) for r in streams[i].responses(step))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from ..proposers.base import reads_features
 from ..sampling import log_softmax
 from .ragged_cache import RaggedKVCache, keep_rows, unbatch_layer
 
@@ -50,7 +51,7 @@ def prefill_together(target, sessions: list, prompts: list[list[int]], acceptors
         if session.begin(prompt) != 0:
             raise ValueError("prefill_together takes sessions that hold nothing of their prompts.")
     cache = _empty_batch(sessions[0].cache, len(sessions))
-    feeds = [s.proposer is not None and bool(s.proposer.layer_ids) for s in sessions]
+    feeds = [reads_features(s.proposer) for s in sessions]
     _, features = _feed(target, [p[:-1] for p in prompts], cache, logits=False)
     for i, (session, prompt) in enumerate(zip(sessions, prompts)):
         if feeds[i]:

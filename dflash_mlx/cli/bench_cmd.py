@@ -35,6 +35,7 @@ from .common import (
     ReasoningOpt,
     ShardOpt,
     console,
+    drafter_label,
     fail,
     kv_settings,
     load_models,
@@ -221,6 +222,7 @@ def bench(
             "seed": seed,
             "baseline": "mlx_lm.stream_generate",
             "backend": "local",
+            "drafter_kind": drafter_label(drafter),
         }
         | kv,
     )
@@ -240,9 +242,10 @@ def _print_table(doc: dict, legs) -> None:
     table.add_row("mlx-lm (baseline)", f"{doc['baseline_tps']:.1f}", "1.00x", "-", "-")
     for run in doc["runs"]:
         acc = run["acceptance_length"]
-        name = f"DFlash b={run['block_size']}"
+        kind = doc.get("drafter_kind", "DFlash")
+        name = f"{kind} b={run['block_size']}"
         if run["block_size"] == "auto":
-            name = f"DFlash auto (≤{run['max_block_size']}, mean {run['mean_block_size'] or 0:.1f})"
+            name = f"{kind} auto (≤{run['max_block_size']}, mean {run['mean_block_size'] or 0:.1f})"
         name += "" if run["lookup"] else ", lookup off"
         table.add_row(
             name,

@@ -42,7 +42,17 @@ from .common import (
     TopKOpt,
     TopPOpt,
 )
-from .common import KV_DEFAULTS, console, fail, kv_settings, load_models, lookup_flag, sharding_group, user_errors
+from .common import (
+    KV_DEFAULTS,
+    console,
+    drafter_label,
+    fail,
+    kv_settings,
+    load_models,
+    lookup_flag,
+    sharding_group,
+    user_errors,
+)
 from .live_panel import LiveReply, stats_panel, summary_line
 
 HELP = """[bold]Commands[/]
@@ -110,7 +120,7 @@ def chat(
     )
     state.totals.block_size, state.totals.adaptive = b.size, b.adaptive
     session = make_session(model_, drafter)
-    mode = f"DFlash, {b.label}" if drafter is not None else "plain decoding"
+    mode = f"{drafter_label(drafter)}, {b.label}" if drafter is not None else "plain decoding"
     mode += f", {dtype_name(target_float_dtype(model_))}"
     console.print(f"[bold]{escape(choice.label)}[/] ({mode}). /help for commands, /quit to leave.")
     while True:

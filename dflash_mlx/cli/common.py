@@ -26,8 +26,10 @@ from rich.console import Console
 
 from ..models.chat_template import ReasoningError
 from ..draft.config import DraftConfigError
+from ..draft.dspark import DSparkDraftModel
 from ..draft.load import DraftWeightsError
 from ..draft.pairing import PairMismatchError
+from ..mtp.scan import MTPWeightsError
 from ..models.registry import RegistryError
 from ..models.loading import load_choice
 from ..models.resolve import ModelChoice, ModelChoiceError, choose_model
@@ -43,6 +45,7 @@ USER_ERRORS = (
     DraftConfigError,
     DraftWeightsError,
     PairMismatchError,
+    MTPWeightsError,
     RegistryError,
     UnsupportedTargetError,
     FileNotFoundError,
@@ -60,7 +63,12 @@ ModelOpt = Annotated[
     ),
 ]
 DraftOpt = Annotated[
-    str | None, typer.Option("--draft", help="DFlash drafter (directory or repo id); overrides the registry.")
+    str | None,
+    typer.Option(
+        "--draft",
+        help="DFlash drafter (directory or repo id), or mtp: the target's own multi-token-prediction heads; "
+        "overrides the registry.",
+    ),
 ]
 BlockOpt = Annotated[
     str | None,
@@ -228,3 +236,17 @@ def load_models(
 @contextmanager
 def _null():
     yield
+
+
+DRAFTER_LABELS = {"dflash": "DFlash", "dspark": "DSpark", "mtp": "MTP"}
+
+
+def drafter_label(drafter) -> str:
+    """How tables and headers name a drafter's kind: DFlash, DFlash 2, DSpark, MTP (a target's own heads), or a
+    proposer's own name."""
+    if getattr(getattr(drafter, "config", None), "is_dflash2", False):
+        return "DFlash 2"
+    if isinstance(drafter, DSparkDraftModel):
+        return "DSpark"
+    name = getattr(drafter, "name", None)
+    return DRAFTER_LABELS.get(name, name) if isinstance(name, str) else "DFlash"

@@ -21,6 +21,10 @@ from ..models.resolve import choose_block_size, default_available
 from .common import DraftOpt, ModelOpt, console, load_models, user_errors
 
 
+KIND_LABELS = {"dflash": "DFlash", "dflash2": "DFlash 2", "dspark": "DSpark"}
+PUBLISHER_LABELS = {"authors": "method's authors", "vendor": "model's vendor", "community": "community"}
+
+
 def models(
     mlx: Annotated[bool, typer.Option("--mlx", help="Also list the MLX conversions each entry matches.")] = False,
 ) -> None:
@@ -32,7 +36,9 @@ def models(
     for entry in registry_entries():
         lines = [escape(entry.target)] + [f"[dim]{escape(m)}[/dim]" for m in (entry.mlx_targets if mlx else ())]
         lines.append(f"[cyan]→ {escape(entry.draft)}[/cyan]")
-        details = [entry.family or "?"] + (["DFlash 2"] if entry.kind == "dflash2" else [])
+        details = [entry.family or "?", KIND_LABELS[entry.kind]]
+        if entry.publisher:
+            details.append(f"published by the {PUBLISHER_LABELS[entry.publisher]}")
         if entry.reasoning:
             levels = "on/off" if entry.reasoning == "enable_thinking" else "/".join(entry.reasoning_values)
             default = f", default {entry.reasoning_default}" if entry.reasoning_default else ""

@@ -92,7 +92,8 @@ def serve(
         typer.Option(
             "--prompt-cache-bytes",
             metavar="SIZE",
-            help="Bound on the kept caches' memory, e.g. 8GB or 500MB (default: none).",
+            help="Bound on the kept caches' memory of their own, within --max-batch-bytes, e.g. 8GB or 500MB "
+            "(default: none).",
         ),
     ] = None,
     prompt_cache_dir: Annotated[
@@ -124,8 +125,9 @@ def serve(
         typer.Option(
             "--max-batch-bytes",
             metavar="SIZE",
-            help="Bound on weights + active rows + prompt cache: a request whose "
-            "caches would not fit waits (default: 3/4 of the device's memory).",
+            help="The one byte budget of everything the server keeps (weights, active requests, prompt cache, "
+            "stored responses, grammars; the least recently used go first), in every worker mode: a request "
+            "whose caches would not fit waits (default: 3/4 of the device's memory; /health shows its use).",
         ),
     ] = None,
     shard: ShardOpt = None,

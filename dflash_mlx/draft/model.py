@@ -167,6 +167,14 @@ class DraftAttention(nn.Module):
         self.window = config.sliding_window if config.layer_is_sliding(layer) else None
         self.causal = config.layer_is_causal(layer)
 
+    def _queries(self, x: mx.array) -> tuple[mx.array, mx.array | None]:
+        """The block's projected queries [B, L, heads * D] and an output gate (None: ungated)."""
+        return self.q_proj(x), None
+
+    def _sinks(self) -> mx.array | None:
+        """A learned sink logit per head (None: no sink)."""
+        return None
+
     def _keys_values(self, x: mx.array, heads: HeadProjection, offset: int) -> tuple[mx.array, mx.array]:
         B, L, _ = x.shape
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
@@ -186,15 +194,17 @@ class DraftAttention(nn.Module):
         `cache.end..`) is added to the cache on the way, in the same K/V projection as the block."""
         B, L, _ = x.shape
         n = 0 if context is None else context.shape[1]
-        q = heads(self.q_proj(x), self.q_norm, cache.end + n)
+        q, gate = self._queries(x)
+        q = heads(q, self.q_norm, cache.end + n)
         if context is None:
             k, v, ctx_len = cache.with_block(*self._keys_values(x, heads, cache.end))
         else:
             rows = mx.concatenate([context, x], axis=1)
             k, v, ctx_len = cache.with_block(*self._keys_values(rows, heads, cache.end), commit=n)
         mask = cache.block_mask(L, ctx_len, self.causal, self.window)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask, sinks=self._sinks())
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out if gate is None else out * mx.sigmoid(gate))
 
 
 def block_mask(block: int, ctx_len: int, causal: bool, window: int | None):
@@ -274,14 +284,18 @@ class DFlashDraftModel(nn.Module):
         for layer, c in zip(self.layers, cache):
             layer.self_attn.extend_context(context, c, self.heads)
 
+    def embed(self, block_ids: mx.array, target: TargetHooks) -> mx.array:
+        """The block's input rows: the target's embedding (times `input_embedding_scale`)."""
+        h = target.embed(block_ids)
+        scale = self.config.input_embedding_scale
+        return h if scale == 1.0 else h * scale
+
     def hidden_states(
         self, block_ids: mx.array, cache, target: TargetHooks, features: mx.array | None = None
     ) -> mx.array:
         """Final normed hidden states of block rows 1.. (the anchor row dropped). `features` (target
         features of positions committed right before the block) are ingested by the same forward."""
-        h = target.embed(block_ids)
-        if self.config.input_embedding_scale != 1.0:
-            h = h * self.config.input_embedding_scale
+        h = self.embed(block_ids, target)
         context = None if features is None else self.fuse_context(features)
         for layer, c in zip(self.layers, cache):
             h = layer(h, c, self.heads, context)

@@ -30,8 +30,9 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..acceptance import seed_from_mlx
-from ..draft.load import load_draft
-from ..draft.model import DFlashDraftModel
+from ..draft.load import DRAFTERS, load_draft, resolve_model_dir
+from ..mtp.scan import has_mtp_weights
+from ..proposers.mtp import load_mtp
 from ..engine import SUPERSEDED
 from ..generation import encode_prompt
 from ..generation import stream_generate as dflash_stream_generate
@@ -39,7 +40,7 @@ from ..models.dtype import target_float_dtype
 from .samplers import UnsupportedSampler, sampler_settings
 from ..proposers.base import Proposer
 from .cache import list_cache_problem, list_session, opened_on, remember
-from ..models.resolve import entry_for_target
+from ..models.resolve import MTP, entry_for_target
 from ..session import Session, make_session
 from ..targets.adapter import target_problem
 from ..targets.quantized_kv import kv_quantization
@@ -92,10 +93,12 @@ def load(
 ):
     """``mlx_lm.load`` with the same parameters, remembering the model's DFlash drafter.
 
-    `draft` is a drafter directory or repo id; None takes the one models.toml
-    registers for `path_or_hf_repo` (a registry name, a repo id, the bundled
-    pair's directory or a local copy named like a registered repo).
-    Without either, generation is plain mlx-lm decoding (a warning says so).
+    `draft` is a drafter directory or repo id, or "mtp" (the target's own
+    multi-token-prediction heads); None takes the one models.toml registers for
+    `path_or_hf_repo` (a registry name, a repo id, the bundled pair's directory
+    or a local copy named like a registered repo), else the target's MTP heads
+    where its checkpoint keeps them. Without any, generation is plain mlx-lm
+    decoding (a warning says so).
     """
     target = str(path_or_hf_repo)
     entry = entry_for_target(target)
@@ -114,10 +117,13 @@ def load(
     model = loaded[0]
     if draft is None and entry is not None:
         draft = _registered(entry, "draft")
-    if draft is None:
+    own = None  # the checkpoint directory whose MTP heads draft (draft="mtp", or no drafter registered)
+    if draft is None or str(draft).lower() == MTP:
+        own = resolve_model_dir(target, "target model")
+    if draft is None and not has_mtp_weights(str(own)):
         warnings.warn(
-            f"No DFlash drafter is registered for '{path_or_hf_repo}' (models.toml) and none was passed "
-            "(draft=...): generation falls back to plain mlx-lm decoding.",
+            f"No DFlash drafter is registered for '{path_or_hf_repo}' (models.toml), none was passed "
+            "(draft=...) and its checkpoint has no MTP weights: generation falls back to plain mlx-lm decoding.",
             stacklevel=2,
         )
         remember_draft(model, None)
@@ -127,7 +133,10 @@ def load(
         warnings.warn(f"{problem} Generation falls back to plain mlx-lm decoding.", stacklevel=2)
         remember_draft(model, None)
         return loaded
-    drafter = load_draft(draft, model, dtype=target_float_dtype(model), target_name=target)
+    if own is not None:
+        drafter = load_mtp(own, model, dtype=target_float_dtype(model))
+    else:
+        drafter = load_draft(draft, model, dtype=target_float_dtype(model), target_name=target)
     remember_draft(model, drafter)
     return loaded
 
@@ -176,7 +185,7 @@ def make_prompt_cache(model: nn.Module, max_kv_size: int | None = None, *, draft
 
 
 def _is_dflash(draft) -> bool:
-    return isinstance(draft, (DFlashDraftModel, Proposer))
+    return isinstance(draft, (*DRAFTERS, Proposer))
 
 
 def reset_warnings() -> None:

@@ -27,7 +27,7 @@ import mlx.nn as nn
 
 from ..proposers import Proposer, as_proposer
 from ..targets.rollback import UnsupportedCacheError, check_caches, held
-from ..session import Session
+from ..session import Session, adapter_for
 from ..targets.adapter import TargetAdapter, UnsupportedTargetError
 
 UNKNOWN_TOKEN = 0  # stands for a token a list held before DFlash saw it
@@ -95,7 +95,7 @@ def list_session(model: nn.Module, draft, cache: list) -> Session:
         weakref.finalize(cache[0], _forget, key, bound)
     tokens = bound.tokens[:held] if len(bound.tokens) >= held else [UNKNOWN_TOKEN] * held
     proposer = bound.proposer
-    session = Session(TargetAdapter(model, proposer.layer_ids if proposer else ()), proposer, draft, cache=cache)
+    session = Session(adapter_for(model, proposer), proposer, draft, cache=cache)
     session.tokens = tokens
     return session
 

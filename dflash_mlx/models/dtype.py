@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..targets.adapter import token_embedding
-from ..targets.families import text_model
+from ..targets.families import final_norm
 
 
 def on_cpu() -> bool:
@@ -31,7 +31,7 @@ def as_float32(module: nn.Module | None) -> None:
 def target_float_dtype(model: nn.Module) -> mx.Dtype | None:
     """The target's activation dtype (its final norm's, else its token embedding's), so the drafter
     computes alike."""
-    norm = getattr(getattr(text_model(model), "model", None), "norm", None)
+    norm = final_norm(model)
     dtype = getattr(getattr(norm, "weight", None), "dtype", None)
     if dtype is None and (embedding := token_embedding(model)) is not None:
         dtype = getattr(embedding, "scales", embedding.weight).dtype  # (a quantized table's scales)

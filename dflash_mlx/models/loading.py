@@ -13,12 +13,15 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..draft.load import load_draft
-from ..draft.model import DFlashDraftModel
+from ..draft.load import load_draft, resolve_model_dir
 from ..sharding.loading import check_shard_mode, load_sharded
 from ..targets.adapter import UnsupportedTargetError, target_problem
 from .dtype import as_float32, on_cpu, target_float_dtype
-from .resolve import ModelChoice, choose_model
+from ..mtp.scan import has_mtp_weights
+from ..proposers.choice import RatedChoice
+from ..proposers.dflash import proposer_for
+from ..proposers.mtp import load_mtp
+from .resolve import MTP_ALSO, MTP_REQUIRED, ModelChoice, ModelChoiceError, choose_model
 
 
 def load_choice(
@@ -44,8 +47,18 @@ def load_choice(
                 f"shard='tensor' loads through mlx_lm.utils.sharded_load, which takes none of "
                 f"{', '.join(sorted(mlx_lm_load_kwargs))}."
             )
+        if choice.mtp == MTP_REQUIRED:
+            raise ModelChoiceError(
+                f"{choice.label}: a tensor-sharded target drafts with a DFlash drafter; its own MTP heads are not "
+                "sharded (pass a drafter, or load it whole)."
+            )
         return load_sharded(choice, group, draft_bits=draft_bits, draft_group_size=draft_group_size)
 
+    if choice.mtp == MTP_REQUIRED and draft_bits is not None:
+        raise ModelChoiceError(
+            f"{choice.label}: draft_bits (--draft-bits) quantizes a DFlash drafter; the target's own MTP heads load as "
+            "its checkpoint stores them."
+        )
     model, tokenizer = mlx_lm_load(choice.target, **mlx_lm_load_kwargs)[:2]
     problem = target_problem(model)
     if problem is not None:
@@ -62,7 +75,19 @@ def load_choice(
             dtype=target_float_dtype(model),
             target_name=choice.label,
         )
+    if choice.mtp is not None:
+        drafter = with_mtp(choice, model, drafter)
     return model, tokenizer, drafter
+
+
+def with_mtp(choice: ModelChoice, model: nn.Module, drafter):
+    """The drafter once the target's own MTP heads are read: them alone (asked for, or no drafter registered), or
+    beside the registered drafter where the checkpoint has them (`RatedChoice`: chosen per generation)."""
+    directory = resolve_model_dir(choice.target, "target model")
+    if choice.mtp == MTP_ALSO and not has_mtp_weights(str(directory)):
+        return drafter
+    mtp = load_mtp(directory, model, dtype=target_float_dtype(model))
+    return mtp if drafter is None else RatedChoice([proposer_for(drafter), mtp])
 
 
 def load(
@@ -74,12 +99,15 @@ def load(
     shard: str | None = None,
     group: mx.distributed.Group | None = None,
     **mlx_lm_load_kwargs,
-) -> tuple[nn.Module, object, DFlashDraftModel]:
+) -> tuple[nn.Module, object, nn.Module | None]:
     """Load `(model, tokenizer, draft)`.
 
     `target` is a local mlx-lm model directory, a Hugging Face repo id or a name
     from models.toml; `draft=None` takes the drafter the registry pairs with the
-    target. Extra keyword arguments go to `mlx_lm.load`. On MLX's CPU backend
+    target (where its checkpoint also keeps its own multi-token-prediction heads,
+    both: the block policy picks one per generation), else the target's own MTP
+    heads where its checkpoint keeps them; `draft="mtp"` asks for those heads
+    (`proposers.mtp`). Extra keyword arguments go to `mlx_lm.load`. On MLX's CPU backend
     the pair computes in float32 (`models.dtype`).
 
     `shard="tensor"` splits the target over `group` (default `mx.distributed.init()`,

@@ -21,6 +21,7 @@ from typing import Any
 
 __all__ = [
     "KINDS",
+    "PUBLISHERS",
     "RegistryEntry",
     "RegistryError",
     "load_registry",
@@ -30,7 +31,9 @@ __all__ = [
     "registry_entries",
 ]
 
-KINDS = ("dflash", "dflash2")
+KINDS = ("dflash", "dflash2", "dspark")
+PUBLISHERS = ("authors", "vendor", "community")  # who published the drafter: the method's authors, the
+# target's vendor, or a third party with a public page
 LARGEST_MAC_GB = 192  # unified memory of the largest Mac: a bf16 target above it needs --shard or quantizing
 REASONING_KEYS = ("enable_thinking", "reasoning_effort", "reasoning_strength")
 PACKAGE = "dflash_mlx"
@@ -53,6 +56,7 @@ class RegistryEntry:
     draft: str
     block_size: int
     kind: str
+    publisher: str | None = None  # one of PUBLISHERS (required in models.toml but for the bundled pair)
     family: str | None = None
     mlx_targets: tuple[str, ...] = ()
     notes: str = ""
@@ -121,6 +125,12 @@ def _check_kind(value: Any) -> str | None:
     return f"expected one of {', '.join(repr(k) for k in KINDS)}"
 
 
+def _check_publisher(value: Any) -> str | None:
+    if value in PUBLISHERS:
+        return None
+    return f"expected one of {', '.join(repr(p) for p in PUBLISHERS)} (who published the drafter)"
+
+
 def _check_family(value: Any) -> str | None:
     if isinstance(value, str) and re.match(r"^[a-z0-9_]+$", value):
         return None
@@ -166,6 +176,7 @@ _FIELDS = {
     "draft": (True, _check_repo),
     "block_size": (True, _check_block),
     "kind": (True, _check_kind),
+    "publisher": (True, _check_publisher),
     "family": (False, _check_family),
     "mlx_targets": (False, _check_repo_list),
     "notes": (False, _check_notes),
@@ -199,7 +210,7 @@ def _parse_entry(source: str, index: int, table: Any) -> RegistryEntry:
             raise RegistryError(f"{where}: unknown field {key!r} (known: {known})")
     for key, (required, check) in _FIELDS.items():
         if key not in table:
-            if required:
+            if required and not (key == "publisher" and table.get("bundled") is True):
                 raise RegistryError(f"{where}: missing required field {key!r}")
             continue
         if key in ("target", "draft") and table.get("bundled") is True:
@@ -214,6 +225,7 @@ def _parse_entry(source: str, index: int, table: Any) -> RegistryEntry:
         draft=table["draft"],
         block_size=table["block_size"],
         kind=table["kind"],
+        publisher=table.get("publisher"),
         family=table.get("family"),
         mlx_targets=tuple(table.get("mlx_targets", ())),
         notes=table.get("notes", ""),

@@ -17,9 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .block_size import capped_block_size, widest_block
+from ..mtp.scan import has_mtp_weights
 from .registry import RegistryEntry, is_repo_id, lookup, registry_entries
 
 DEFAULT_MODEL = "demo"
+MTP = "mtp"  # `--draft mtp` / `draft="mtp"`: the target's own multi-token-prediction heads
+# ModelChoice.mtp: whether the target's MTP heads are loaded (`models.loading`)
+MTP_REQUIRED = "required"  # asked for, or found with no drafter registered: a checkpoint without them is an error
+MTP_ALSO = "also"  # beside the registered drafter, where the checkpoint has them (chosen per generation)
 
 
 class ModelChoiceError(ValueError):
@@ -33,6 +38,7 @@ class ModelChoice:
     entry: RegistryEntry | None
     label: str  # how messages name it
     is_default: bool = False
+    mtp: str | None = None  # MTP_REQUIRED, MTP_ALSO or None (no MTP heads)
 
 
 def entry_for_directory(path: Path) -> RegistryEntry | None:
@@ -108,21 +114,28 @@ def choose_model(
             f"{where}: not a registry name, a local directory or a Hugging Face repo id "
             f"('owner/name').{hint} `dflash-mlx models` lists the registry."
         )
+    label = entry.name if entry else model
     if not use_draft:
         return ModelChoice(target, None, entry, model, is_default)
+    if draft is not None and str(draft).lower() == MTP:
+        return ModelChoice(target, None, entry, label, is_default, mtp=MTP_REQUIRED)
+    if draft is None and entry is None:
+        if has_mtp_weights(target):  # the target drafts with its own heads
+            return ModelChoice(target, None, None, label, is_default, mtp=MTP_REQUIRED)
+        todo = (
+            'pass draft=<path or repo id of a DFlash drafter> (or draft="mtp" for a checkpoint that keeps its '
+            "MTP weights)"
+            if api
+            else "Pass --draft PATH_OR_REPO (a DFlash drafter for it; --draft mtp for a checkpoint that keeps its "
+            "MTP weights), or --no-dflash for plain decoding"
+        )
+        raise ModelChoiceError(
+            f"{where}: no drafter is registered for this target in models.toml (a local directory is matched "
+            f"by its name, e.g. Qwen3-4B-4bit) and no MTP weights were found in its checkpoint. {todo}."
+        )
     if draft is None:
-        if entry is None:
-            todo = (
-                "pass draft=<path or repo id of a DFlash drafter>"
-                if api
-                else "Pass --draft PATH_OR_REPO (a DFlash drafter for it), or --no-dflash for plain decoding"
-            )
-            raise ModelChoiceError(
-                f"{where}: no drafter is registered for this target in models.toml (a local "
-                f"directory is matched by its name, e.g. Qwen3-4B-4bit). {todo}."
-            )
-        draft = entry.draft_path()
-    return ModelChoice(target, str(draft), entry, entry.name if entry else model, is_default)
+        return ModelChoice(target, entry.draft_path(), entry, label, is_default, mtp=MTP_ALSO)
+    return ModelChoice(target, str(draft), entry, label, is_default)
 
 
 @dataclass(frozen=True)

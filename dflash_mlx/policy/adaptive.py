@@ -2,7 +2,7 @@
 
 `AdaptiveBlock` is the engine's `BlockPolicy` over two sources, plain
 decoding and the drafter (`choose(limit)`, `observe`), and the planner's
-choice among more (`choose_source`, `observe_source`): each span source joins
+choice among more (`choose_from`, `observe_source`): each span source joins
 as one more entry (`span_source(name)`). The rule and the one probe schedule
 are `choice.Choice`'s; the costs the setup's `CostModel`'s (`calibration`).
 A drafter's greedy generations carry its history (`DrafterHistory`): its
@@ -96,9 +96,9 @@ class AdaptiveBlock:
         return offers + [(s, min(w, limit)) for s, w in spans if min(w, limit) > 1]
 
     def choose(self, limit: int) -> int:
-        return self.choose_source(limit)[1]
+        return self.choose_from(limit)[1]
 
-    def choose_source(self, limit: int, spans=()) -> tuple[Source, int]:
+    def choose_from(self, limit: int, spans=()) -> tuple[Source, int]:
         """The next cycle's (source, width) with at most `limit` rows (`spans`: as for `offers`)."""
         src, b = self.choice.choose(self.offers(limit, spans))
         self._keep()
@@ -160,6 +160,7 @@ def adaptive_policy(
     if cost is None:
         from .calibration import cost_model
 
+        max_block = choose_source(target, proposer, max_block, kv=kv, sampled=sampled)
         cost = cost_model(target, proposer, max_block, kv=kv, sampled=sampled)
     if frozen and isinstance(cost, CostModel):
         cost = cost.frozen()
@@ -172,6 +173,31 @@ def adaptive_policy(
     policy = AdaptiveBlock(cost, max_block, estimate, history)
     policy.drafter.idle, policy.drafter.due = idle, due
     return policy
+
+
+def choose_source(target, proposer, max_block: int, *, kv=None, sampled: bool = False) -> int:
+    """For a proposer of several drafters (`proposers.choice.RatedChoice`): activate, for this generation, the
+    one expected to commit the most tokens per second (its greedy generations' acceptance over its cost curve,
+    at its best block, plain decoding included; ties keep the active one), and return the widest block it
+    drafts (within `max_block`). Any other proposer: nothing to choose, `max_block` as it is."""
+    members = getattr(proposer, "members", None)
+    if not members:
+        return max_block
+    from .calibration import cost_model
+
+    def expected_rate(i: int) -> float:
+        trial = proposer.with_active(i)
+        widest = min(max_block, members[i].block_size)
+        cost = cost_model(target, trial, widest, kv=kv, sampled=sampled)
+        history = drafter_history(trial.drafter, widest - 1)
+        estimate = AcceptanceEstimate(widest - 1, priors=history.learnt.rates() if history else None)
+        policy = AdaptiveBlock(cost, widest, estimate)  # (its costs as the loop's cycles scaled them)
+        return max(policy.rate(b) for b in range(1, widest + 1))
+
+    rates = [expected_rate(i) for i in range(len(members))]
+    best = max(range(len(members)), key=lambda i: (rates[i], i == proposer.active))
+    proposer.activate(best)
+    return min(max_block, members[best].block_size)
 
 
 def drafter_history(drafter, positions: int) -> DrafterHistory | None:

@@ -8,7 +8,9 @@ follows:
   the caches kept the first n prompt positions from the previous one, see
   `dflash_mlx.session`);
 - `add_context(features)` with the target's features of every newly
-  committed position, in order, if it asked for `layer_ids`;
+  committed position, in order, if it asked for any (`reads_features`): the
+  outputs of its `layer_ids`, then, where its optional `reads_final` is True,
+  the target's final hidden state and the token embedding of each row;
 - `state()`: the arrays to evaluate after a prefill chunk (what it has
   ingested; the newest batch of context may stay lazy);
 - `propose(anchor, position, count, *, sampling, key)`: drafts to follow an
@@ -36,15 +38,23 @@ Optional methods, looked up with `getattr`:
   times a fork on private state.
 - `draft_logits(anchor, position, count)`: the drafter's logits of the block's
   rows, so a grammar can choose the drafts itself (`structured.constraint`).
+- `draft_stepwise(anchor, position, count)`: for a drafter whose row i depends
+  on the draft chosen at row i - 1 (DSpark's Markov head): a function giving
+  row i's logits [V] from i and the token before row i (the anchor, then the
+  draft chosen at row i - 1), rows asked in order (a row the grammar forces may
+  be skipped). A grammar uses it in preference to
+  `draft_logits`, so q is the distribution each draft was drawn from.
 - `batch_key()` and `draft_logits_together(proposers, anchors, positions,
   count)`: proposers with the same non-None key draft all rows of a batch in
   one forward (`batch.drafting`), each row then choosing its drafts from its
   logits; without them a batch's rows draft one by one.
 
 `proposers.dflash` wraps DFlash (v1) and DFlash 2 drafters (`as_proposer`
-turns what a caller passes as `draft` into a proposer); `proposers.lookup`
-drafts spans copied from the context; `proposers.oracle` knows the answer
-(tests, benchmarks).
+turns what a caller passes as `draft` into a proposer), `proposers.dspark`
+DSpark drafters (their context kept by `proposers.context`); `proposers.lookup`
+drafts spans copied from the context; `proposers.mtp` drafts with a target's
+own multi-token-prediction heads; `proposers.oracle` knows the answer (tests,
+benchmarks).
 """
 
 from __future__ import annotations
@@ -93,6 +103,12 @@ def offered(proposer, count: int) -> int:
     """How many drafts `proposer` has for the next cycle, at most `count` (0: nothing to offer)."""
     offer = getattr(proposer, "offer", None)
     return count if offer is None else max(0, min(count, int(offer(count))))
+
+
+def reads_features(proposer) -> bool:
+    """Whether `proposer` is handed the target's features (`add_context`): layer outputs, or the final hidden
+    state (`reads_final`)."""
+    return proposer is not None and (bool(proposer.layer_ids) or bool(getattr(proposer, "reads_final", False)))
 
 
 def fork_for_row(proposer):

@@ -9,15 +9,22 @@ first, cut at `limit` tokens; a continuation that reaches the end of the
 sequence goes on copying what it has just proposed (a repeating span repeats,
 as LZ77 copies overlap). It is incremental: each token appended indexes
 the n-grams ending just before it (`min_match`..`max_match` tokens), so a
-proposal costs a few dictionary lookups and nothing is rescanned. A lookup
-draft is a point mass (q one-hot): the acceptor verifies it like any
-deterministic proposer's, exactly under sampling too. `LookupProposer` is the
-index as a proposer (`proposers.base`): it offers a span only where the
-context matches (`offer` returns 0 otherwise), and follows the committed
-tokens (`commit`).
+proposal costs a few dictionary lookups and nothing is rescanned. Each indexed
+occurrence remembers the one before it, so cutting the sequence back (a
+conversation's re-rendered turn) trims the index in place: an n-gram whose
+latest occurrence was cut falls back to its latest one before the cut, or goes
+(the index is then exactly the one built from the kept tokens). `nbytes`
+counts what it holds. A lookup draft is a point mass (q one-hot): the acceptor
+verifies it like any deterministic proposer's, exactly under sampling too.
+`LookupProposer` is the index as a proposer (`proposers.base`): it offers a
+span only where the context matches (`offer` returns 0 otherwise), and follows
+the committed tokens (`commit`).
 """
 
 from __future__ import annotations
+
+import sys
+from array import array
 
 import mlx.core as mx
 
@@ -25,6 +32,7 @@ from .base import Proposal
 
 MIN_MATCH = 3  # shorter suffixes match too often by chance
 MAX_MATCH = 8  # longer ones add nothing: an 8-token match is already specific
+INT_BYTES = sys.getsizeof(2**20)  # a token id or position beyond CPython's cached small integers
 
 
 class LookupIndex:
@@ -34,27 +42,59 @@ class LookupIndex:
         self.min_match, self.max_match = min_match, max_match
         self.tokens: list[int] = []
         self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest indexed occurrence ends
+        # per n-gram length n: entry e - (n - 1) is where the occurrence before the one ending at e ends (-1: none)
+        self._before = [array("q") for _ in range(min_match, max_match + 1)]
+        self._key_bytes = 0  # the n-gram tuples the table holds
         self.extend(tokens or [])
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def _lengths(self):
+        """(n, its `_before` array, the bytes of an n-gram's tuple) for every indexed n-gram length."""
+        for n, before in zip(range(self.min_match, self.max_match + 1), self._before):
+            yield n, before, sys.getsizeof(tuple(range(n)))
+
     def extend(self, tokens: list[int]) -> None:
         """Append tokens: each one indexes the n-grams that end right before it (so the sequence's own
         suffix stays unindexed, and a lookup of it finds an earlier occurrence)."""
         seq, ends = self.tokens, self._ends
-        for token in tokens:
-            end = len(seq) - 1  # the last token before this one
-            for n in range(self.min_match, min(self.max_match, end + 1) + 1):
-                ends[tuple(seq[end - n + 1 : end + 1])] = end
-            seq.append(int(token))
+        first = len(seq) - 1  # the first end not indexed yet: the last token before these
+        seq.extend(map(int, tokens))
+        last = len(seq) - 2
+        for n, before, size in self._lengths():
+            start = max(first, n - 1)
+            if start > last:
+                continue
+            grams = zip(*(seq[start - n + 1 + k : last - n + 2 + k] for k in range(n)))
+            for gram, end in zip(grams, range(start, last + 1)):
+                previous = ends.get(gram, -1)
+                before.append(previous)
+                ends[gram] = end
+                if previous < 0:
+                    self._key_bytes += size
 
     def truncate(self, length: int) -> None:
-        """Keep the first `length` tokens (a session cut back to a common prefix): rebuilt."""
-        if length < len(self.tokens):
-            kept = self.tokens[:length]
-            self.tokens, self._ends = [], {}
-            self.extend(kept)
+        """Keep the first `length` tokens (a session cut back to a common prefix), trimmed in place: each
+        occurrence cut goes, its n-gram falling back to the occurrence before it (or leaving the table)."""
+        seq, ends = self.tokens, self._ends
+        length = max(length, 0)
+        if length >= len(seq):
+            return
+        for n, before, size in self._lengths():
+            start = max(length - 1, n - 1)  # the first end that goes (the kept sequence's own suffix too)
+            for end in range(len(seq) - 2, start - 1, -1):  # latest first: each one is its n-gram's latest
+                gram = tuple(seq[end - n + 1 : end + 1])
+                previous = before[end - n + 1]
+                if ends.get(gram) != end:
+                    continue
+                if previous >= 0:
+                    ends[gram] = previous
+                else:
+                    del ends[gram]
+                    self._key_bytes -= size
+            del before[max(start - n + 1, 0) :]
+        del seq[length:]
 
     def follow(self, tokens: list[int]) -> None:
         """Hold `tokens`: cut back to what they share with the indexed tokens, then extended."""
@@ -65,6 +105,22 @@ class LookupIndex:
             shared += 1
         self.truncate(shared)
         self.extend(tokens[len(self.tokens) :])
+
+    def copy(self) -> LookupIndex:
+        """An independent index of the same tokens (a copied conversation's): copied, not rebuilt."""
+        other = LookupIndex(min_match=self.min_match, max_match=self.max_match)
+        other.tokens, other._ends = list(self.tokens), dict(self._ends)
+        other._before = [array("q", b) for b in self._before]
+        other._key_bytes = self._key_bytes
+        return other
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of what the index holds: its table (the hash table, n-gram tuples, positions), the tokens
+        and the occurrence chains. Token ids are counted as its own (a copy counts them again)."""
+        table = sys.getsizeof(self._ends) + self._key_bytes + INT_BYTES * len(self._ends)
+        tokens = sys.getsizeof(self.tokens) + INT_BYTES * len(self.tokens)
+        return table + tokens + sum(sys.getsizeof(b) for b in self._before)
 
     def match(self) -> tuple[int, int]:
         """(length of the longest indexed suffix match, where that occurrence ends), or (0, -1)."""
@@ -119,10 +175,9 @@ class LookupProposer:
         self.index.extend(tokens)
 
     def fork(self, context: bool = False) -> LookupProposer:
-        other = LookupIndex(min_match=self.index.min_match, max_match=self.index.max_match)
         if context:
-            other.extend(self.index.tokens)
-        return LookupProposer(other)
+            return LookupProposer(self.index.copy())
+        return LookupProposer(LookupIndex(min_match=self.index.min_match, max_match=self.index.max_match))
 
     def _spanned(self, count: int) -> list[int]:
         """The span after the sequence's end, at most `count` tokens: asked of the index once per

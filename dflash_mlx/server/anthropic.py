@@ -87,6 +87,7 @@ def parse(body: dict, info, known: set) -> GenerationRequest:
         req.stop = stops(body.get("stop_sequences"), "stop_sequences")
         req.stream = b.boolean("stream")
         req.grammar = response_format(output_format or None, info.grammars, "output_config.format")
+        req.grammar_field = "output_config.format"
     return req
 
 

@@ -5,9 +5,10 @@ their requests on the one `worker.GenerationWorker`, which owns the model.
 `start()` serves from a background thread (tests, embedding); `serve_forever()`
 serves from the caller's. `stop()` shuts the listener down, cancels the
 running job, fails queued ones with 503, joins the worker and closes the
-socket; it is safe to call more than once. With an `api_key` every route but
-``/health`` wants it; without one, a server listening beyond the loopback
-interface warns that anyone who reaches it may use it.
+socket; it is safe to call more than once. `health()` is ``/health``'s reply.
+With an `api_key` every route but ``/health`` wants it; without one, a server
+listening beyond the loopback interface warns that anyone who reaches it may
+use it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..models.dtype import dtype_name, target_float_dtype
 from ..targets.adapter import embedding_shape, token_embedding
 from ..targets.families import context_length
 from .handler import Handler
+from .limits import body_limit, longest_token_bytes
 from .openai_responses import DEFAULT_STORED, Conversations
 from .prompt_cache import DEFAULT_SESSIONS
 from .request import ServerInfo
@@ -57,7 +59,9 @@ class DFlashServer(ThreadingHTTPServer):
         self.model_id, self.draft_id = model_id, draft_id
         self.log_requests = log_requests
         self.api_key = api_key or None
-        self.conversations = Conversations(response_store_size)  # the Responses API's previous_response_id
+        # the Responses API's previous_response_id, within the worker's byte budget
+        self.conversations = Conversations(response_store_size, budget=worker.budget)
+        worker.budget.register("responses", self.conversations)
         if self.api_key is None and not ipaddress.ip_address(self.server_address[0].split("%")[0]).is_loopback:
             logging.warning(
                 "Listening on %s without an API key: anyone who can reach this address can use the "
@@ -91,6 +95,18 @@ class DFlashServer(ThreadingHTTPServer):
             "adaptive_block": self.worker.adaptive,
             "dtype": dtype_name(target_float_dtype(self.worker.model)),
         }
+
+    def health(self) -> tuple[int, dict]:
+        """`/health`: the worker alive (200) or not (503), the byte budget's use by part, the requests
+        running, queued and cancelled, and the largest body read."""
+        worker = self.worker
+        body = {
+            "status": "ok" if worker.alive else "unavailable",
+            "memory": worker.budget.usage(),
+            "requests": worker.job_counts(),
+            "max_body_bytes": self.info.max_body,
+        }
+        return (200 if worker.alive else 503), body
 
     def start(self) -> "DFlashServer":
         """Serve from a background thread; returns at once."""
@@ -162,10 +178,11 @@ def make_server(
     ranks run `make_worker(...).follow()` with the same arguments.
     Up to `decode_concurrency` requests decode together (`batching`; mlx_lm.server's
     default, 32; 1, a sharded target or a family the batch cannot run: one at a time), a
-    longer prompt joining them prefilled `prefill_step_size` tokens per step, and a request
-    joins only while weights, active rows and prompt cache stay under `max_batch_bytes`
-    (default: 3/4 of the device's memory), and one whose caches could not fit even alone is
-    refused (`limits`). `kv` (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``, as
+    longer prompt joining them prefilled `prefill_step_size` tokens per step. `max_batch_bytes`
+    (default: 3/4 of the device's memory) is the one byte budget of everything the server keeps
+    (`budget`: weights, active rows, prompt cache, stored responses, grammars; the least recently
+    used go first) in every worker mode: a request joins once its caches fit, and one whose caches
+    could not fit even alone is refused (`prompts`). `kv` (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``, as
     `stream_generate` takes them) quantizes every request's KV cache as mlx-lm does (requests
     are then served one at a time). `api_key` (None: none) is required by every route but
     /health; `response_store_size` bounds the Responses API's stored conversations;
@@ -194,8 +211,10 @@ def make_server(
         max_batch_bytes=max_batch_bytes,
         kv=kv,
     )
+    vocab = vocab_size(model, tokenizer)
+    room = worker.budget.total - worker.weights
     info = ServerInfo(
-        vocab_size=vocab_size(model, tokenizer),
+        vocab_size=vocab,
         has_draft=draft is not None,
         has_chat_template=bool(tokenizer.has_chat_template),
         model_id=model_id,
@@ -206,6 +225,7 @@ def make_server(
         reasoning=reasoning_switches(tokenizer, registry_entry, model_id),
         grammars=worker.grammars,
         lookup=lookup,
+        max_body=body_limit(worker.context_length, longest_token_bytes(tokenizer), vocab, room),
     )
     server = DFlashServer(
         (host, port),

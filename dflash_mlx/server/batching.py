@@ -9,24 +9,29 @@ plain batched decoding included, unless the server fixes it; a request's
 served alone: its session from the prompt cache (taken when it joins, put
 back when it leaves), its sampler settings, processors, seed and grammar, its stop
 sequences (`stops.StopText`), logprobs and cancellation (a request whose
-client went away leaves the batch at the next step). Its output is what it
-would be served alone.
+client went away leaves the batch at the next step, or between its prompt's
+prefill chunks; its session, holding what it computed, goes back to the prompt
+cache). Its output is what it would be served alone.
 
-Between steps the loop takes new requests off the queue. A prompt longer
-than one prefill chunk (``--prefill-step-size``) is prefilled a chunk per
-step (at the chunk boundaries the single-request engine uses), so it does
-not stall the rows already decoding; fresh short prompts join together in
-one padded prefill. A request joins only when its caches fit: the active
-rows, the prompt cache and the new row (its prompt plus max_tokens, at the
-worker's `limits.Footprint`) must stay under the worker's memory budget;
-else it waits for a row to leave (the prompt cache is trimmed first). (One
-that could not fit even alone was refused by `worker.prepare`.)
+Between steps the loop takes new requests off the queue (prepared in their
+handlers' threads: `prompts`). A prompt longer than one prefill chunk
+(``--prefill-step-size``) is prefilled a chunk per step (at the chunk
+boundaries the single-request engine uses), so it does not stall the rows
+already decoding; fresh short prompts join together in one padded prefill. A
+request joins only when its caches fit in the worker's byte budget
+(`budget`) beside the active rows and what the server keeps (the new row: its
+prompt plus max_tokens, at the worker's `limits.Footprint`; the least recently
+used of the prompt cache, stored responses and grammars are evicted first);
+else it waits for a row to leave. (One that could not fit even alone was
+refused by `prompts`.)
 
 Failures stay where they happen: an exception in one request's own stage
 (admitting it, its own prefill, handing out its tokens, filing its session)
-ends that request with a 500 and leaves the other rows decoding; one in a
-forward rows share (a joint prefill, the batch's verify) fails the requests
-in it; the loop then goes on with the rest.
+ends that request, answered by its cause as in the one-at-a-time worker
+(`events.failure`: a grammar that fails mid-output is its 400, in the decoder
+too, where it ends that row alone), and leaves the other rows decoding; one in
+a forward rows share (a joint prefill, the batch's verify) fails the requests
+in it with 500; the loop then goes on with the rest.
 """
 
 from __future__ import annotations
@@ -43,11 +48,9 @@ from ..batch.generate import RowStream, batch_decoder
 from ..sampling import SamplingSettings
 from ..session import Session
 from ..stats import RunStats
-from .channels import initial_state
-from .events import Failed, Finished, Started, Token, dflash_object
+from .errors import RequestError
+from .events import CANCELLED, GENERATION_ERRORS, Failed, Finished, Started, Token, dflash_object, failure
 from .stops import StopText
-
-CANCELLED = "the request was cancelled (the client went away or the server is stopping)"
 
 
 @dataclass
@@ -64,6 +67,7 @@ class _Row:
     stopper: StopText
     stream: RowStream | None = None
     cached: int = 0  # prompt tokens its session held when it was taken from the prompt cache
+    state: str = "normal"  # the reply's first channel (`prompts.Prepared`)
     uid: int | None = None
     widest: int = 1  # the most rows it shared a step with (itself included)
 
@@ -107,7 +111,7 @@ class BatchedServing:
         """Fail every request in the loop (its state is unknown after an unexpected fault) and start
         with a new decoder."""
         for row in [*self.rows.values(), *self.waiting]:
-            self._fail(row, message)
+            self._fail(row, Failed(500, message))
         self.rows, self.waiting, self.decoder = {}, [], None
 
     def _admit(self, job) -> None:
@@ -117,30 +121,23 @@ class BatchedServing:
             return
         worker.running(job, True)
         try:
-            row = self._row(job)
+            self.waiting.append(self._row(job))
         except Exception as e:
-            logging.exception("Admitting a request failed")
-            job.events.put(Failed(500, _failure(e)))
-            row = None
-        if row is None:
+            if not isinstance(e, (*GENERATION_ERRORS, RequestError)):
+                logging.exception("Admitting a request failed")
+            job.events.put(failure(e, job.request))
             worker.running(job, False)
-        else:
-            self.waiting.append(row)
 
-    def _row(self, job) -> _Row | None:
-        """The job's row, or None once its 4xx is sent."""
-        worker = self.worker
-        planned = worker.prepare(job)
-        if planned is None:
-            return None
-        prompt, max_tokens = planned
-        req = job.request
+    def _row(self, job) -> _Row:
+        """The job's row (prepared in its handler's thread, else here)."""
+        worker, req = self.worker, job.request
+        prepared = job.prepared or worker.prepare(req)
+        prompt, max_tokens, grammar = prepared.prompt, prepared.max_tokens, prepared.grammar
         max_block = None if req.num_draft_tokens is None else req.num_draft_tokens + 1
         adaptive = worker.adaptive and max_block is None
         block = max_block or worker.block_size
         settings = SamplingSettings(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p)
         xtc = (req.xtc_probability, req.xtc_threshold, sorted(worker.tokenizer.eos_token_ids))
-        grammar = worker.grammars.get(req.grammar) if req.grammar else None
         acceptor = Acceptor(
             settings,
             mx.array(prompt, mx.int32),
@@ -161,14 +158,14 @@ class BatchedServing:
             stats,
             StopText(req.stop),
             cached=session.usable_prefix(prompt),
+            state=prepared.state,
         )
 
     # -- joining ----------------------------------------------------------------------------------
 
     def _prefill_chunk(self) -> None:
-        """One chunk of the first waiting prompt that needs more than one (only while others decode)."""
-        if not self.rows:
-            return
+        """One chunk of the first waiting prompt that needs more than one (so a cancelled request leaves
+        between chunks, and the others decode on)."""
         for row in self.waiting:
             if self._needs_chunks(row):
                 if not self._fits(row):
@@ -178,7 +175,7 @@ class BatchedServing:
                     row.session.hold(row.prompt[: held + self.prefill_step_size])
                 except Exception as e:
                     self.waiting.remove(row)
-                    self._fail(row, _failure(e))
+                    self._fail(row, failure(e, row.job.request))
                 return
 
     def _needs_chunks(self, row: _Row) -> bool:
@@ -189,7 +186,7 @@ class BatchedServing:
     def _join(self) -> None:
         ready = []
         for row in list(self.waiting):
-            if (self.rows and self._needs_chunks(row)) or not self._fits(row, ready):
+            if self._needs_chunks(row) or not self._fits(row, ready):
                 continue
             ready.append(row)
             self.waiting.remove(row)
@@ -200,7 +197,7 @@ class BatchedServing:
                 self.decoder = batch_decoder(ready[0].session, None if self.worker.adaptive else self.worker.block_size)
             except Exception as e:
                 for row in ready:
-                    self._fail(row, _failure(e))
+                    self._fail(row, _server_failure(e))
                 return
         # Fresh short prompts are prefilled together (one forward they share), the others alone: a
         # failure fails the requests of its own forward only (the decoder's rows are untouched until
@@ -225,8 +222,8 @@ class BatchedServing:
             )
         except Exception as e:
             logging.exception("Prefilling %d request(s) failed", len(group))
-            for row in group:
-                self._fail(row, _failure(e))
+            for row in group:  # (a forward several requests shared fails them all: the server's fault)
+                self._fail(row, failure(e, row.job.request) if len(group) == 1 else _server_failure(e))
             for orphan in [r.uid for r in self.decoder.rows if r.uid not in self.rows]:  # joined before the fault
                 self.decoder.remove(orphan)
             return
@@ -240,20 +237,20 @@ class BatchedServing:
     def _start(self, row: _Row, first) -> None:
         tokenizer = self.worker.tokenizer
         row.stream = RowStream(tokenizer, len(row.prompt))
-        state = initial_state(tokenizer, row.prompt) if row.job.request.kind == "chat" else "normal"
-        row.job.events.put(Started(len(row.prompt), row.cached, state))
+        row.job.events.put(Started(len(row.prompt), row.cached, row.state))
         self._deliver(row, first)
 
     def _fits(self, row: _Row, joining: list | None = None) -> bool:
-        """Whether the row's caches fit beside the others' (the prompt cache is trimmed to make room)."""
+        """Whether the row's caches fit beside the others' in the byte budget (the least recently used
+        of what the server keeps are evicted to make room)."""
         worker = self.worker
         new = [row, *(joining or [])]
         wanted = sum(worker.footprint.bytes(len(r.prompt) + max(r.max_tokens, 0)) for r in new)
-        active = sum(r.session.nbytes for r in self.rows.values())
-        room = worker.budget - worker.weights - active - wanted
-        if worker.sessions.nbytes > room:
-            worker.sessions.trim_to(max(0, room))
-        return worker.sessions.nbytes <= room
+        self._count_active()
+        return worker.budget.make_room(wanted) or not (self.rows or joining)  # (alone, it fit: `prompts`)
+
+    def _count_active(self) -> None:
+        self.worker.active.nbytes = sum(r.session.nbytes for r in self.rows.values())
 
     # -- decoding ---------------------------------------------------------------------------------
 
@@ -265,7 +262,7 @@ class BatchedServing:
         except Exception as e:  # the batch's verify: every row in it fails, the loop goes on
             logging.exception("Batched generation failed")
             for row in list(self.rows.values()):
-                self._fail(row, _failure(e))
+                self._fail(row, _server_failure(e))
             self.decoder = None  # its caches are unsound: a new decoder for the next requests
             return
         width = len(steps)
@@ -283,11 +280,14 @@ class BatchedServing:
             logging.exception("A request failed while its tokens were handed out")
             if self.decoder is not None and row.uid is not None:
                 self.decoder.remove(row.uid)
-            self._fail(row, _failure(e))
+            self._fail(row, failure(e, row.job.request))
 
     def _deliver(self, row: _Row, step) -> None:
         """Hand a step's tokens to the row's client; finish the row when it stops."""
         put, req, worker = row.job.events.put, row.job.request, self.worker
+        if step.fault is not None:  # its grammar failed: the decoder has let the row go
+            self._fail(row, failure(step.fault, req))
+            return
         finish = None
         for r in row.stream.responses(step):
             row.stats.add(r)
@@ -313,23 +313,27 @@ class BatchedServing:
         for row in [r for r in self.rows.values() if r.job.cancelled]:
             self.decoder.remove(row.uid)
             self._leave(row, Failed(503, CANCELLED))
+            self.worker.count_cancelled()
         for row in [r for r in self.waiting if r.job.cancelled]:
             self.waiting.remove(row)
-            row.job.events.put(Failed(503, CANCELLED))
-            self.worker.running(row.job, False)
+            self._leave(row, Failed(503, CANCELLED))  # (its prompt chunks so far are kept)
+            self.worker.count_cancelled()
 
     def _leave(self, row: _Row, end) -> None:
         self.rows.pop(row.uid, None)
         row.job.events.put(end)
         self.worker.running(row.job, False)
         self.worker.file_session(row.session)  # (after the reply: writing it to disk never delays the client)
+        self._count_active()
 
-    def _fail(self, row: _Row, message: str) -> None:
-        """End the row's request with a 500; its session is dropped (its caches may be unsound)."""
+    def _fail(self, row: _Row, end: Failed) -> None:
+        """End the row's request with `end`; its session is dropped (its caches may be unsound)."""
         self.rows.pop(row.uid, None)
-        row.job.events.put(Failed(500, message))
+        row.job.events.put(end)
         self.worker.running(row.job, False)
+        self._count_active()
 
 
-def _failure(e: Exception) -> str:
-    return f"generation failed: {type(e).__name__}: {e}"
+def _server_failure(e: Exception) -> Failed:
+    """A fault in a forward several requests shared: each one's 500."""
+    return Failed(500, f"generation failed: {type(e).__name__}: {e}")

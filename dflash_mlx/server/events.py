@@ -3,6 +3,8 @@
 A job's events are `Started`, then `Token`s, then `Finished`; or `Failed` at
 any point. They hold plain Python only (the worker thread turns everything
 MLX computes into numbers and strings before putting them on the queue).
+`failure` turns what a request raised into its `Failed` by cause, the one rule
+of both worker modes: the client's (4xx naming the field) or the server's (500).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import threading
 from dataclasses import dataclass, field
 
 from ..stats import RunStats
+from ..structured.constraint import GrammarFault
+from .errors import RequestError
 from .request import GenerationRequest
 
 
@@ -58,10 +62,12 @@ class Discard:
 
 
 class Job:
-    """One request in the worker's queue, and the events it produces."""
+    """One request in the worker's queue, what it was prepared into (`prompts.Prepared`, None until
+    then) and the events it produces."""
 
-    def __init__(self, request: GenerationRequest):
+    def __init__(self, request: GenerationRequest, prepared=None):
         self.request = request
+        self.prepared = prepared
         self.events: queue.Queue = queue.Queue()
         self._cancelled = threading.Event()
 
@@ -71,6 +77,26 @@ class Job:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+
+class Cancelled(Exception):
+    """Raised inside a generation whose job was cancelled (between prefill chunks)."""
+
+
+CANCELLED = "the request was cancelled (the client went away or the server is stopping)"
+
+
+def failure(e: Exception, request: GenerationRequest) -> Failed:
+    """The event ending a request that raised `e`, by cause: the client's (a field it sent, a grammar
+    that fails mid-output: 4xx naming the field) or the server's (500); the same in every worker mode."""
+    if isinstance(e, RequestError):
+        return Failed(e.status, str(e), e.field)
+    if isinstance(e, GrammarFault) and request.grammar_field:
+        field = request.grammar_field
+        return Failed(400, f"{field}: the output cannot go on under this format: {e}", field)
+    if isinstance(e, Cancelled):
+        return Failed(503, CANCELLED)
+    return Failed(500, f"generation failed: {type(e).__name__}: {e}")
 
 
 def dflash_object(stats: RunStats) -> dict:

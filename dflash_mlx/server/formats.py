@@ -6,40 +6,36 @@ API's ``text.format`` and Anthropic's ``output_config.format`` (``{"type":
 text), which the request carries (it stays picklable for a sharded server's
 followers). The grammar is compiled while the request is parsed, in the
 handler's thread, into the worker's `Grammars` (the most recent ones kept,
-shared by the handler threads and the worker), so what llguidance cannot
-compile is a 400 naming the field before anything is queued, and the worker
-finds it compiled.
+shared by the handler threads and the worker, within the server's byte
+budget), so what llguidance cannot compile or start (its first mask, under
+`structured.grammar.LIMITS`) is a 400 naming the field before anything is
+queued, and the job carries the compiled grammar to the worker
+(`prompts.Prepared`). The request names its format field (`grammar_field`)
+for a grammar that fails later, mid-output (also a 400).
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-
 from ..structured.grammar import Grammar, GrammarError, grammar_text, schema_place
+from .budget import Kept
 from .errors import RequestError
 
 KEPT = 64  # compiled grammars kept
 
 
-class Grammars:
-    """Grammars compiled for one tokenizer, by their text; the `size` most recently used are kept."""
+class Grammars(Kept):
+    """Grammars compiled for one tokenizer, by their text: the `size` most recently used are kept, and
+    fewer when the server's byte budget (`budget`) needs their room (each counted at `Grammar.nbytes`)."""
 
-    def __init__(self, tokenizer, size: int = KEPT):
-        self.tokenizer, self.size = tokenizer, size
-        self._kept: OrderedDict[str, Grammar] = OrderedDict()
-        self._lock = threading.Lock()
+    def __init__(self, tokenizer, size: int = KEPT, budget=None):
+        super().__init__(size, budget)
+        self.tokenizer = tokenizer
 
     def get(self, text: str) -> Grammar:
-        with self._lock:
-            if text in self._kept:
-                self._kept.move_to_end(text)
-                return self._kept[text]
-        grammar = Grammar(self.tokenizer, text)  # (outside the lock: a large grammar takes a while)
-        with self._lock:
-            self._kept[text] = grammar
-            while len(self._kept) > self.size:
-                self._kept.popitem(last=False)
+        grammar = super().get(text)
+        if grammar is None:
+            grammar = Grammar(self.tokenizer, text)  # (not under the lock: a large grammar takes a while)
+            self.put(text, grammar, grammar.nbytes)
         return grammar
 
 

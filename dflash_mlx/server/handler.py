@@ -8,14 +8,22 @@ Anthropic's Messages API (`anthropic`: ``/v1/messages``,
 ``/v1/models`` and ``/health``. With an API key (``--api-key``) every route but
 ``/health`` wants it as ``x-api-key`` or ``Authorization: Bearer``: else a 401.
 A request is validated (a 400 naming the field, in its dialect's error shape),
-queued on the worker, and answered once its first token exists, so errors found
-before generation starts still get a proper status; a body nested deeper than
-`MAX_DEPTH` is a 400, and an unexpected error in a handler is that request's
-500 (its job is cancelled), never a dropped connection. Chat replies go through
-`channels.Channels` (content, reasoning, tool calls: a tool call is released
-once its block closes, as mlx_lm.server sends it). Streamed replies are SSE
-(``event:`` lines where the dialect names its events); a client that goes away
-cancels its job.
+prepared in this thread (`prompts`: template, tokens, limits, grammar; the
+decode thread only decodes), queued on the worker, and answered once its first
+token exists, so errors found before generation starts still get a proper
+status. A body larger than `limits.body_limit` (what a prompt filling the
+model's context can take) is a 413 sent before the body is read (what the
+client still sends is read and dropped, so it gets the 413); one nested deeper
+than `MAX_DEPTH` is a 400, and an unexpected error in a handler is that
+request's 500 (its job is cancelled), never a dropped connection. Chat
+replies go through `channels.Channels` (content, reasoning, tool calls: a tool
+call is released once its block closes, as mlx_lm.server sends it). Streamed
+replies are SSE (``event:`` lines where the dialect names its events). A
+client that goes away cancels its job, streamed or not: while it waits, its
+socket is checked every `POLL` seconds (a peer that closed, or half-closed,
+its connection reads as ended), and a failed write ends it too. ``/health``
+shows the byte budget's use (`budget`), the requests running, queued and
+cancelled, and the body limit.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import hmac
 import json
 import logging
 import queue
+import select
+import socket
 import time
 from http.server import BaseHTTPRequestHandler
 
@@ -35,7 +45,8 @@ from .events import Failed, Finished, Started, Token
 from .openai_chat import Completion, TextCompletion, error_body
 from .openai_responses import Responses
 
-MAX_BODY = 32 * 2**20
+POLL = 0.25  # seconds between checks that a waiting client is still there
+DRAIN_SECONDS = 10.0  # how long a refused body the client goes on sending is read and dropped
 MAX_DEPTH = 64  # nesting of a body's arrays and objects (tool schemas need a few levels, nothing needs 64)
 ROUTES = {
     "/chat/completions": Completion,
@@ -49,6 +60,7 @@ ROUTES.update({"/v1" + path: dialect for path, dialect in list(ROUTES.items())})
 
 class Handler(BaseHTTPRequestHandler):
     server_version = "dflash-mlx"
+    _unread = 0  # bytes of a refused body still to read and drop (`_drain`)
 
     def log_message(self, format, *args):  # noqa: A002 - BaseHTTPRequestHandler's signature
         if self.server.log_requests:
@@ -70,6 +82,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self._unread:
+            self.send_header("Connection", "close")
         self._cors()
         self.end_headers()
         self.wfile.write(data)
@@ -96,8 +110,14 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(None, f"invalid Content-Length {length!r}") from None
         if length < 0:
             raise RequestError(None, f"invalid Content-Length {length}")
-        if length > MAX_BODY:
-            raise RequestError(None, f"the request body is larger than {MAX_BODY} bytes", 413)
+        limit = self.server.info.max_body
+        if limit is not None and length > limit:
+            self._unread, self.close_connection = length, True
+            context = self.server.info.context_length
+            why = f"a prompt filling the model's {context}-token context" if context else "the memory budget"
+            raise RequestError(
+                None, f"the request body is {length} bytes; this server reads at most {limit} ({why})", 413
+            )
         too_deep = f"the request body nests arrays and objects more than {MAX_DEPTH} levels deep"
         try:
             body = json.loads(self.rfile.read(length).decode())
@@ -111,10 +131,30 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(None, "the request body must be a JSON object")
         return body
 
+    def _drain(self) -> None:
+        """Read and drop the refused body the client is still sending (for at most DRAIN_SECONDS), so it reads
+        the refusal rather than a reset connection."""
+        deadline = time.monotonic() + DRAIN_SECONDS
+        try:
+            self.connection.settimeout(DRAIN_SECONDS)
+            while self._unread > 0 and time.monotonic() < deadline:
+                chunk = self.rfile.read1(min(self._unread, 1 << 16))
+                if not chunk:
+                    break
+                self._unread -= len(chunk)
+        except OSError:
+            pass
+
     def _next_event(self, job):
+        """The job's next event; a client that went away meanwhile cancels the job (ConnectionAbortedError)."""
         while True:
+            if time.monotonic() >= self._check_at:
+                self._check_at = time.monotonic() + POLL
+                if client_gone(self.connection):
+                    job.cancel()
+                    raise ConnectionAbortedError("the client went away")
             try:
-                return job.events.get(timeout=1.0)
+                return job.events.get(timeout=POLL)
             except queue.Empty:
                 if not self.server.worker.alive and job.events.empty():
                     return Failed(503, "the generation thread has stopped")
@@ -141,8 +181,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         path = self.path.split("?")[0].rstrip("/")
         if path == "/health":
-            alive = self.server.worker.alive
-            self._send_json(200 if alive else 503, {"status": "ok" if alive else "unavailable"})
+            self._send_json(*self.server.health())
         elif not self._authorized():
             self._send_json(401, error_body(UNAUTHORIZED, None, 401))
         elif path == "/v1/models":
@@ -156,10 +195,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         self._received, self._responded, self._job = time.perf_counter(), False, None
+        self._check_at, self._unread = time.monotonic() + POLL, 0
         dialect = ROUTES.get(self.path.split("?")[0].rstrip("/"))
         try:
             self._post(dialect)
-        except (BrokenPipeError, ConnectionResetError):
+        except ConnectionError:  # the client went away (a failed write, a closed socket): its job is cancelled
             pass
         except Exception as e:  # a fault of this request's own handling: its 500, never the server's end
             logging.exception("Request to %s failed", self.path)
@@ -180,14 +220,16 @@ class Handler(BaseHTTPRequestHandler):
         try:
             exchange = dialect.parse(self._read_json(), self.server)
             answer = exchange.answer(self.server)
+            prepared = self.server.worker.prepare(exchange.request) if answer is None else None
         except RequestError as e:
             self._send_json(e.status, dialect.error(e.status, str(e), e.field))
+            self._drain()
             return
         if answer is not None:
             self._send_json(200, answer)
             return
         req = exchange.request
-        job = self._job = self.server.worker.submit(req)
+        job = self._job = self.server.worker.submit(req, prepared)
         first = self._next_event(job)
         if isinstance(first, Failed):
             self._send_json(first.status, exchange.error(first.status, first.message, first.field))
@@ -245,6 +287,20 @@ def sse(name: str | None, data: dict) -> bytes:
     """One server-sent event (an ``event:`` line when it has a name)."""
     head = f"event: {name}\n" if name else ""
     return f"{head}data: {json.dumps(data)}\n\n".encode()
+
+
+def client_gone(sock) -> bool:
+    """Whether the peer has closed (or reset) the connection: it is readable and a peek reads nothing."""
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        if not poller.poll(0):
+            return False
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
 
 
 def depth(value) -> int:

@@ -38,11 +38,10 @@ with sequence numbers. Errors are OpenAI's error objects.
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
-from collections import OrderedDict
 
+from .budget import Kept, python_bytes
 from .conversation import CHOICES, ToolCalls, function_tool, text, tool_choice
 from .dialect import Blocks, Exchange, Outcome
 from .errors import RequestError
@@ -82,32 +81,29 @@ RENAMED = {"messages": "input", "max_tokens": "max_output_tokens"}  # the worker
 DEFAULT_STORED = 100  # responses whose conversations are kept (--response-store-size)
 
 
-class Conversations:
-    """The conversations (chat messages, instructions aside) of the most recent responses, by id: an
-    LRU of at most `size` (0: none kept), shared by the handler threads."""
+class Conversations(Kept):
+    """The conversations (chat messages, instructions aside) of the most recent responses, by id: at most
+    `size` (0: none kept), the least recently used going first, within the server's byte `budget` (each
+    counted at the bytes of its Python objects); shared by the handler threads."""
 
-    def __init__(self, size: int = DEFAULT_STORED):
+    def __init__(self, size: int = DEFAULT_STORED, budget=None):
         if size < 0:
             raise ValueError(f"the response store size must be >= 0, got {size}.")
-        self.size, self._kept, self._lock = size, OrderedDict(), threading.Lock()
+        super().__init__(size, budget)
 
     def get(self, response_id: str) -> list[dict]:
-        with self._lock:
-            if response_id not in self._kept:
-                raise RequestError(
-                    "previous_response_id",
-                    f"no stored response {response_id!r}: unknown, made "
-                    f"with store: false, or evicted (this server keeps the conversations of its "
-                    f"last {self.size} responses, --response-store-size)",
-                )
-            self._kept.move_to_end(response_id)
-            return list(self._kept[response_id])
+        messages = super().get(response_id)
+        if messages is None:
+            raise RequestError(
+                "previous_response_id",
+                f"no stored response {response_id!r}: unknown, made "
+                f"with store: false, or evicted (this server keeps the conversations of its "
+                f"last {self.size} responses, --response-store-size, within its memory budget)",
+            )
+        return list(messages)
 
     def put(self, response_id: str, messages: list[dict]) -> None:
-        with self._lock:
-            self._kept[response_id] = messages
-            while len(self._kept) > self.size:
-                self._kept.popitem(last=False)
+        super().put(response_id, messages, python_bytes(messages))
 
 
 def error(status: int, message: str, field: str | None = None) -> dict:
@@ -252,6 +248,7 @@ class Responses(Exchange):
         req.stream = b.boolean("stream")
         text_format = Fields(b.mapping("text"), "text.").mapping("format")
         req.grammar = response_format(text_format or None, info.grammars, "text.format")
+        req.grammar_field = "text.format"
         store = b.boolean("store", True)
         echo = {
             "instructions": instructions,

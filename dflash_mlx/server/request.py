@@ -99,6 +99,7 @@ class ServerInfo:
     reasoning: dict = field(default_factory=dict)  # level -> template arguments, or why not (reasoning_switches)
     grammars: object = None  # the worker's `formats.Grammars` (structured outputs), None: unavailable
     lookup: bool = True  # copy-aware drafting for requests that do not say (`serve --lookup`)
+    max_body: int | None = None  # the largest request body read, bytes (`limits.body_limit`; None: any)
 
     @property
     def window_bound(self) -> int:
@@ -134,6 +135,7 @@ class GenerationRequest:
     tool_choice: str | dict | None = None
     return_meta_info: bool = False
     grammar: str | None = None  # llguidance grammar text the output follows (`formats`)
+    grammar_field: str | None = None  # the dialect's field that gave the grammar (its errors name it)
     legacy_functions: bool = False  # the request used ``functions``: the reply's call is a ``function_call``
 
 
@@ -176,6 +178,7 @@ def parse_request(kind: str, body, info: ServerInfo) -> GenerationRequest:
     req.include_usage = options.boolean("include_usage")
     if kind == "chat":  # (last: compiling a grammar is the costliest check)
         req.grammar = response_format(body.get("response_format"), info.grammars, "response_format")
+        req.grammar_field = "response_format"
     return req
 
 

@@ -34,7 +34,11 @@ META_KEY = "dflash_mlx_session"
 
 def identity(model, draft) -> dict:
     """What a saved session is only valid for: this target and this drafter (their facts)."""
-    return {"format": FORMAT, "target": model_facts(model), "draft": model_facts(draft) if draft is not None else None}
+    return {
+        "format": FORMAT,
+        "target": model_facts(model),
+        "draft": model_facts(getattr(draft, "drafter", draft)) if draft is not None else None,
+    }
 
 
 def _arrays(items: list) -> ArraysCache:

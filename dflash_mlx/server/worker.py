@@ -1,26 +1,33 @@
-"""The generation worker: one thread owns the model and serves the queued requests.
+"""The generation worker: one thread owns the model and only decodes the queued requests.
 
 MLX is not thread-safe for concurrent generation, so HTTP handler threads
-never touch the model: they `submit` a `GenerationRequest` and read the job's
-events (`Started`, then `Token`s, then `Finished`; or `Failed` at any point).
-Everything MLX computes (tokens, log-probabilities, top entries) is turned
-into plain Python in this thread before it is put on a job's queue.
+never touch the model: they prepare a request (`prompts`: its chat template,
+tokens, limits and grammar, in their own thread), `submit` it and read the
+job's events (`Started`, then `Token`s, then `Finished`; or `Failed` at any
+point). Everything MLX computes (tokens, log-probabilities, top entries) is
+turned into plain Python in this thread before it is put on a job's queue.
 
 The worker keeps a prompt cache (`prompt_cache.PromptCache`): an LRU of
 sessions, one per conversation, so a request whose prompt extends a cached
 conversation (its next turn, even after other conversations ran) only
 prefills what is new, and a prompt that shares a long prefix with another
 (a system prompt, tools) starts from a copy of it. Output is unchanged by
-this (the session and server tests check it). A cancelled job (its client
-went away) stops at its next token; `stop` cancels the running job, fails the
-queued ones with 503 and ends the thread.
+this (the session and server tests check it). Everything the server keeps
+counts against one byte budget (`budget.MemoryBudget`, ``--max-batch-bytes``):
+a request makes room for its caches (its prompt and ``max_tokens``, at the
+`limits.Footprint`) before it runs, evicting the least recently used of the
+prompt cache, the stored responses and the compiled grammars. A cancelled job
+(its client went away: `handler`) stops between prefill chunks or at its next
+token, and its session, holding the prompt and the tokens generated so far, is
+filed in the prompt cache like a finished one; `stop` cancels the running
+job, fails the queued ones with 503 and ends the thread.
 
-A request's failure stays that request's: an exception while serving it
-ends it with a 500 (its session is dropped, not filed back) and the next
-request is served; should the loop itself raise, it is logged and started
-again (the requests in it failed with 500), so the server never answers 503
-for good. A request whose caches could not fit in the memory budget even
-alone is refused before it runs (`limits`).
+A request's failure stays that request's, answered by its cause
+(`events.failure`): a grammar that fails mid-output is a 400 naming the
+format field, anything else the server's 500 (its session is dropped, not
+filed back), and the next request is served; should the loop itself raise, it
+is logged and started again (the requests in it failed with 500), so the
+server never answers 503 for good.
 
 With ``decode_concurrency`` > 1 the thread runs `batching.BatchedServing`
 instead: up to that many requests decode together as rows of one batch,
@@ -28,10 +35,12 @@ each with its own session, stops and cancellation; else (and for a sharded
 target or a family the batch cannot run) one request at a time, in order.
 
 With a tensor-sharded target (`group`), rank 0's worker sends each request
-it starts to the other ranks, whose `follow()` serves the same request the
-same way (same prompt cache, same stops) and drops the events; a job is then
-not cut short when its client goes away (the ranks would part ways), and
-`stop` lets the running job finish, then tells the followers to end.
+it starts to the other ranks, whose `follow()` prepares and serves the same
+request the same way (same prompt cache, same stops) and drops the events; a
+job is then not cut short when its client goes away (the ranks would part
+ways), and `stop` lets the running job finish, then tells the followers to
+end. Their prompt caches evict by their own bounds only (the budget counts
+them), so the ranks' caches stay alike.
 """
 
 from __future__ import annotations
@@ -43,7 +52,6 @@ import signal
 import threading
 
 import mlx.core as mx
-from jinja2 import TemplateError
 from mlx_lm.sample_utils import make_logits_processors
 
 from ..models.block_size import default_block_size
@@ -53,11 +61,24 @@ from ..sharding.group import broadcast
 from ..stats import RunStats
 from ..batch.ragged_cache import batch_problem
 from .batching import BatchedServing
-from .channels import initial_state
-from .events import GENERATION_ERRORS, Discard, Failed, Finished, Job, Started, Token, dflash_object
+from .budget import Bytes, Counted, MemoryBudget
+from .events import (
+    CANCELLED,
+    GENERATION_ERRORS,
+    Cancelled,
+    Discard,
+    Failed,
+    Finished,
+    Job,
+    Started,
+    Token,
+    dflash_object,
+    failure,
+)
 from .formats import Grammars
 from .limits import Footprint, memory_budget, weight_bytes
 from .prompt_cache import DEFAULT_SESSIONS, PromptCache
+from .prompts import Prepared, Preparer
 from .session_store import SessionStore, identity
 from .errors import RequestError
 from .request import GenerationRequest
@@ -70,7 +91,8 @@ MIN_LOGPROB = -9999.0  # what OpenAI reports for a token that cannot be sampled 
 class GenerationWorker:
     """`context_length` (tokens, None: unbounded): a longer prompt is refused with 400, and
     generation stops there (finish_reason "length"). `max_batch_bytes` (default: `limits.memory_budget`)
-    bounds weights + caches: a request whose caches cannot fit even alone is refused with 400."""
+    is the byte budget of everything the server keeps (`budget`): a request whose caches cannot fit even
+    alone is refused with 400."""
 
     def __init__(
         self,
@@ -97,10 +119,14 @@ class GenerationWorker:
             )
         self.group = group if group is not None and group.size() > 1 else None
         self.model, self.tokenizer, self.draft = model, tokenizer, draft
-        self.grammars = Grammars(tokenizer)  # structured outputs' grammars, compiled as requests are parsed
         self.context_length = context_length
         self.block_size = block_size or (default_block_size(model, draft) if draft is not None else 1)
         self.adaptive = adaptive and draft is not None  # up to block_size, unless a request fixes it
+        self.budget = MemoryBudget(max_batch_bytes if max_batch_bytes is not None else memory_budget())
+        self.weights = weight_bytes(model, draft)
+        self.active = Bytes()  # the sessions being generated (set by this worker's thread)
+        # structured outputs' grammars, compiled as requests are parsed
+        self.grammars = Grammars(tokenizer, budget=self.budget)
         store = SessionStore(prompt_cache_dir, identity(model, draft)) if prompt_cache_dir is not None else None
         self.sessions = PromptCache(
             lambda: make_session(model, draft),
@@ -108,9 +134,18 @@ class GenerationWorker:
             max_bytes=prompt_cache_bytes,
             store=store,
         )
-        self.budget = max_batch_bytes if max_batch_bytes is not None else memory_budget()
-        self.weights = weight_bytes(model, draft)
-        self.footprint = Footprint.measure(lambda: make_session(model, draft))
+        for name, part in [
+            ("weights", Bytes(self.weights)),
+            ("active", self.active),
+            ("prompt_cache", self.sessions if self.group is None else Counted(self.sessions)),
+            ("grammars", self.grammars),
+        ]:
+            self.budget.register(name, part)
+        self.footprint = Footprint.measure(lambda: make_session(model, draft), lookup=draft is not None)
+        self.prompts = Preparer(
+            tokenizer, context_length, self.budget.total, self.weights, self.footprint, self.grammars
+        )
+        self.cancelled = 0  # jobs that ended cancelled (`/health`)
         self._jobs: queue.Queue = queue.Queue()
         self._running: set[Job] = set()  # the jobs being generated
         self._lock = threading.Lock()
@@ -126,6 +161,7 @@ class GenerationWorker:
         if decode_concurrency > 1 and self.group is None and not problem:  # (a sharded server: one at a time)
             self.batched = BatchedServing(self, decode_concurrency, prefill_step_size=prefill_step_size)
         self.decode_concurrency = decode_concurrency if self.batched is not None else 1
+        self.budget.enforce()  # (a prompt cache loaded from disk)
 
     def start(self) -> None:
         self._thread.start()
@@ -134,14 +170,27 @@ class GenerationWorker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, request: GenerationRequest) -> Job:
-        job = Job(request)
+    def prepare(self, request: GenerationRequest) -> Prepared:
+        """The request made ready to generate, in the caller's thread (`prompts`); a `RequestError`
+        when it cannot be served."""
+        return self.prompts.prepare(request)
+
+    def tokenize(self, request: GenerationRequest) -> list[int]:
+        return self.prompts.tokenize(request)
+
+    def submit(self, request: GenerationRequest, prepared: Prepared | None = None) -> Job:
+        job = Job(request, prepared)
         with self._lock:
             if self._stopping or not self.alive:
                 job.events.put(Failed(503, "the server is shutting down"))
             else:
                 self._jobs.put(job)
         return job
+
+    def job_counts(self) -> dict:
+        """The requests being generated and queued, and how many ended cancelled (`/health`)."""
+        with self._lock:
+            return {"running": len(self._running), "queued": self._jobs.qsize(), "cancelled": self.cancelled}
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel the running job, fail the queued ones, end the thread."""
@@ -185,7 +234,9 @@ class GenerationWorker:
                     continue
                 self._running.add(job)
             try:
-                if not job.cancelled:
+                if job.cancelled:
+                    self.count_cancelled()
+                else:
                     self._serve(job)
             finally:
                 with self._lock:
@@ -217,84 +268,105 @@ class GenerationWorker:
     def _serve(self, job: Job) -> None:
         if self.group is not None and self.group.rank() == 0:
             broadcast(self.group, pickle.dumps(job.request))
-        req, put = job.request, job.events.put
-        adaptive = self.adaptive and req.num_draft_tokens is None
-        block_size = self.block_size if req.num_draft_tokens is None else req.num_draft_tokens + 1
-        stats = RunStats(block_size=block_size, adaptive=adaptive)
-        blocks = {"block_size": None, "max_block_size": block_size} if adaptive else {"block_size": block_size}
-        stopper = StopText(req.stop)
-        started, count, finish = False, 0, "length"
         session = responses = None
         end = Failed(500, "generation was interrupted")  # the last event, sent once the generator is closed
         try:
-            planned = self.prepare(job)
-            if planned is None:
-                end = None  # (prepare sent its 4xx)
-                return
-            prompt, max_tokens = planned
-            session = self.sessions.take(prompt)
-            responses = stream_generate(
-                self.model,
-                self.draft,
-                self.tokenizer,
-                prompt,
-                max_tokens=max_tokens,
-                **(blocks if self.draft is not None else {}),
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                min_p=req.min_p,
-                seed=req.seed,
-                xtc_probability=req.xtc_probability,
-                xtc_threshold=req.xtc_threshold,
-                logits_processors=make_logits_processors(**req.processors) or None,
-                session=session,
-                **self.kv,
-                response_format=self.grammars.get(req.grammar) if req.grammar else None,
-                lookup=req.lookup,
-            )
-            for r in responses:
-                if job.cancelled and self.group is None:
-                    end = Failed(503, "the request was cancelled (the client went away or the server is stopping)")
-                    return
-                if not started:
-                    state = initial_state(self.tokenizer, prompt) if req.kind == "chat" else "normal"
-                    put(Started(len(prompt), session.reused, state))
-                    started = True
-                count += 1
-                stats.add(r)
-                put(self.token_event(r, stopper.feed(r.text), req.logprobs, req.top_logprobs))
-                if stopper.stopped:
-                    finish = "stop"
-                    break
-                if r.finish_reason:
-                    finish = r.finish_reason
-                    break
-            tail = stopper.flush()
-            if tail:
-                put(Token(tail, None))
-            end = Finished(finish, count, dflash_object(stats) if self.draft is not None else {}, stopper.matched)
-        except ValueError as e:
-            end = Failed(400 if not started else 500, str(e))
-        except Exception as e:  # this request's failure: its 500, and the next requests are served
-            if not isinstance(e, GENERATION_ERRORS):
+            prepared = job.prepared or self.prepare(job.request)  # (a follower prepares what rank 0 sends)
+            session = self.sessions.take(prepared.prompt)
+            self._make_room(session, prepared)
+            responses, stats = self._generate(job, prepared, session)
+            end = self._stream(job, prepared, session, responses, stats)
+        except Exception as e:  # this request's failure (by its cause), and the next requests are served
+            if not isinstance(e, (*GENERATION_ERRORS, RequestError, Cancelled)):
                 logging.exception("Request failed")
-            end = Failed(500, f"generation failed: {type(e).__name__}: {e}")
+            end = failure(e, job.request)
         finally:
             if responses is not None:
                 responses.close()  # an early stop: the session undoes its queued verify
-            if end is not None:
-                put(end)
-            if session is not None and (isinstance(end, Finished) or end.status == 503):
+            job.events.put(end)
+            self.active.nbytes = 0
+            if isinstance(end, Failed) and end.message == CANCELLED:
+                self.count_cancelled()
+            if session is not None and (isinstance(end, Finished) or end.message == CANCELLED):
                 self.file_session(session)  # a cancelled job's caches are sound too
+
+    def _make_room(self, session, prepared: Prepared) -> None:
+        """Count the request's caches (its prompt and max_tokens) as active, evicting to make room."""
+        self.active.nbytes = max(session.nbytes, self.footprint.bytes(len(prepared.prompt) + prepared.max_tokens))
+        self.budget.enforce()  # (it fit alone: `prompts`; what is kept makes room for it)
+
+    def _generate(self, job: Job, prepared: Prepared, session):
+        """The request's stream of responses (not started) and the statistics it fills."""
+        req = job.request
+        adaptive = self.adaptive and req.num_draft_tokens is None
+        block_size = self.block_size if req.num_draft_tokens is None else req.num_draft_tokens + 1
+        blocks = {"block_size": None, "max_block_size": block_size} if adaptive else {"block_size": block_size}
+
+        def cancel_between_chunks(done: int, total: int) -> None:
+            if job.cancelled and self.group is None:
+                raise Cancelled()
+
+        responses = stream_generate(
+            self.model,
+            self.draft,
+            self.tokenizer,
+            prepared.prompt,
+            max_tokens=prepared.max_tokens,
+            **(blocks if self.draft is not None else {}),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            xtc_probability=req.xtc_probability,
+            xtc_threshold=req.xtc_threshold,
+            logits_processors=make_logits_processors(**req.processors) or None,
+            session=session,
+            **self.kv,
+            response_format=prepared.grammar,
+            lookup=req.lookup,
+            prompt_progress_callback=cancel_between_chunks,
+        )
+        return responses, RunStats(block_size=block_size, adaptive=adaptive)
+
+    def _stream(self, job: Job, prepared: Prepared, session, responses, stats: RunStats) -> Finished | Failed:
+        """Hand the responses out as events until the reply ends (or its job is cancelled)."""
+        req, put = job.request, job.events.put
+        stopper = StopText(req.stop)
+        started, count, finish = False, 0, "length"
+        for r in responses:
+            if job.cancelled and self.group is None:
+                return Failed(503, CANCELLED)
+            if not started:
+                put(Started(len(prepared.prompt), session.reused, prepared.state))
+                started = True
+            count += 1
+            stats.add(r)
+            put(self.token_event(r, stopper.feed(r.text), req.logprobs, req.top_logprobs))
+            if stopper.stopped:
+                finish = "stop"
+                break
+            if r.finish_reason:
+                finish = r.finish_reason
+                break
+        tail = stopper.flush()
+        if tail:
+            put(Token(tail, None))
+        return Finished(finish, count, dflash_object(stats) if self.draft is not None else {}, stopper.matched)
+
+    def count_cancelled(self) -> None:
+        with self._lock:
+            self.cancelled += 1
 
     def file_session(self, session) -> None:
         """Put a finished request's session back in the prompt cache (after its reply: writing it to
-        disk never delays the client); one that cannot be filed is dropped and logged."""
+        disk never delays the client), within the byte budget; one that cannot be filed is dropped and
+        logged."""
         try:
             self.sessions.put(session)
         except Exception:
             logging.exception("Could not keep a conversation in the prompt cache; it is dropped")
+        self.budget.enforce()
 
     def running(self, job: Job, now: bool) -> None:
         """Mark `job` as being generated (`now`) or done: `stop` cancels the running ones."""
@@ -308,93 +380,6 @@ class GenerationWorker:
     @property
     def stopping(self) -> bool:
         return self._stopping
-
-    def prepare(self, job: Job) -> tuple[list[int], int] | None:
-        """The job's prompt tokens and token limit, or None after putting its 4xx (or its 500)."""
-        req, put = job.request, job.events.put
-        field = "messages" if req.kind == "chat" else "prompt"
-        try:
-            prompt = self.tokenize(req)
-        except RequestError as e:
-            put(Failed(e.status, str(e), e.field))
-            return None
-        except Exception as e:
-            logging.exception("Building a prompt failed")
-            put(Failed(500, f"cannot build the prompt: {type(e).__name__}: {e}", field))
-            return None
-        if not prompt:
-            put(Failed(400, f"{field}: the prompt is empty: at least one token is needed", field))
-            return None
-        max_tokens = req.max_tokens
-        if self.context_length is not None:
-            room = self.context_length - len(prompt)
-            if room < 1:
-                put(
-                    Failed(
-                        400,
-                        f"{field}: the prompt is {len(prompt)} tokens, the model's context is "
-                        f"{self.context_length} tokens: leave room for at least one generated token",
-                        field,
-                    )
-                )
-                return None
-            max_tokens = min(max_tokens, room)
-        problem = self._memory_problem(len(prompt), max_tokens, field)
-        if problem is not None:
-            put(problem)
-            return None
-        return prompt, max_tokens
-
-    def _memory_problem(self, prompt: int, max_tokens: int, field: str) -> Failed | None:
-        """A 400 when the caches of `prompt` + `max_tokens` tokens cannot fit in the budget even alone."""
-        room = self.budget - self.weights
-        fits = self.footprint.tokens_within(room)
-        if prompt + max_tokens <= fits:
-            return None
-        need = self.footprint.bytes(prompt + max_tokens) / 1e9
-        budget = (
-            f"this server's memory budget ({self.budget / 1e9:.2f} GB, --max-batch-bytes) leaves "
-            f"{max(room, 0) / 1e9:.2f} GB beside the weights"
-        )
-        if prompt + 1 > fits:
-            return Failed(
-                400,
-                f"{field}: the caches of a {prompt}-token prompt need about {need:.2f} GB; {budget}: "
-                f"room for {fits} tokens in all",
-                field,
-            )
-        return Failed(
-            400,
-            f"max_tokens: a {prompt}-token prompt and {max_tokens} generated tokens need about "
-            f"{need:.2f} GB of caches; {budget}: at most {fits - prompt} tokens after this prompt",
-            "max_tokens",
-        )
-
-    def tokenize(self, req: GenerationRequest) -> list[int]:
-        """The request's prompt tokens; a `RequestError` (400) naming its messages or prompt when the chat
-        template or the tokenizer refuses them. (The tokenizer only reads: handler threads call this too.)"""
-        try:
-            return self._tokenize(req)
-        except (TemplateError, ValueError, TypeError, KeyError) as e:  # the template's or tokenizer's
-            field = "messages" if req.kind == "chat" else "prompt"
-            raise RequestError(field, f"cannot build the prompt: {e}") from None
-
-    def _tokenize(self, req: GenerationRequest) -> list[int]:
-        tokenizer = self.tokenizer
-        if req.kind == "text":
-            return req.prompt if isinstance(req.prompt, list) else tokenizer.encode(req.prompt)
-        if not tokenizer.has_chat_template:
-            from mlx_lm.server import convert_chat
-
-            return tokenizer.encode(convert_chat(req.messages, req.role_mapping))
-        if req.tools and not tokenizer.has_tool_calling:
-            logging.warning(
-                "Received tools, but the model's tokenizer has no tool-call markers: its tool calls come back as text."
-            )
-        text = tokenizer.apply_chat_template(
-            req.messages, tools=req.tools, tokenize=False, add_generation_prompt=True, **req.chat_template_kwargs
-        )
-        return tokenizer.encode(text, add_special_tokens=False)
 
     def token_event(self, r, text: str, logprobs: bool, top_n: int) -> Token:
         """The event of one response (`r`): its released `text`, and its logprobs when asked for."""

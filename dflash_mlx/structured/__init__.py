@@ -5,7 +5,8 @@
 `processor` is the same grammar as an mlx-lm logits processor (plain constrained decoding, the reference).
 """
 
+from .constraint import GrammarFault
 from .grammar import Grammar, GrammarError, grammar_text
 from .processor import GrammarLogitsProcessor
 
-__all__ = ["Grammar", "GrammarError", "GrammarLogitsProcessor", "grammar_text"]
+__all__ = ["Grammar", "GrammarError", "GrammarFault", "GrammarLogitsProcessor", "grammar_text"]

@@ -11,7 +11,10 @@ advances along it; where the grammar forces the next bytes
 (``compute_ff_tokens``) their first token is the draft (one-hot q). The same
 walk gives the masks of the verify's rows (row i: the state after the
 committed tokens and drafts[:i]); the matcher is then rolled back to the
-committed tokens. A proposer without the drafter's logits (`draft_logits`)
+committed tokens. A drafter whose row i depends on the draft chosen at row
+i - 1 (`draft_stepwise`: DSpark's Markov head) is asked row by row, each row
+with the draft before it (one host sync per row), so its q is the
+distribution each draft was drawn from. A proposer without the drafter's logits (`draft_logits`)
 drafts deterministically and a draft the grammar refuses is replaced.
 
 Masked target rows (-inf outside the grammar) make greedy decoding the
@@ -20,7 +23,8 @@ distribution the draft was drawn from). EOS is allowed only where the grammar
 accepts, and once the grammar is complete only EOS is; an EOS is never fed
 to the matcher (the generation ends there; rollback counts stay exact). The
 logits may be wider than the tokenizer's vocabulary: the extra ids are
-disallowed.
+disallowed. A grammar the library fails on at a mask (one of its limits met
+mid-output) raises `GrammarFault`: the grammar's error, its generation's alone.
 """
 
 from __future__ import annotations
@@ -32,6 +36,16 @@ from llguidance.numpy import fill_next_token_bitmask
 from ..proposers.base import Proposal
 
 CANDIDATES = 16  # drafter candidates per row brought to the host (a row none of them fits costs one more sync)
+
+
+class GrammarFault(RuntimeError):
+    """The grammar library failed on this grammar mid-output (a limit of `grammar.LIMITS` met at a later
+    mask): the grammar's fault, its request's alone, never the engine's."""
+
+
+def library_error(matcher) -> str:
+    """The matcher's error, without the marker llguidance adds when errors are not verbose."""
+    return matcher.get_error().replace("<non-verbose/>", "").strip()
 
 
 def expand(words: np.ndarray, width: int) -> mx.array:
@@ -68,7 +82,8 @@ class Constraint:
         """Take committed tokens (each must follow the grammar)."""
         taken = self._take(tokens)
         if taken < len(tokens) and not self.ended:
-            raise RuntimeError(f"token {tokens[taken]} does not follow the grammar: {self.matcher.get_error()}")
+            fault = GrammarFault if self.matcher.is_error() else RuntimeError
+            raise fault(f"token {tokens[taken]} does not follow the grammar: {library_error(self.matcher)}")
 
     def follow(self, tokens: list[int]) -> None:
         """Hold the longest prefix of `tokens` that follows the grammar (a history that may step back
@@ -104,7 +119,7 @@ class Constraint:
         else:
             fill_next_token_bitmask(self.matcher, out, row)
             if self.matcher.is_error():
-                raise RuntimeError(f"the grammar's matcher failed: {self.matcher.get_error()}")
+                raise GrammarFault(f"the grammar library (llguidance) failed: {library_error(self.matcher)}")
         return out[row]
 
     @staticmethod
@@ -143,12 +158,16 @@ class Constraint:
         the grammar forces whole needs no drafter."""
         forced = [] if self.ended else self.matcher.compute_ff_tokens()
         if len(forced) >= count:
-            return self._walk_rows(count, lambda i, words: forced[i] if self.allows(words, forced[i]) else None)
+            return self._walk_rows(count, lambda i, words, _: forced[i] if self.allows(words, forced[i]) else None)
+        stepwise = getattr(proposer, "draft_stepwise", None)
+        if stepwise is not None:
+            row = stepwise(anchor, position, count)
+            return self.choose_stepwise(row, int(anchor.item()), count, sampling, key)
         draft_logits = getattr(proposer, "draft_logits", None)
         if draft_logits is not None:
             return self.choose(draft_logits(anchor, position, count), sampling, key)
         proposed = proposer.propose(anchor, position, count, sampling=None, key=key).tokens.tolist()
-        return self._walk_rows(count, lambda i, words: proposed[i] if self.allows(words, proposed[i]) else None)
+        return self._walk_rows(count, lambda i, words, _: proposed[i] if self.allows(words, proposed[i]) else None)
 
     def choose(self, logits: mx.array, sampling, key) -> Proposal:
         """The drafts for a drafter's logits rows [count, V] (sampled at `sampling`'s temperature, or
@@ -157,22 +176,47 @@ class Constraint:
         z = logits.astype(mx.float32)
         if sampling is not None:
             z = z / sampling.temperature + mx.random.gumbel(z.shape, key=key)
-        k = min(CANDIDATES, width)
-        top = mx.argpartition(-z, k - 1, axis=-1)[:, :k]
-        values = mx.take_along_axis(z, top, axis=-1)
-        mx.eval(top, values, z)
-        ranked = np.take_along_axis(np.array(top), np.argsort(-np.array(values), axis=1), axis=1).tolist()
+        ranked = _ranked(z)
+        forced: list[int] = []
+        proposal = self._walk_rows(count, lambda i, words, _: self._best(z[i], ranked[i], words), forced)
+        return proposal if sampling is None else self._with_q(proposal, logits, sampling, forced)
 
-        def pick(i: int, words: np.ndarray) -> int:
-            best = next((t for t in ranked[i] if self.allows(words, t)), None)
-            if best is None:  # none of the candidates: the argmax over the allowed tokens
-                best = mx.argmax(masked(z[i], expand(words[None], width)[0])).item()
-            return best
+    def choose_stepwise(self, row, anchor: int, count: int, sampling, key) -> Proposal:
+        """The drafts for a drafter whose row i depends on the draft chosen at row i - 1 (`row(i, previous)`,
+        `proposers.base`): each row's logits asked with the token before it, its draft chosen as `choose`
+        chooses; when sampled, q is each row's distribution given the draft before it."""
+        keys = [None] * count if sampling is None or key is None else list(mx.random.split(key, count))
+        rows: dict[int, mx.array] = {}
+
+        def pick(i: int, words: np.ndarray, previous: int | None) -> int:
+            logits = rows[i] = row(i, anchor if previous is None else previous).astype(mx.float32)
+            z = (
+                logits
+                if sampling is None
+                else logits / sampling.temperature + mx.random.gumbel(logits.shape, key=keys[i])
+            )
+            return self._best(z, _ranked(z[None])[0], words)
 
         forced: list[int] = []
         proposal = self._walk_rows(count, pick, forced)
-        if sampling is None:
+        if sampling is None or not rows:  # (every row forced: every q one-hot)
             return proposal
+        width = next(iter(rows.values())).shape[-1]
+        logits = mx.stack([rows.get(i, mx.zeros((width,), mx.float32)) for i in range(count)])
+        return self._with_q(proposal, logits, sampling, forced)
+
+    def _best(self, z: mx.array, ranked: list[int], words: np.ndarray) -> int:
+        """The best allowed token of a row of scores `z`: its first allowed candidate, else the argmax over
+        the allowed tokens."""
+        best = next((t for t in ranked if self.allows(words, t)), None)
+        if best is None:  # none of the candidates: the argmax over the allowed tokens
+            best = mx.argmax(masked(z, expand(words[None], z.shape[-1])[0])).item()
+        return best
+
+    def _with_q(self, proposal: Proposal, logits: mx.array, sampling, forced: list[int]) -> Proposal:
+        """`proposal` with the distributions its drafts were drawn from: each row's masked, tempered softmax,
+        one-hot where the grammar forced the draft."""
+        count, width = logits.shape
         allowed = expand(self._walk[1][:count], width)
         q = mx.softmax(masked(logits.astype(mx.float32) / sampling.temperature, allowed), axis=-1)
         if forced:  # a forced row's draft is deterministic: its q is one-hot
@@ -182,8 +226,9 @@ class Constraint:
         return Proposal(tokens=proposal.tokens, probs=q)
 
     def _walk_rows(self, count: int, pick, forced: list | None = None) -> Proposal:
-        """Walk `count` rows: a forced token, else `pick(i, words)` (None: the first allowed token);
-        remember the drafts and the bit rows of the verify (count + 1 rows); roll the matcher back."""
+        """Walk `count` rows: a forced token, else `pick(i, words, previous draft or None)` (None: the first
+        allowed token); remember the drafts and the bit rows of the verify (count + 1 rows); roll the
+        matcher back."""
         words = np.empty((count + 1, self.words), np.int32)
         drafts, consumed, ended = [], 0, self.ended
         for i in range(count):
@@ -194,7 +239,7 @@ class Constraint:
                 if forced is not None:
                     forced.append(i)
             else:
-                token = pick(i, row)
+                token = pick(i, row, drafts[-1] if drafts else None)
                 if token is None:
                     token = int(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0])
             drafts.append(token)
@@ -206,3 +251,12 @@ class Constraint:
         self.matcher.rollback(consumed)
         self._walk = (drafts, words)
         return Proposal(tokens=mx.array(drafts, mx.int32))
+
+
+def _ranked(z: mx.array) -> list[list[int]]:
+    """Each row's CANDIDATES best ids of scores [rows, V], best first (one host sync)."""
+    k = min(CANDIDATES, z.shape[-1])
+    top = mx.argpartition(-z, k - 1, axis=-1)[:, :k]
+    values = mx.take_along_axis(z, top, axis=-1)
+    mx.eval(top, values)
+    return np.take_along_axis(np.array(top), np.argsort(-np.array(values), axis=1), axis=1).tolist()

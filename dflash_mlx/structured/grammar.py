@@ -7,8 +7,12 @@ completions sends it or flat as the Responses API's ``text.format``), a
 pydantic model class, or llguidance's own grammar text (from
 ``llguidance.grammar_from``: Lark, regex, ...). `Grammar` is that text
 compiled for a tokenizer; each generation follows it with a fresh
-`constraint.Constraint`. What llguidance cannot compile is a `GrammarError`
-(a ValueError) naming the place in the format.
+`constraint.Constraint`. What llguidance cannot compile, or cannot start (its
+first masks, computed while compiling), is a `GrammarError` (a ValueError)
+naming the place in the format. It compiles under explicit limits (`LIMITS`,
+llguidance's `ParserLimits`); a grammar that meets one later, mid-output, is a
+`constraint.GrammarFault` there. `Grammar.nbytes` is what a compiled grammar
+may grow to under them.
 
 JSON is compiled compact (``", "`` and ``": "`` separators, no free
 whitespace: a small model may otherwise pad with whitespace until its token
@@ -27,13 +31,32 @@ import json
 import threading
 import weakref
 
-from llguidance import LLMatcher, LLTokenizer
+import numpy as np
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+from llguidance.numpy import fill_next_token_bitmask
 
-from .constraint import Constraint
+from .constraint import Constraint, library_error
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 FORMATS = ("text", "json_object", "json_schema")
 SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+LEXER_STATE_BYTES = 2048  # llguidance's estimate of one lexer state's memory (1-2 kB), at its top
+# llguidance's limits, explicit (its 1.9 defaults but for the lexer's states and verbose errors, which would echo
+# the grammar and the parser's state): a grammar past them fails, whether at compiling or at a mask, as that
+# grammar's error
+LIMITS = {
+    "max_items_in_row": 2000,  # Earley items in one row (a branching factor: anyOf of 5,000 objects exceeds it)
+    "initial_lexer_fuel": 1_000_000,  # building the lexer's regexes (by llguidance's figures, about 20 ms)
+    "step_lexer_fuel": 200_000,  # the lexer's work for one mask (about 14 ms)
+    "step_max_items": 50_000,  # the parser's items for one mask (about 2.5 ms)
+    # lexer states built as masks are computed (1-2 kB each): a tenth of llguidance's default, so that what a kept
+    # grammar may grow to (`Grammar.nbytes`, counted in a server's memory budget) is 40 MB, not 0.5 GB; a JSON
+    # schema's lexer takes hundreds to a few thousand
+    "max_lexer_states": 20_000,
+    "max_grammar_size": 500_000,  # symbols in the grammar's productions
+    "precompute_large_lexemes": True,
+    "verbose_errors": False,
+}
 
 
 class GrammarError(ValueError):
@@ -101,7 +124,7 @@ def _json(schema: dict, *, strict: bool, where: str, check: bool) -> str:
 
 
 def _checked(text: str, where: str) -> str:
-    failed, messages = LLMatcher.validate_grammar_with_warnings(text)
+    failed, messages = LLMatcher.validate_grammar_with_warnings(text, limits=LLParserLimits(**LIMITS))
     if failed:
         raise GrammarError(where, f"the grammar library (llguidance) cannot compile it: {messages[0]}")
     return text
@@ -129,7 +152,12 @@ def ll_tokenizer(tokenizer) -> LLTokenizer:
 
 
 class Grammar:
-    """A grammar compiled for one tokenizer. `constraint()` starts a generation's own state."""
+    """A grammar compiled for one tokenizer. `constraint()` starts a generation's own state.
+
+    Compiling also computes the first mask, and the one after the tokens the grammar forces at the start:
+    a grammar llguidance compiles but cannot start (past its `LIMITS`: too many alternatives in one row,
+    a reference loop that never reaches a token) is a `GrammarError` here, before any generation, not a
+    fault at the output's first token."""
 
     def __init__(self, tokenizer, response_format):
         """`response_format`: anything `grammar_text` takes (not free text)."""
@@ -138,10 +166,24 @@ class Grammar:
             raise ValueError("a Grammar needs a format that constrains the output (not 'text').")
         self.text = text
         self.tokenizer = ll_tokenizer(tokenizer)
-        self._matcher = LLMatcher(self.tokenizer, text, log_level=0)
+        self._matcher = LLMatcher(self.tokenizer, text, log_level=0, limits=LLParserLimits(**LIMITS))
         if self._matcher.is_error():
-            raise GrammarError("", f"the grammar library (llguidance) cannot compile it: {self._matcher.get_error()}")
+            raise GrammarError(
+                "", f"the grammar library (llguidance) cannot compile it: {library_error(self._matcher)}"
+            )
         self.eos = frozenset(self.tokenizer.eos_tokens)
+        self._check_start()
+
+    def _check_start(self) -> None:
+        """Compute, on a copy of the matcher, the first mask and the one after the tokens the grammar forces
+        at the start (its first token, when it has one choice): a failure there is this grammar's."""
+        matcher, words = self._matcher.deep_copy(), np.zeros((1, (self.tokenizer.vocab_size + 31) // 32), np.int32)
+        fill_next_token_bitmask(matcher, words, 0)
+        forced = [] if matcher.is_error() else matcher.compute_ff_tokens()
+        if forced and matcher.consume_tokens(forced):
+            fill_next_token_bitmask(matcher, words, 0)
+        if matcher.is_error():
+            raise GrammarError("", f"the grammar library (llguidance) cannot start it: {library_error(matcher)}")
 
     @classmethod
     def of(cls, tokenizer, response_format) -> Grammar | None:
@@ -154,3 +196,10 @@ class Grammar:
     def constraint(self) -> Constraint:
         """A fresh state at the start of the output."""
         return Constraint(self._matcher.deep_copy(), self.eos, self.tokenizer.vocab_size)
+
+    @property
+    def nbytes(self) -> int:
+        """What the compiled grammar may grow to (a server's byte budget counts it so): its text, and the lexer
+        states masks build (shared by every constraint made from it, kept while it is), at most `LIMITS`'
+        max_lexer_states of `LEXER_STATE_BYTES` each."""
+        return len(self.text) + LIMITS["max_lexer_states"] * LEXER_STATE_BYTES

@@ -3,7 +3,10 @@
 `TargetAdapter` runs the target's own forward through a view of it
 (`capture.layer_view`: the layers the drafter reads are `Tap`s, Gated DeltaNet
 modules `gated_delta.Recording`s), returning the logits plus the outputs of
-the decoder layers the drafter reads, concatenated along the hidden axis.
+the decoder layers the drafter reads, concatenated along the hidden axis
+(with `final=True`, followed by the target's final hidden state, its final
+norm's output as its own forward computes it, and each row's token
+embedding: what a multi-token-prediction head reads, `proposers.mtp`).
 `verify` also returns a `VerifyRecord`, which `rollback.rollback(cache, record,
 keep)` consumes to keep the accepted prefix in every cache: per cache type
 (`rollback.CACHE_KINDS`), or, for recurrent layers without a recording forward,
@@ -30,11 +33,12 @@ from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from .capture import LayerListError, Tap, layer_view, with_child
-from .families import family_of, model_family, text_model
+from .families import family_of, final_norm, model_family, text_model
 from .gated_delta import Recording, gated_delta_child
 from .rollback import VerifyRecord, arrays_states, check_caches, layer_caches, undo
 
 HEAD_NAMES = ("lm_head", "output")  # a text model's untied output head, by mlx-lm's names
+FINAL = "final"  # the tap on the final norm (`final=True`)
 
 
 class UnsupportedTargetError(ValueError):
@@ -81,7 +85,9 @@ def target_problem(model: nn.Module) -> str | None:
 class TargetAdapter:
     """A target model seen through the interface the engine and drafter need."""
 
-    def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = ()):
+    def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = (), final: bool = False):
+        """`layer_ids`: the decoder layers whose outputs the features hold; `final`: the features end with
+        the final hidden state and the token embedding of each row (`reads_final` proposers)."""
         self.model = model
         self.family_name = family = model_family(model)
         self.family = family_of(model)
@@ -120,8 +126,15 @@ class TargetAdapter:
                 name = gated_delta_child(layer)
                 layer = with_child(layer, name, Recording(layer[name], self._recording))
             replacements[i] = Tap(layer, i, self._seen) if i in self._capture_slots else layer
+        self.final = final
+        taps = {}
+        if final:
+            norm = final_norm(model)
+            if norm is None:
+                raise UnsupportedTargetError(f"Target model ({family}): no final norm (model.norm) to read.")
+            taps[id(norm)] = Tap(norm, FINAL, self._seen_final)
         try:
-            self.view = layer_view(model, replacements) if replacements else model
+            self.view = layer_view(model, replacements, taps) if replacements or taps else model
         except LayerListError as e:
             raise UnsupportedTargetError(f"Target model ({family}): {e}.") from e
 
@@ -171,11 +184,17 @@ class TargetAdapter:
         captured: list[mx.array | None] = [None] * len(self.layer_ids)
         states = arrays_states(cache) if record is not None and self.refeeds else None
         local = self._local
-        local.captured, local.record = captured, record
+        local.captured, local.record, local.final = captured, record, None
         try:
             out = self.view(ids, cache=cache)
         finally:
-            local.captured = local.record = None
+            final, local.captured, local.record, local.final = local.final, None, None, None
+        if self.final:
+            if final is None:
+                raise UnsupportedTargetError(
+                    f"Target model ({self.family_name}): its forward did not call its final norm (model.norm)."
+                )
+            captured += [final, self.embed(ids).astype(final.dtype)]
         if states and any(id(c) not in record.gdn for c, _ in states):
             record.refeed = self._refeed(ids, cache, record, states)
         if any(c is None for c in captured):
@@ -196,6 +215,10 @@ class TargetAdapter:
 
     def _recording(self) -> VerifyRecord | None:
         return getattr(self._local, "record", None)
+
+    def _seen_final(self, _, out) -> None:
+        if getattr(self._local, "captured", None) is not None:
+            self._local.final = out
 
     def _seen(self, i: int, out) -> None:
         captured = getattr(self._local, "captured", None)

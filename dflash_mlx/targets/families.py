@@ -55,6 +55,12 @@ def text_model(model: nn.Module) -> nn.Module:
     return getattr(model, "language_model", model)
 
 
+def final_norm(model: nn.Module) -> nn.Module | None:
+    """The norm the text model's forward ends with (mlx-lm's `model.norm`), or None."""
+    norm = getattr(getattr(text_model(model), "model", None), "norm", None)
+    return norm if isinstance(norm, nn.Module) else None
+
+
 def context_length(model) -> int | None:
     """The target's context in tokens, or None if its config gives none.
 

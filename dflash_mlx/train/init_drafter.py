@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..draft.config import DraftConfig, DraftConfigError, parse_draft_config, read_raw_config
+from ..draft.dspark_config import is_dspark_config, parse_dspark_config
 from ..draft.load import DraftWeightsError, load_draft, resolve_model_dir
 from ..draft.model import DFlashDraftModel
 
@@ -26,14 +27,34 @@ class InitDrafterError(ValueError):
     """The --init drafter cannot be read or is not a trainable v1 drafter."""
 
 
-def read_init_config(init: str) -> tuple[Path, dict[str, Any], DraftConfig]:
-    """(directory, raw config.json, parsed config) of the --init drafter; v1 only."""
+def init_raw_config(init: str) -> tuple[Path, dict[str, Any]]:
+    """(config.json's path, its JSON object) of the --init drafter (a directory or a Hub repo id)."""
     try:
         model_dir = resolve_model_dir(init, what="--init drafter")
     except FileNotFoundError as e:
         raise InitDrafterError(f"--init {init}: {e}") from e
     try:
-        file, raw = read_raw_config(model_dir)
+        return read_raw_config(model_dir)
+    except DraftConfigError as e:
+        raise InitDrafterError(f"--init {init}: {e}") from e
+
+
+def init_arch_and_block(init: str) -> tuple[str, int]:
+    """The --init drafter's architecture ("dflash" or "dspark") and its block (anchor included)."""
+    file, raw = init_raw_config(init)
+    if not is_dspark_config(raw):
+        return "dflash", read_init_config(init)[2].block_size
+    try:
+        return "dspark", parse_dspark_config(raw, source=str(file)).max_drafts + 1
+    except DraftConfigError as e:
+        raise InitDrafterError(f"--init {init}: {e}") from e
+
+
+def read_init_config(init: str) -> tuple[Path, dict[str, Any], DraftConfig]:
+    """(directory, raw config.json, parsed config) of the --init drafter; v1 only."""
+    file, raw = init_raw_config(init)
+    model_dir = file.parent
+    try:
         config = parse_draft_config(raw, source=str(file))
     except DraftConfigError as e:
         raise InitDrafterError(f"--init {init}: {e}") from e

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..draft.dspark_config import DSparkConfig
 from ..draft.model import DFlashDraftModel, TargetHooks
 from .masks import block_visibility
 
 
 class UnsupportedDrafterError(ValueError):
-    """Training supports DFlash v1 drafters only."""
+    """Training supports DFlash v1 drafters and DeepSpec's qwen3 DSpark drafters only."""
 
 
 def _blocks_to_batch(x: mx.array, K: int, b: int) -> mx.array:
@@ -58,11 +59,27 @@ def _attention(attn, x: mx.array, context: mx.array, anchors: mx.array, mask: mx
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, Q, -1))
 
 
-def check_trainable(drafter: DFlashDraftModel) -> None:
-    if drafter.config.is_dflash2:
+def check_trainable(drafter) -> None:
+    """Refuse the drafters this forward does not train: DFlash 2, and DSpark drafters other than DeepSpec's
+    plain qwen3 heads over the full vocabulary that predict from the anchor's slot."""
+    config = drafter.config
+    if getattr(config, "is_dflash2", False):
         raise UnsupportedDrafterError(
             "Training DFlash 2 drafters (DFlash2DraftModel) is not supported: train a DFlashDraftModel (v1)."
         )
+    if isinstance(config, DSparkConfig):
+        problems = [
+            what
+            for what, bad in (
+                (f"a {config.backbone} backbone (qwen3 only)", config.backbone != "qwen3"),
+                ("an attention sink", config.attention_sink),
+                ("a reduced draft vocabulary", config.draft_vocab_size is not None),
+                (f"logits_start {config.logits_start} (0 only: the anchor's slot predicts)", config.logits_start != 0),
+            )
+            if bad
+        ]
+        if problems:
+            raise UnsupportedDrafterError(f"Training this DSpark drafter is not supported: {', '.join(problems)}.")
 
 
 def training_hidden(
@@ -79,7 +96,6 @@ def training_hidden(
     anchors [B, K].
     """
     check_trainable(drafter)
-    cfg = drafter.config
     B, Q = block_ids.shape
     K = anchors.shape[1]
     b = Q // K
@@ -88,9 +104,7 @@ def training_hidden(
     context = drafter.hidden_norm(drafter.fc(features))
     L = context.shape[1]
     masks: dict = {}
-    h = hooks.embed(block_ids)
-    if cfg.input_embedding_scale != 1.0:
-        h = h * cfg.input_embedding_scale
+    h = drafter.embed(block_ids, hooks)
     for layer in drafter.layers:
         attn = layer.self_attn
         key = (attn.causal, attn.window)

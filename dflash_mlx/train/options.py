@@ -21,6 +21,7 @@ SCRATCH_LR, SCRATCH_WARMUP = 6e-4, 0.04  # the paper's recipe (spec section 7)
 FINETUNE_LR, FINETUNE_WARMUP = 2e-4, 0.1  # with --init: a smaller step, a longer warm-up
 DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_LAYERS, DEFAULT_MAX_LENGTH = 16, 5, 2048
 TARGET_DTYPES = ("float32", "bfloat16", "float16")
+ARCHES = ("dflash", "dspark", "mtp")  # what `--arch` trains: a drafter of those kinds, or the target's own MTP heads
 
 # Options that determine which batches, targets and updates a run makes.
 TRAJECTORY_OPTIONS = (
@@ -49,6 +50,8 @@ TRAJECTORY_OPTIONS = (
     "replay",
     "replay_ratio",
     "loss_chunk_rows",
+    "arch",
+    "markov_rank",
 )
 
 
@@ -102,8 +105,12 @@ class TrainOptions:
     feature_chunk: int = 512  # target tokens per forward when computing features
     anchor_chunk: int | None = None  # anchors per sequence in one forward/backward; None: by memory
     max_memory_gb: float | None = None  # smaller chunks, and a stop after step 1 if MLX's peak exceeds it
+    arch: str | None = None  # ARCHES; None: the --init drafter's, else "dflash"
+    markov_rank: int | None = None  # dspark: the Markov head's rank (None: 256, DeepSpec's)
 
-    def resolved(self, *, init_block_size: int | None = None, target_context: int | None = None) -> "TrainOptions":
+    def resolved(
+        self, *, init_block_size: int | None = None, target_context: int | None = None, init_arch: str | None = None
+    ) -> "TrainOptions":
         """A copy with the run-dependent defaults filled in (see the module docstring)."""
         finetune = self.init is not None
         max_length = self.max_length
@@ -116,10 +123,13 @@ class TrainOptions:
             max_length=max_length,
             lr=self.lr if self.lr is not None else (FINETUNE_LR if finetune else SCRATCH_LR),
             warmup=self.warmup if self.warmup is not None else (FINETUNE_WARMUP if finetune else SCRATCH_WARMUP),
+            arch=self.arch or init_arch or ARCHES[0],
         )
 
     def check(self) -> None:
         """Raise OptionError for the first bad value."""
+        if self.arch is not None and self.arch not in ARCHES:
+            raise OptionError(f"--arch must be one of {', '.join(ARCHES)}, got {self.arch!r}.")
         positive = (
             "steps",
             "block_size",
@@ -154,6 +164,7 @@ class TrainOptions:
                     f"{flag(given[0])} cannot be combined with --init: the drafter's layers, target "
                     "layer ids, mask token and widths come from the --init checkpoint's config.json."
                 )
+        self._check_arch()
         if self.replay is not None and isinstance(self.batch_size, int) and self.batch_size < 2:
             raise OptionError("--replay needs --batch-size >= 2 (each batch holds new and replayed sequences).")
         if self.max_memory_gb is not None and not (self.max_memory_gb > 0 and math.isfinite(self.max_memory_gb)):
@@ -191,6 +202,20 @@ class TrainOptions:
             raise OptionError(f"--mask-token-id must be >= 0, got {self.mask_token_id}.")
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
             raise OptionError("--chat-template-kwargs must be a JSON object.")
+
+    def _check_arch(self) -> None:
+        if self.arch is not None and self.arch not in ARCHES:
+            raise OptionError(f"--arch must be one of {', '.join(ARCHES)}, got {self.arch!r}.")
+        if self.markov_rank is not None:
+            if isinstance(self.markov_rank, bool) or not isinstance(self.markov_rank, int) or self.markov_rank < 0:
+                raise OptionError(f"--markov-rank must be an integer >= 0, got {self.markov_rank!r}.")
+            if self.arch != "dspark":
+                raise OptionError(
+                    f"--markov-rank sets a new DSpark drafter's Markov head: it needs --arch dspark, "
+                    f"not --arch {self.arch or 'dflash'}."
+                )
+            if self.init is not None:
+                raise OptionError("--markov-rank sets a new DSpark drafter's Markov head: --init brings its own.")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

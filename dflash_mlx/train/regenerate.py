@@ -137,3 +137,20 @@ def _generate(model, tokenizer, todo, done, cache_path, max_tokens, batch_size, 
             os.fsync(out.fileno())
     finally:
         gen.close()
+
+
+def regenerate_for(options, model, tokenizer, prompts: list[list[int]], work: Path, console=None) -> list[list[int]]:
+    """`regenerate_responses` as a training run's options set it (`TrainOptions`: its cache file, length,
+    temperature, batch and seed)."""
+    return regenerate_responses(
+        model,
+        tokenizer,
+        prompts,
+        Path(options.responses or work / "responses.jsonl"),
+        max_tokens=options.max_tokens,
+        target_name=options.model,
+        batch_size=options.gen_batch_size,
+        temperature=options.gen_temperature,
+        seed=options.seed,
+        console=console,
+    )

@@ -116,13 +116,18 @@ class StepRunner:
             self.drafter, self.target, features, block_ids, anchors, targets, valid, self.weights, self.chunk_rows
         )
 
+    def anchor_group(self, batch: int, anchors: int, context: int) -> int:
+        """Anchors per forward/backward group: `--anchor-chunk`, else as the attention budget allows."""
+        o = self.options
+        return o.anchor_chunk or auto_anchor_chunk(
+            self.drafter, batch, anchors, o.block_size, context, self.attention_bytes
+        )
+
     def loss_and_grads(self, features, batch):
         """(loss, tau, grads) of a batch: its anchors in groups, each group's rows in chunks."""
         B, K = batch.anchors.shape
         b = self.options.block_size
-        group = self.options.anchor_chunk or auto_anchor_chunk(
-            self.drafter, B, K, b, features.shape[1], self.attention_bytes
-        )
+        group = self.anchor_group(B, K, features.shape[1])
         if group >= K:
             return self._group(features, batch.block_ids, batch.anchors, batch.targets, batch.valid)
         per_group = batch.valid.any(axis=-1).astype(mx.float32)

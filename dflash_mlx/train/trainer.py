@@ -20,6 +20,7 @@ import json
 import resource
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +52,12 @@ from .checkpoint import (
 )
 from .data import DataError, encode_prompts, read_prompts
 from .features import FeatureStore
-from .init_drafter import load_init_drafter, read_init_config
+from .dspark import DSparkStepRunner, dspark_drafter_config, load_init_dspark, new_dspark_drafter
+from .init_drafter import init_arch_and_block, load_init_drafter
 from .loss import default_decay
 from .new_drafter import drafter_config, new_drafter, resolve_mask_token_id
 from .options import OptionError, TrainOptions, check_resumable
-from .regenerate import regenerate_responses
+from .regenerate import regenerate_for
 from .step import StepRunner, make_optimizer
 from .validate import acceptance_length
 from ..utils.io import write_text_atomic
@@ -171,7 +173,9 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
             f"{ckpt_root} already holds checkpoints (latest {existing.name}): pass --resume to "
             "continue that run, or choose another --out / --work-dir."
         )
-    init_block = read_init_config(options.init)[2].block_size if options.init else None
+    init_arch, init_block = init_arch_and_block(options.init) if options.init else (None, None)
+    if init_arch is not None and options.arch not in (None, init_arch):
+        raise OptionError(f"--arch {options.arch}: the --init drafter {options.init} is a {init_arch} drafter.")
     records = read_prompts(options.data)
     console.print(f"Loading target [bold]{options.model}[/bold]")
     model, tokenizer = load_target(options.model, options.target_dtype)
@@ -181,15 +185,18 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
             f"--max-length {options.max_length} is beyond the context of target '{options.model}' "
             f"(max_position_embeddings {context} in its config.json)."
         )
-    options = options.resolved(init_block_size=init_block, target_context=context)
+    options = options.resolved(init_block_size=init_block, target_context=context, init_arch=init_arch)
+    dspark = options.arch == "dspark"
     vocab = text_model(model).args.vocab_size
     if options.init:
-        drafter, config = load_init_drafter(options.init, model, options.model, options.block_size)
+        load_init = load_init_dspark if dspark else load_init_drafter
+        drafter, config = load_init(options.init, model, options.model, options.block_size)
         mask_id = drafter.config.mask_token_id
         draft_layers = drafter.config.num_hidden_layers
     else:
         mask_id = resolve_mask_token_id(tokenizer, options.mask_token_id, vocab, options.model)
-        config = drafter_config(
+        new_config = partial(dspark_drafter_config, markov_rank=options.markov_rank) if dspark else drafter_config
+        config = new_config(
             model,
             num_layers=options.draft_layers,
             block_size=options.block_size,
@@ -199,22 +206,11 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
             dtype=options.save_dtype,
         )
         draft_layers = options.draft_layers
-    layer_ids = tuple(config["dflash_config"]["target_layer_ids"])
+    layer_ids = tuple(config["target_layer_ids"] if dspark else config["dflash_config"]["target_layer_ids"])
     prompts = encode_prompts(tokenizer, records, str(options.data), options.chat_template_kwargs)
     train_prompts, held_prompts = split_holdout(prompts, options.holdout, options.seed)
     replay_train, replay_held = read_replay(options, tokenizer)
-    responses = regenerate_responses(
-        model,
-        tokenizer,
-        train_prompts + replay_train,
-        Path(options.responses or work / "responses.jsonl"),
-        max_tokens=options.max_tokens,
-        target_name=options.model,
-        batch_size=options.gen_batch_size,
-        temperature=options.gen_temperature,
-        seed=options.seed,
-        console=console,
-    )
+    responses = regenerate_for(options, model, tokenizer, train_prompts + replay_train, work, console)
     sequences, dropped = build_sequences(train_prompts, responses[: len(train_prompts)], options.max_length)
     replay_seqs, replay_dropped = build_sequences(replay_train, responses[len(train_prompts) :], options.max_length)
     if not sequences:
@@ -232,7 +228,7 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
 
     mx.random.seed(options.seed)
     if not options.init:
-        drafter = new_drafter(config)
+        drafter = new_dspark_drafter(config, model) if dspark else new_drafter(config)
     optimizer = make_optimizer(options)
     start, elapsed_before = 0, 0.0
     if options.resume:
@@ -247,7 +243,9 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
         console.print(f"Resuming from {existing} (step {start})")
     target = TargetAdapter(model, layer_ids)
     store = FeatureStore(target, work / "features" if options.cache_features else None, options.feature_chunk)
-    runner = StepRunner(drafter, target, store, optimizer, options, num_replay=len(replay_seqs))
+    runner = (DSparkStepRunner if dspark else StepRunner)(
+        drafter, target, store, optimizer, options, num_replay=len(replay_seqs)
+    )
     pad_id = int(getattr(tokenizer, "pad_token_id", None) or 0)
     end = min(options.steps, options.stop_at or options.steps)
     log_path = work / "train_log.jsonl"
@@ -273,8 +271,8 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
     start_from = f"from {options.init}" if options.init else "from scratch"
     replay_note = f", {len(replay_seqs)} replay sequences ({runner.replay_per_batch} per batch)" if replay_seqs else ""
     console.print(
-        f"Training a {draft_layers}-layer drafter {start_from} (block {options.block_size}, target layers "
-        f"{list(layer_ids)}, mask id {mask_id}, loss decay {decay:g}, lr {options.lr:g}, warmup "
+        f"Training a {draft_layers}-layer {options.arch} drafter {start_from} (block {options.block_size}, "
+        f"target layers {list(layer_ids)}, mask id {mask_id}, loss decay {decay:g}, lr {options.lr:g}, warmup "
         f"{options.warmup:g}) on {len(sequences) - len(replay_seqs)} sequences ({dropped} dropped){replay_note}, "
         f"{len(held_prompts)} held out"
     )
@@ -310,6 +308,7 @@ def train_drafter(options: TrainOptions, console: Console | None = None) -> dict
         "target": options.model,
         "drafter": str(out),
         "init": options.init,
+        "arch": options.arch,
         "steps": end,
         "total_steps": options.steps,
         "block_size": options.block_size,

@@ -33,8 +33,10 @@ def acceptance_length(
     max_tokens: int,
     block_size: int | None = None,
     console: Console | None = None,
+    lookup: bool = True,
 ) -> dict:
-    """{"mean_acceptance_length", "per_prompt", "histogram", "tokens", "seconds", ...}."""
+    """{"mean_acceptance_length", "per_prompt", "histogram", "tokens", "seconds", ...}; `lookup=False`: the
+    drafter alone (no copy-aware drafting)."""
     per_prompt, totals = [], RunStats()
     tic = time.perf_counter()
     progress = Progress(
@@ -49,7 +51,9 @@ def acceptance_length(
         task = progress.add_task("val", total=len(prompts), tau="")
         for ids in prompts:
             stats = RunStats()
-            for r in stream_generate(model, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=block_size):
+            for r in stream_generate(
+                model, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=block_size, lookup=lookup
+            ):
                 stats.add(r)
             totals.merge(stats)
             if stats.cycles:

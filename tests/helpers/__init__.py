@@ -5,6 +5,7 @@
 - ``builders``: random weights, ``make_target``, ``make_draft``, draft weight shapes,
   ``derive_target_layer_ids``; ``drafts2``: ``make_draft2`` (DFlash 2 drafters).
 - ``constant_draft``: a drafter that always proposes one token (``make_constant_draft``).
+- ``mtp_targets``: targets whose checkpoints keep MTP heads under their family's names (``make_mtp_target``).
 - ``runtime``: ``load_pair`` (cached: share read-only) and ``greedy_with_margins``.
 - ``checks``: prompts, mlx-lm references, stream comparisons, ``with_eos`` / ``without_eos``.
 - ``train_cli``: ``dflash-mlx train`` through Typer's CliRunner (import it from there: it
@@ -31,6 +32,7 @@ from .checks import (
     without_eos,
 )
 from .constant_draft import make_constant_draft, repeated_token
+from .mtp_targets import MTP_FAMILIES, make_mtp_target, mtp_config, mtp_stage_reference
 from .families import (
     ALL_FAMILIES,
     DEFAULT_SLIDING_WINDOW,
@@ -79,6 +81,7 @@ __all__ = [
     "MASK_ID",
     "MASK_TOKEN",
     "MOE_FAMILIES",
+    "MTP_FAMILIES",
     "NESTED_FAMILIES",
     "PAD_ID",
     "SLIDING_FAMILIES",
@@ -97,11 +100,14 @@ __all__ = [
     "make_constant_draft",
     "make_draft",
     "make_draft2",
+    "make_mtp_target",
     "make_target",
     "make_tokenizer",
     "oracle_cycle_sizes",
     "ours",
     "prompt_ids",
+    "mtp_config",
+    "mtp_stage_reference",
     "reference",
     "repeated_token",
     "run_both",
