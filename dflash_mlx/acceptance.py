@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
 from .proposers.base import Proposal
-from .sampling import SamplingSettings, distribution, log_softmax, rejection_accept
+from .sampling import SamplingSettings, distribution, draw, log_softmax, rejection_accept
 
 
 def seed_from_mlx() -> int:
@@ -92,15 +92,20 @@ class Acceptor:
             return self.constraint.choose(logits, sampling, key)
         if sampling is None:
             return Proposal(tokens=mx.argmax(logits, axis=-1).astype(mx.int32))
-        probs = distribution(logits, sampling)
-        tokens = mx.random.categorical(mx.log(probs), axis=-1, key=key).astype(mx.int32)
-        return Proposal(tokens=tokens, probs=probs)
+        tokens, _ = draw(logits, sampling, key)
+        return Proposal(tokens=tokens, probs=distribution(logits, sampling))
 
     def next_key(self) -> mx.array | None:
         if self._key is None:
             return None
         self._key, key = mx.random.split(self._key)
         return key
+
+    def _draw(self, logits: mx.array) -> mx.array:
+        """A token per row of processed `logits` under this call's settings, with the next key (one
+        compiled call: mlx-lm's speed)."""
+        token, self._key = draw(logits, self.settings, self._key)
+        return token
 
     def process(self, logits: mx.array, drafts: mx.array | None = None) -> mx.array:
         """Apply the processors, then the grammar's masks, to rows [b, V]; row j's history ends with
@@ -126,8 +131,7 @@ class Acceptor:
             return mx.argmax(logits, axis=-1).astype(mx.int32)
         if self._xtc_sampler is not None:
             return self._sample_xtc(logits)
-        probs = distribution(logits, self.settings)
-        return mx.random.categorical(mx.log(probs), axis=-1, key=self.next_key()).astype(mx.int32)
+        return self._draw(logits)
 
     def verdict(self, rows: mx.array, drafts: mx.array | None, draft_probs: mx.array | None) -> mx.array:
         """[accepted, t_0..t_{b-1}] for processed verify rows [b, V] of [anchor, drafts]."""
@@ -143,10 +147,9 @@ class Acceptor:
             if drafts is not None and drafts.size:
                 raise ValueError("XTC sampling cannot verify drafts (it has no fixed distribution).")
             return mx.concatenate([mx.zeros((1,), mx.int32), self._sample_xtc(rows)])
-        target_probs = distribution(rows, self.settings)
         if drafts is None or drafts.size == 0:
-            token = mx.random.categorical(mx.log(target_probs), axis=-1, key=self.next_key())
-            return mx.concatenate([mx.zeros((1,), mx.int32), token.astype(mx.int32)])
+            return mx.concatenate([mx.zeros((1,), mx.int32), self._draw(rows)])
+        target_probs = distribution(rows, self.settings)
         if draft_probs is None:  # a deterministic proposer: its q is one-hot
             draft_probs = mx.zeros((drafts.size, rows.shape[-1]), mx.float32)
             draft_probs = mx.put_along_axis(draft_probs, drafts[:, None], mx.array(1.0), axis=-1)

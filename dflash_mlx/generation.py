@@ -11,7 +11,7 @@ proposer's own name, `proposers.base.source_name`; "suffix": what an earlier
 generation produced, from a `suffix_index`; "target": the target's own
 pick). The block is adaptive unless the caller fixes it (`dflash_mlx.policy`);
 `lookup` (on by default) lets a cycle verify a span copied from the context
-instead, and `suffix_index` one that earlier generations produced (`policy.source`).
+instead, and `suffix_index` one that earlier generations produced (`policy.adaptive`).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def stream_generate(
     a ValueError.
     `lookup=True` (the default): a cycle may verify, instead of the drafter's block, the tokens that
     followed the longest earlier occurrence of the sequence's end in the prompt or the output (a point
-    mass: exact under sampling too), where that is expected to commit more per second (`policy.source`;
+    mass: exact under sampling too), where that is expected to commit more per second (`policy.adaptive`;
     with a drafter, not under a `response_format`). The output does not change.
     `suffix_index` (a `dflash_mlx.SuffixIndex`; None: the session's, if any) keeps what generations
     produced: this one drafts spans from it where an earlier generation produced what followed the

@@ -2,27 +2,29 @@
 
 A `CyclePlanner` holds one generation's sources (for one request, or for one
 row of a batch): the drafter (the session's proposer: a DFlash drafter or any
-`proposers.base.Proposer`) and span sources, which offer drafts only where
-they have them (the session's copy index, `proposers.lookup.LookupProposer`;
-a suffix index shared across requests, `proposers.suffix.SuffixProposer`),
-its block policy, its `Acceptor` (sampling, and the grammar
-that may widen a block to a run it forces and chooses drafts under it) and its
-limits (max_tokens; the rows a quantized KV cache allows unquantized). Both
-decode loops (`engine` for one request, `batch.engine` for many) ask it the
-same questions:
+`proposers.base.Proposer`) and span sources (the session's copy index,
+`proposers.lookup.LookupProposer`; a suffix index shared across requests,
+`proposers.suffix.SuffixProposer`; any other proposer that offers drafts
+only where it has them), its block policy, its `Acceptor` (sampling, and the
+grammar that may widen a block to a run it forces and chooses drafts under it)
+and its limits (max_tokens; the rows a quantized KV cache allows
+unquantized). Both decode loops (`engine` for one request, `batch.engine` for
+many) ask it the same questions:
 
 - `plan(committed, position)`: the next cycle's source and width, as the
-  policy decides (`policy.source.SpanChoice` between the sources' spans and the
-  policy's block; single decoding);
+  policy decides (an adaptive policy chooses among plain decoding, the
+  drafter and each span source offering a span, `policy.adaptive`; with a
+  fixed block a span fills the block where one is offered; single decoding);
 - `plan_at(width, cap, drafter_tokens)`: this row's source at the width the
-  batch chose (a span where one is expected to commit more than its drafter's
-  block, else the drafter);
+  batch chose (the span expected to commit the most, where it beats the
+  drafter's block; else the drafter);
 - `draft(plan, anchor, position)`: the drafts and their q (None: point masses);
 - `feed(features)` and `commit(tokens)`: what a cycle committed, to every
   source; `observe(plan, accepted, seconds)`: to the policy that chose it.
 
-The decision itself stays the policy's (`policy/`); the planner turns it into
-drafts. A source is added by giving the planner another proposer.
+The decision itself stays the policy's (`policy/`: each source one entry with
+its acceptance estimate and its cost); the planner turns it into drafts. A
+source is added by giving the planner another proposer.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .acceptance import Acceptor
-from .policy.source import SpanChoice
 from .proposers.base import Proposal, offered, reads_features, source_name
 from .targets.quantized_kv import KVQuantization
 
@@ -47,7 +48,8 @@ class Plan:
     source: object | None = None  # the proposer drafting (None: plain decoding)
     name: str = "target"  # its source name (`proposers.base.source_name`)
     chosen: bool = True  # the policy chose this width (not widened to a run the grammar forces)
-    spans: bool = False  # the span source drafts (its policy observes it; its rows' features wait)
+    spans: bool = False  # a span source drafts (its rows' features wait)
+    entry: object | None = None  # the policy's entry of the span source (`policy.choice.Source`) that observes it
 
 
 PLAIN = Plan(1)
@@ -98,25 +100,28 @@ class CyclePlanner:
         spans=None,
     ):
         """`policy`: a block policy (`policy.base`); `drafter`: the drafting proposer or None (plain
-        decoding); `spans`: span sources (drafts only where they offer them; with a drafter and no
-        grammar), chosen against each other and the policy's block by `policy.source.SpanChoice`."""
+        decoding); `spans`: a span source or a list of them (drafts only where they offer them; with a
+        drafter and no grammar), each an entry of an adaptive policy (`policy.adaptive`)."""
         self.policy = policy
         self.drafter = drafter
         self.acceptor = acceptor
         self.max_tokens = max_tokens
         self.kv = kv
         self.context = DrafterContext(drafter)
-        self.spans = list(spans or ()) if drafter is not None and acceptor.constraint is None else []
-        self.choice = None
-        if self.spans:
-            greedy, seeded = acceptor.settings.greedy, acceptor.seeded
-            self.choice = SpanChoice(policy, self.spans, learns=greedy, shared=not seeded)
+        if drafter is None or acceptor.constraint is not None or spans is None:
+            spans = []
+        self.spans = list(spans) if isinstance(spans, (list, tuple)) else [spans]
+        adaptive = callable(getattr(policy, "span_source", None))
+        self.entries = [
+            policy.span_source(source_name(s), getattr(s, "expected_tokens", None)) if adaptive else None
+            for s in self.spans
+        ]
         self.drafter_name = source_name(drafter)
-        self.sources = [s for s in (drafter, *self.spans) if s is not None]
+        self.sources = [s for s in [drafter, *self.spans] if s is not None]
         # a drafter that follows the text (`commit`, `offer`) plans on the committed tokens: its anchor is read
         # first; so are span sources', where a span may follow
         self.follows_text = hasattr(drafter, "commit") or hasattr(drafter, "offer")
-        self.reads_text = self.follows_text or self.choice is not None
+        self.reads_text = self.follows_text or bool(self.spans)
 
     # -- what the next cycle is -------------------------------------------------------------------
 
@@ -136,18 +141,33 @@ class CyclePlanner:
 
     def plan(self, committed: int, position: int) -> Plan:
         """The next cycle, its anchor read: a span, the policy's block or a plain step."""
-        if self.choice is None:
+        if not self.spans:
             return self.plan_unread(committed, position)
-        width, source = self.choice.choose(self.room(committed, position))
-        if source is not None:
-            return Plan(width, source, source_name(source), spans=True)
-        return self._drafted(width)
+        room = self.room(committed, position)
+        offers = [offered(s, room - 1) if room > 1 else 0 for s in self.spans]
+        if self.entries[0] is None:  # a fixed block (or a policy of the caller's): the first span fills it
+            b = self.policy.choose(room)
+            i = next((i for i, n in enumerate(offers) if n), None)
+            return self._span(i, min(b, offers[i] + 1)) if b > 1 and i is not None else self._drafted(b)
+        src, width = self.policy.choose_from(room, [(e, n + 1) for e, n in zip(self.entries, offers) if n])
+        return self._span(self.entries.index(src), width) if src in self.entries else self._drafted(width)
+
+    def _span(self, i: int, width: int) -> Plan:
+        source = self.spans[i]
+        return Plan(width, source, source_name(source), spans=True, entry=self.entries[i])
 
     def reads_anchor(self) -> bool:
         """Whether the cycle after the next token needs that token read first (a drafter that follows the
-        text) or is worth reading it for (a span may follow it): otherwise plain steps are built on their
-        token unread, pipelined."""
-        return self.follows_text or (self.choice is not None and self.choice.may_fire())
+        text) or is worth reading it for (a span offered now would run: with a fixed block, any): otherwise
+        plain steps are built on their token unread, pipelined."""
+        if self.follows_text:
+            return True
+        widest = self.policy.max_block
+        for source, entry in zip(self.spans, self.entries):
+            n = offered(source, widest - 1) if widest > 1 else 0
+            if n and (entry is None or self.policy.wants(entry, n + 1)):
+                return True
+        return False
 
     def plan_at(self, width: int, cap: int, drafter_tokens: float | None = None) -> Plan:
         """This row's cycle in a batch verifying `width` rows (its own block `cap`): a span source's span
@@ -156,9 +176,21 @@ class CyclePlanner:
         cap = min(width, cap)
         if cap <= 1 or self.drafter is None:
             return PLAIN
-        if self.choice is not None and (span := self.choice.span_at(cap, drafter_tokens)) is not None:
-            return Plan(span[0], span[1], source_name(span[1]), spans=True)
+        best = None  # (expected tokens, span source, drafts)
+        for i, source in enumerate(self.spans):
+            if (n := offered(source, cap - 1)) and (best is None or self._expected(i, n + 1) > best[0]):
+                best = (self._expected(i, n + 1), i, n)
+        if best is not None and (drafter_tokens is None or best[0] >= drafter_tokens):
+            return self._span(best[1], best[2] + 1)
         return self._drafted(cap)
+
+    def _expected(self, i: int, width: int) -> float:
+        """What span source i's span of `width` rows is expected to commit: its entry's estimate, else the
+        source's own odds (`expected_tokens`), else all of it (a fixed block: any span fills it)."""
+        if self.entries[i] is not None:
+            return self.entries[i].expected(width)
+        own = getattr(self.spans[i], "expected_tokens", None)
+        return own(width)[-1] if own is not None else float(width)
 
     def forced(self, limit: int) -> int:
         """The block a run the grammar forces next needs (1: none), with a drafter to draft it."""
@@ -217,6 +249,7 @@ class CyclePlanner:
         """A cycle of `plan` accepted `accepted` drafts (None: a stop token cut it) in `seconds` on the
         loop's side (None: not its own cost): to whichever policy chose it."""
         if plan.spans:
-            self.choice.observe(plan.source, plan.width, accepted, seconds)
+            if plan.entry is not None:
+                self.policy.observe_source(plan.entry, plan.width, accepted, seconds)
         elif plan.chosen:
             self.policy.observe(plan.width, accepted, seconds)

@@ -3,7 +3,10 @@
 `distribution` turns logits rows into the probability vectors that
 `mlx_lm.sample_utils.make_sampler` samples from (log-softmax, then top-p, min-p
 and top-k on the untempered log-probs, using mlx-lm's own filters, then divide
-by the temperature and softmax), for target and draft rows alike.
+by the temperature and softmax), for target and draft rows alike. `draw`
+samples one token from them as mlx-lm's sampler does, in one compiled call
+(the key split inside it): without a filter the log-softmax is left out, as a
+softmax does not change when its input is shifted.
 
 `rejection_accept` is the speculative-sampling rule of Leviathan et al.: accept
 draft i with probability min(1, p_i(d_i) / q_i(d_i)) up to the first rejection,
@@ -49,6 +52,11 @@ class SamplingSettings:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def filters(self) -> bool:
+        """Whether a filter (top-p, min-p, top-k) is set: they need the log-probabilities."""
+        return 0 < self.top_p < 1.0 or self.min_p != 0.0 or self.top_k > 0
+
 
 def log_softmax(logits: mx.array) -> mx.array:
     """Log-probabilities over the last axis (as mlx-lm computes them)."""
@@ -68,13 +76,36 @@ def filtered_logprobs(logprobs: mx.array, settings: SamplingSettings) -> mx.arra
     return logprobs
 
 
+def _float32(x: mx.array) -> mx.array:
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
+
+
+def sampler_logits(logits: mx.array, settings: SamplingSettings) -> mx.array:
+    """Rows whose softmax is the distribution mlx-lm's sampler draws from, before the temperature: the
+    logits as they are without a filter (a softmax ignores a shift), else the filtered log-probabilities."""
+    if settings.greedy:
+        raise ValueError("A sampled distribution needs temperature > 0; greedy decoding takes the argmax.")
+    if not settings.filters:
+        return logits
+    return filtered_logprobs(log_softmax(_float32(logits)), settings)
+
+
 def distribution(logits: mx.array, settings: SamplingSettings) -> mx.array:
     """Probability rows [..., V] that mlx-lm's sampler draws from for these logits."""
-    if settings.greedy:
-        raise ValueError("distribution() needs temperature > 0; greedy decoding takes the argmax.")
-    logits = logits.astype(mx.float32)
-    logprobs = log_softmax(logits)
-    return mx.softmax(filtered_logprobs(logprobs, settings) / settings.temperature, axis=-1)
+    return mx.softmax(_float32(sampler_logits(logits, settings)) * (1.0 / settings.temperature), axis=-1)
+
+
+@mx.compile
+def _categorical(logits: mx.array, scale: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
+    keys = mx.random.split(key)
+    return mx.random.categorical(logits.astype(mx.float32) * scale, axis=-1, key=keys[1]).astype(mx.int32), keys[0]
+
+
+def draw(logits: mx.array, settings: SamplingSettings, key: mx.array) -> tuple[mx.array, mx.array]:
+    """(a token per row of `logits` [..., V] drawn from `distribution(logits, settings)`, the next key):
+    mlx-lm's `categorical(logprobs * (1 / T))`, the key split as `mx.random.split(key)` splits it (the
+    second half drawn with, the first kept)."""
+    return _categorical(sampler_logits(logits, settings), mx.array(1.0 / settings.temperature), key)
 
 
 def dense_from_candidates(candidates: mx.array, probs: mx.array, vocab_size: int) -> mx.array:

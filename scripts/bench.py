@@ -22,10 +22,11 @@
   batch    `dflash_mlx.batch_generate` against mlx-lm's `batch_generate` at several batch widths
   sharded  the same job in one process and as 2 ring ranks on this machine (`mlx.launch`)
   load     the adaptive block as the machine's load changes: the curve cached while CPU-bound processes ran,
-           then `dflash-mlx bench` quiet (against the fixed block and mlx-lm, the cached curve against a quiet
-           calibration's); and a quiet curve, then load during a run of generations, then quiet again, per
-           window of prompts; `--scenario timing`: the cycle cost the engine reports against the wall time
-           between cycles and a calibration
+           then `dflash-mlx bench` quiet (against the fixed block and mlx-lm); and a quiet curve, then load
+           during a run of generations, then quiet again, per window of prompts (mlx-lm, plain, the default,
+           the largest block); `--scenario loaded-run`: a quiet calibration, then load through a whole run
+           (mlx-lm, plain, the default; --runs processes, the median); `--scenario timing`: the cycle cost
+           the engine reports against the wall time between cycles and a calibration
   ab       today's code against a new checkout's on the dflash-mlx side of `batch` (each width) or `serving`
            (batched, and one at a time with --serial; each concurrency): `--base DIR` a checkout of today's
            code, `--new DIR` (default: this script's checkout); each round runs both, in separate processes
@@ -43,7 +44,8 @@ chat-templated GSM8K / MT-Bench first turns: in and off distribution), untrained
 with a random drafter of the same shape), 4bit (the bundled target quantized to 4 bits, group 64),
 long (the bundled pair on multi-turn GSM8K conversations of at least 1,600 tokens), synthetic (a pair
 `scripts/train_synthetic.py` trained, in --synthetic DIR, on its own prompts). --temperature T > 0
-samples (seeded per unit); greedy runs check every leg's tokens against mlx-lm's.
+samples (seeded per unit; `--unseeded`: no seed, as a user's call without one); greedy runs check every
+leg's tokens against mlx-lm's.
 
 On Linux preload the system OpenBLAS, as the `dflash-mlx` command does for itself:
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python3 scripts/bench.py legs
@@ -315,8 +317,17 @@ def parses_as_json(tokenizer, tokens: list[int]) -> bool:
 
 
 def make_legs(
-    model, tokenizer, draft, names: list[str], max_tokens: int, temperature: float, response_format=None
+    model,
+    tokenizer,
+    draft,
+    names: list[str],
+    max_tokens: int,
+    temperature: float,
+    response_format=None,
+    seeded: bool = True,
 ) -> dict:
+    """mlx-lm's leg and the named dflash-mlx legs, each `leg(prompt, seed)` -> `timed(...)`; `seeded`: the
+    seed is passed (mlx-lm's global generator seeded with it), else every leg runs unseeded."""
     from mlx_lm import stream_generate as mlx_lm_stream_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -326,7 +337,8 @@ def make_legs(
     grammar = Grammar.of(tokenizer, response_format)  # compiled once: each call follows it afresh
 
     def mlx_lm_leg(prompt, seed):
-        mx.random.seed(seed)
+        if seeded:
+            mx.random.seed(seed)
         processors = [GrammarLogitsProcessor(tokenizer, grammar)] if grammar else None
         return timed(
             mlx_lm_stream_generate(
@@ -349,7 +361,7 @@ def make_legs(
                 max_tokens=max_tokens,
                 block_size=block,
                 temperature=temperature,
-                seed=seed,
+                seed=seed if seeded else None,
                 response_format=grammar,
             )
         )
@@ -434,7 +446,16 @@ def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
         "instability": cost.notes.get("instability"),
     }
     compared = args.legs.split(",")
-    legs = make_legs(model, tokenizer, draft, compared, args.max_tokens, args.temperature, args.response_format)
+    legs = make_legs(
+        model,
+        tokenizer,
+        draft,
+        compared,
+        args.max_tokens,
+        args.temperature,
+        args.response_format,
+        seeded=not args.unseeded,
+    )
     for leg in legs.values():  # two warm-ups of each leg
         leg(prompts[0], 0)
         leg(prompts[-1], 0)
@@ -469,6 +490,7 @@ def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
+        "seeded": args.temperature > 0 and not args.unseeded,
         "response_format": args.response_format,
         "calibration": calibration,
         "tps": speeds,
@@ -499,6 +521,7 @@ def legs_table(report: dict) -> str:
     ]
     for st in report["settings"]:
         title = TITLES.get(st["setting"], st["setting"]) + (f", T = {st['temperature']:g}" if st["temperature"] else "")
+        title += ", unseeded" if st["temperature"] and st.get("seeded") is False else ""
         title += ", JSON schema" if st.get("response_format") else ""
         for leg, x in st["legs"].items():
             blocks = " ".join(f"{b}:{n}" for b, n in x["blocks"].items())
@@ -1190,8 +1213,11 @@ def load_average() -> str:
 
 
 def shape_of(cost) -> list[float]:
-    line = cost.table.line() if hasattr(cost, "table") else cost
-    return [round(t / line[0], 3) for t in line]
+    """T(b) / T(1) at the grid blocks: of a cost model, the drafter's cost as the loop's cycles scale it over
+    plain decoding's; of a list of seconds, as they are."""
+    if hasattr(cost, "table"):
+        return [1.0] + [round(cost.seconds("drafter", b) / cost.seconds("target", 1), 3) for b in cost.table.blocks[1:]]
+    return [round(t / cost[0], 3) for t in cost]
 
 
 def dflash_command(args: list[str], cache: Path, timeout: float = 1800) -> dict:
@@ -1211,8 +1237,9 @@ def dflash_command(args: list[str], cache: Path, timeout: float = 1800) -> dict:
 
 
 def load_calibration(args) -> dict:
-    """The issue's scenario: the cached curve measured while `--busy` CPU-bound processes ran, then
-    `dflash-mlx bench` in the first quiet process; the cached curve's shape against a quiet calibration's."""
+    """The cached curve measured while `--busy` CPU-bound processes ran, then `dflash-mlx bench` in the first
+    quiet process: the default against the fixed block and mlx-lm (its loop scales the busy curve as its
+    cycles show; the file stays what was measured)."""
     from dflash_mlx.models.block_size import default_block_size
     from dflash_mlx.policy import calibration
     from dflash_mlx.policy.cost import CostTable
@@ -1221,7 +1248,7 @@ def load_calibration(args) -> dict:
     import dflash_mlx
 
     with tempfile.TemporaryDirectory(prefix="dflash-bench-load-") as tmp:
-        cache, quiet_cache = Path(tmp) / "cache", Path(tmp) / "quiet"
+        cache = Path(tmp) / "cache"
         print(f"calibrating with {args.busy} CPU-bound processes running (load {load_average()})", flush=True)
         hogs = busy_processes(args.busy)
         try:
@@ -1262,8 +1289,6 @@ def load_calibration(args) -> dict:
             cache,
         )
         doc = json.loads(report.read_text())
-        learnt = json.loads(next((cache / "calibration").glob("*.json")).read_text())
-        quiet = dflash_command(["calibrate", "--force", "--json"], quiet_cache)
     auto, fixed = doc["runs"][0], doc["runs"][1]
     result = {
         "load_after": load_average(),
@@ -1273,31 +1298,51 @@ def load_calibration(args) -> dict:
         "mlx_lm_tps": auto["baseline_tps"],
         "auto_blocks": auto["block_sizes"],
         "greedy_matches": auto["greedy_matches"] and fixed["greedy_matches"],
-        "cached_shape": shape_of(learnt["seconds"][0]),
-        "cached_source": learnt.get("source"),
-        "quiet_shape": [r["break_even_tokens_per_cycle"] for r in quiet["curve"]],
-        "quiet_instability": quiet["instability"],
     }
     result["auto_over_fixed"] = round(result["auto_tps"] / result["fixed_tps"], 3)
     result["auto_over_mlx_lm"] = round(result["auto_tps"] / result["mlx_lm_tps"], 3)
-    result["shape_gap"] = round(max(abs(a / b - 1) for a, b in zip(result["cached_shape"], result["quiet_shape"])), 3)
     per_prompt = [(p["tps"], q["tps"], p["baseline_tps"]) for p, q in zip(auto["prompts"], fixed["prompts"])]
     print("| prompt | auto tok/s | fixed tok/s | mlx-lm tok/s | auto / fixed |\n|---:|---:|---:|---:|---:|")
     for i, (a, f, m) in enumerate(per_prompt):
         print(f"| {i + 1} | {a:.1f} | {f:.1f} | {m:.1f} | {a / f:.3f} |")
     print(
         f"\nauto / {fixed['block_size']} = {result['auto_over_fixed']} (>= 0.93), auto / mlx-lm = "
-        f"{result['auto_over_mlx_lm']} (>= 1.6); cached shape {result['cached_shape']} ({result['cached_source']}) "
-        f"against a quiet calibration's {result['quiet_shape']}: largest gap {result['shape_gap']:.1%} (<= 15%); "
-        f"greedy output equal: {result['greedy_matches']}; load {result['load_after']}",
+        f"{result['auto_over_mlx_lm']}; greedy output equal: {result['greedy_matches']}; load {result['load_after']}",
         flush=True,
     )
     return result
 
 
+def load_windows(legs: dict, prompts: list, window: int, phases: list[str], busy: int, lead: str = "adaptive"):
+    """Legs alternated prompt by prompt (a new order each prompt), per window of `window` prompts, each window
+    on a quiet machine or with `busy` CPU-bound processes running through it (`phases`); per window a `Units`
+    of its prompts, the lead leg's blocks, greedy mismatches against mlx-lm and the load average."""
+    shuffle, hogs, out = random.Random(1).shuffle, [], []
+    try:
+        for w, phase in enumerate(phases):
+            if phase == "busy" and not hogs:
+                hogs = busy_processes(busy)
+            elif phase == "quiet" and hogs:
+                stop_busy(hogs)
+                hogs = []
+            units, blocks, mismatches = Units([]), Counter(), 0
+            for i, prompt in enumerate(prompts[w * window : (w + 1) * window]):
+                order = list(legs)
+                shuffle(order)
+                unit = {k: legs[k](prompt, i) for k in order}
+                blocks.update(unit[lead][4])
+                mismatches += sum(v[0] != unit["mlx-lm"][0] for v in unit.values())
+                units.rows.append({k: (len(v[0]), *v[1:4]) for k, v in unit.items()})
+            out.append((phase, units, dict(sorted(blocks.items())), mismatches, load_average()))
+    finally:
+        stop_busy(hogs)
+    return out
+
+
 def load_run(args) -> dict:
     """A curve measured quiet, then `--busy` CPU-bound processes during a run of generations, then quiet
-    again: legs alternated prompt by prompt in one process, per window of `--window` prompts."""
+    again: mlx-lm, the plain path, the default and the largest fixed block alternated prompt by prompt in one
+    process, per window of `--window` prompts."""
     from dflash_mlx.datasets import sample
     from dflash_mlx.models.block_size import default_block_size
     from dflash_mlx.policy.calibration import cost_model
@@ -1309,62 +1354,127 @@ def load_run(args) -> dict:
     model, tokenizer, draft = dflash_mlx.load("demo")
     session = make_session(model, draft)
     block = default_block_size(model, draft)
+    fixed = f"b{block}"
     cost = cost_model(session.target, session.proposer, block, force=True)
     print(f"quiet calibration: T(b)/T(1) {shape_of(cost)} (load {load_average()})", flush=True)
     conversations = [c[0] for c in sample("gsm8k", args.window * sum(args.phases))]
     prompts = chat_prompts(tokenizer, conversations)
-    legs = make_legs(model, tokenizer, draft, ["adaptive", f"b{block}"], args.max_tokens, 0.0)
+    legs = make_legs(model, tokenizer, draft, ["plain", "adaptive", fixed], args.max_tokens, 0.0)
     for leg in legs.values():
         leg(prompts[0], 0)
     phases = ["quiet"] * args.phases[0] + ["busy"] * args.phases[1] + ["quiet"] * args.phases[2]
-    shuffle, windows, hogs = random.Random(1).shuffle, [], []
     print(
-        "| window | machine | load | mlx-lm tok/s | adaptive tok/s | b{0} tok/s | adaptive / better of mlx-lm and "
-        "b{0} | blocks | curve T(b)/T(1) |\n|---:|---|---|---:|---:|---:|---:|---|---|".format(block),
+        f"| window | machine | load | mlx-lm tok/s | plain tok/s | adaptive tok/s | {fixed} tok/s | adaptive / mlx-lm "
+        f"| adaptive / better of mlx-lm and {fixed} | blocks | the drafter's T(b) / plain's |\n"
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|",
         flush=True,
     )
+    windows = []
+    for w, (phase, units, blocks, mismatches, load) in enumerate(
+        load_windows(legs, prompts, args.window, phases, args.busy)
+    ):
+        tps = {k: units.speed(k) for k in legs}
+        better = "mlx-lm" if tps["mlx-lm"] >= tps[fixed] else fixed
+        x = {
+            "window": w + 1,
+            "machine": phase,
+            "load": load,
+            "tps": tps,
+            "adaptive_over_mlx_lm": units.ratio("adaptive", "mlx-lm"),
+            "adaptive_over_better": {**units.ratio("adaptive", better), "better": better},
+            "blocks": blocks,
+            "shape": shape_of(cost),
+            "greedy_mismatches": mismatches,
+        }
+        windows.append(x)
+        print(
+            f"| {w + 1} | {phase} | {load} | {tps['mlx-lm']:.1f} | {tps['plain']:.1f} | {tps['adaptive']:.1f} "
+            f"| {tps[fixed]:.1f} | {interval(x['adaptive_over_mlx_lm'])} | {interval(x['adaptive_over_better'])} "
+            f"| {' '.join(f'{b}:{n}' for b, n in blocks.items())} | {x['shape']} |",
+            flush=True,
+        )
+    return {"windows": windows, "changes": cost.changes}
+
+
+def interval(x: dict) -> str:
+    """A ratio with its 95% interval (`Units.ratio`)."""
+    return f"{x['ratio']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}]"
+
+
+def load_loaded_run(args) -> dict:
+    """The issue's loaded run, `--runs` times, each in a process of its own with a calibration cache of its
+    own (`loaded_run_job`): a quiet calibration, then `--busy` CPU-bound processes through a whole run of
+    `--num-prompts` GSM8K prompts (warm-ups included), mlx-lm, the plain path and the default alternated
+    prompt by prompt; per run each leg's tok/s, default / mlx-lm with its 95% interval, and the median."""
+    runs = []
+    print(
+        "| run | load | mlx-lm tok/s | plain tok/s | default tok/s | default / mlx-lm | plain / mlx-lm "
+        "| default's blocks | greedy mismatches |\n|---:|---|---:|---:|---:|---:|---:|---|---:|",
+        flush=True,
+    )
+    for r in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="dflash-bench-loaded-") as tmp:
+            job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
+            job.write_text(json.dumps({"prompts": args.num_prompts, "max_tokens": args.max_tokens, "busy": args.busy}))
+            env = dict(os.environ, DFLASH_MLX_CACHE_DIR=str(Path(tmp) / "cache"))
+            done = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), "loaded-run-job", str(job), str(out)],
+                env=env,
+                capture_output=True,
+                text=True,
+                stdin=subprocess.DEVNULL,
+            )
+            if done.returncode != 0 or not out.exists():
+                raise SystemExit(f"loaded run {r + 1} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+            x = json.loads(out.read_text())
+        runs.append(x)
+        tps = x["tps"]
+        print(
+            f"| {r + 1} | {x['load']} | {tps['mlx-lm']:.1f} | {tps['plain']:.1f} | {tps['adaptive']:.1f} "
+            f"| {interval(x['adaptive_over_mlx_lm'])} | {interval(x['plain_over_mlx_lm'])} "
+            f"| {' '.join(f'{b}:{n}' for b, n in x['blocks'].items())} | {x['greedy_mismatches']} |",
+            flush=True,
+        )
+    median = statistics.median(x["adaptive_over_mlx_lm"]["ratio"] for x in runs)
+    print(f"\ndefault / mlx-lm, median of {len(runs)} runs: {median:.3f} (>= 0.85)", flush=True)
+    return {"runs": runs, "median_adaptive_over_mlx_lm": median}
+
+
+def loaded_run_job(job_path: Path, out: Path) -> None:
+    """One run of `load --scenario loaded-run`, in a process of its own (the caller's cache directory)."""
+    from dflash_mlx.datasets import sample
+    from dflash_mlx.models.block_size import default_block_size
+    from dflash_mlx.policy.calibration import cost_model
+    from dflash_mlx.session import make_session
+
+    import dflash_mlx
+
+    job = json.loads(job_path.read_text())
+    model, tokenizer, draft = dflash_mlx.load("demo")
+    session = make_session(model, draft)
+    cost_model(session.target, session.proposer, default_block_size(model, draft), force=True)  # quiet
+    prompts = chat_prompts(tokenizer, [c[0] for c in sample("gsm8k", job["prompts"])])
+    legs = make_legs(model, tokenizer, draft, ["plain", "adaptive"], job["max_tokens"], 0.0)
+    hogs = busy_processes(job["busy"])
     try:
-        for w, phase in enumerate(phases):
-            if phase == "busy" and not hogs:
-                hogs = busy_processes(args.busy)
-            elif phase == "quiet" and hogs:
-                stop_busy(hogs)
-                hogs = []
-            tokens, seconds, blocks, mismatches = Counter(), Counter(), Counter(), 0
-            for i, prompt in enumerate(prompts[w * args.window : (w + 1) * args.window]):
-                order = list(legs)
-                shuffle(order)
-                unit = {k: legs[k](prompt, i) for k in order}
-                for k, (toks, _, _, total, used) in unit.items():
-                    tokens[k] += len(toks)
-                    seconds[k] += total
-                    if k == "adaptive":
-                        blocks.update(used)
-                mismatches += sum(v[0] != unit["mlx-lm"][0] for v in unit.values())
-            tps = {k: tokens[k] / seconds[k] for k in legs}
-            better = max(tps["mlx-lm"], tps[f"b{block}"])
-            windows.append(
-                {
-                    "window": w + 1,
-                    "machine": phase,
-                    "load": load_average(),
-                    "tps": tps,
-                    "adaptive_over_better": tps["adaptive"] / better,
-                    "blocks": dict(sorted(blocks.items())),
-                    "shape": shape_of(cost),
-                    "greedy_mismatches": mismatches,
-                }
-            )
-            x = windows[-1]
-            print(
-                f"| {w + 1} | {phase} | {x['load']} | {tps['mlx-lm']:.1f} | {tps['adaptive']:.1f} "
-                f"| {tps[f'b{block}']:.1f} | {x['adaptive_over_better']:.3f} "
-                f"| {' '.join(f'{b}:{n}' for b, n in x['blocks'].items())} | {x['shape']} |",
-                flush=True,
-            )
+        time.sleep(2)  # (the load settles)
+        for leg in legs.values():  # the warm-ups under the load too: the whole run is a loaded one
+            leg(prompts[0], 0)
+        ((_, units, blocks, mismatches, load),) = load_windows(legs, prompts, len(prompts), ["busy"], 0)
     finally:
         stop_busy(hogs)
-    return {"windows": windows, "replaced": cost.replaced}
+    out.write_text(
+        json.dumps(
+            {
+                "load": load,
+                "tps": {k: units.speed(k) for k in legs},
+                "adaptive_over_mlx_lm": units.ratio("adaptive", "mlx-lm"),
+                "plain_over_mlx_lm": units.ratio("plain", "mlx-lm"),
+                "blocks": blocks,
+                "greedy_mismatches": mismatches,
+            }
+        )
+    )
 
 
 def load_timing(args) -> dict:
@@ -1430,6 +1540,8 @@ def load(args) -> None:
         report["calibration"] = load_calibration(args)
     if args.scenario in ("run", "both"):
         report["run"] = load_run(args)
+    if args.scenario == "loaded-run":
+        report["loaded_run"] = load_loaded_run(args)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
@@ -1762,6 +1874,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--unseeded", action="store_true", help="sampled legs without a seed (as a user's call)")
     p.add_argument(
         "--synthetic",
         type=Path,
@@ -1825,16 +1938,20 @@ def main() -> None:
     p = sub.add_parser("load", help="the adaptive block when the machine's load changes (calibration, run)")
     p.add_argument(
         "--scenario",
-        choices=["calibration", "run", "both", "timing"],
+        choices=["calibration", "run", "both", "loaded-run", "timing"],
         default="both",
         help="calibration: the curve cached under load, then `dflash-mlx bench` quiet; run: a quiet "
-        "curve, then load during a run of generations, then quiet again; timing: what the engine "
+        "curve, then load during a run of generations, then quiet again; loaded-run: a quiet calibration, "
+        "then load through a whole run (--runs times, each a process); timing: what the engine "
         "charges a cycle against the wall time between cycles and a calibration",
     )
     p.add_argument("--consumer-ms", type=float, default=2.0, help="timing: the caller's busy work per token")
     p.add_argument("--rounds", type=int, default=2, help="timing: rounds over the prompts")
     p.add_argument("--busy", type=int, default=2, help="CPU-bound processes started as the load")
-    p.add_argument("--num-prompts", type=int, default=10, help="calibration: `dflash-mlx bench --num-prompts`")
+    p.add_argument(
+        "--num-prompts", type=int, default=10, help="calibration: `dflash-mlx bench --num-prompts`; loaded-run: prompts"
+    )
+    p.add_argument("--runs", type=int, default=3, help="loaded-run: runs, each in a process of its own")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--window", type=int, default=10, help="run: prompts per window")
     p.add_argument(
@@ -1897,11 +2014,17 @@ def main() -> None:
     p.add_argument("job", type=Path)
     p.add_argument("out", type=Path)
 
+    p = sub.add_parser("loaded-run-job")  # internal: one run of `load --scenario loaded-run`
+    p.add_argument("job", type=Path)
+    p.add_argument("out", type=Path)
+
     args = ap.parse_args()
     if args.leg == "rank-job":
         rank_job(args.job)
     elif args.leg == "ab-batch-job":
         ab_batch_job(args.job, args.out)
+    elif args.leg == "loaded-run-job":
+        loaded_run_job(args.job, args.out)
     else:
         {
             "engine": engine,

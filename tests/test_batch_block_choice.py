@@ -4,9 +4,9 @@ The table interpolates between measured (rows, block) points and extrapolates
 past the last rows. The choice maximises the batch's expected tokens per
 second: a large block for rows the drafter fits, plain batched decoding when
 it fits none, a large block still when one row of several is a poor fit;
-at b = 1 it probes now and then, less often after probes that accept
-nothing or when a probe of many rows costs several plain steps, and afresh
-for a new batch. The table is measured once per setup
+at b = 1 it probes now and then, as often as keeps failed probes to BUDGET of
+the time (a probe of many rows costs several plain steps), and afresh for a
+new batch. The table is measured once per setup
 and cached on disk; a corrupt file is ignored and rewritten. Rows fixing
 different blocks in one batch keep their own blocks and their greedy output.
 """
@@ -22,10 +22,11 @@ import mlx.core as mx
 import dflash_mlx
 from dflash_mlx.acceptance import Acceptor
 from dflash_mlx.batch import calibration
-from dflash_mlx.batch.block_choice import PROBE_TAX, BatchBlockChoice
+from dflash_mlx.batch.block_choice import BatchBlockChoice
 from dflash_mlx.batch.calibration import batch_cost_model
 from dflash_mlx.batch.engine import BatchDecoder
-from dflash_mlx.policy.adaptive import PROBE_GAP
+from dflash_mlx.policy.choice import BUDGET
+from dflash_mlx.policy.cost import WINDOW
 from dflash_mlx.policy.cost import CostTable
 from dflash_mlx.policy.estimate import AcceptanceEstimate
 from dflash_mlx.sampling import SamplingSettings
@@ -61,22 +62,25 @@ def test_the_choice_weighs_blocks_against_plain_batched_decoding():
     assert choice.best([row(True, max_block=3)]) == 3  # a row's own largest block bounds it
 
 
-def test_probes_at_plain_decoding_back_off_and_restart():
-    choice = BatchBlockChoice(compute_bound([1, 8], [1, 2, 8]), 8)
-    rows = [row(False)]  # one row: a probe costs 1 ms over 11, the single-request gap holds
-    blocks = [choice.choose(rows) for _ in range(PROBE_GAP)]
-    assert blocks == [1] * (PROBE_GAP - 1) + [2]
-    choice.observe(rows, 2, [0])  # the probe accepted nothing: the next one comes later
-    blocks = [choice.choose(rows) for _ in range(2 * PROBE_GAP)]
-    assert blocks[:PROBE_GAP] == [1] * PROBE_GAP and blocks[-1] == 2
+def test_probes_at_plain_decoding_keep_to_their_budget_and_restart():
+    table = compute_bound([1, 8], [1, 2, 8])
+    choice = BatchBlockChoice(table, 8)
+    rows = [row(False)]  # one row: a probe at block 2 loses about 1 ms against plain decoding's 11
+    expected = rows[0].estimate.expected_tokens(2)[-1]  # (its drafts are hardly ever accepted)
+    wait = max(WINDOW, math.ceil((table(2, 1) - expected * table(1, 1)) / (BUDGET * table(1, 1)))) - 1
+    blocks = [choice.choose(rows) for _ in range(wait + 1)]
+    assert blocks == [1] * wait + [2]
+    choice.observe(rows, 2, [0])  # the probe accepted nothing: the next one waits as long
+    assert [choice.choose(rows) for _ in range(wait + 1)] == [1] * wait + [2]
     choice.reset()
-    assert [choice.choose(rows) for _ in range(PROBE_GAP)][-1] == 2
-    # 8 rows: a probe costs 26 ms where a plain step costs 18; probes keep to PROBE_TAX of the time
-    choice = BatchBlockChoice(compute_bound([1, 8], [1, 2, 8]), 8)
+    assert [choice.choose(rows) for _ in range(wait + 1)][-1] == 2
+    # 8 rows: a probe costs 26 ms where a plain step of the 8 costs 18: it comes much later
+    choice = BatchBlockChoice(table, 8)
     rows = [row(False) for _ in range(8)]
-    gap = math.ceil((0.026 / 0.018 - 1) / PROBE_TAX)
-    assert gap > PROBE_GAP
-    assert [choice.choose(rows) for _ in range(gap)] == [1] * (gap - 1) + [2]
+    expected = 8 * rows[0].estimate.expected_tokens(2)[-1]
+    wait = math.ceil((table(2, 8) - expected / 8 * table(1, 8)) / (BUDGET * table(1, 8))) - 1
+    assert wait > 4 * WINDOW
+    assert [choice.choose(rows) for _ in range(wait + 1)] == [1] * wait + [2]
 
 
 def test_the_table_is_measured_once_and_cached(calibration_cache, tiny_pair, monkeypatch):

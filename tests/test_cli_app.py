@@ -69,6 +69,8 @@ def test_generate_lookup_on_and_off(pair_dirs):
             "--raw",
             "--lookup",
             flag,
+            "-b",  # (a fixed block, which a span fills where one is offered: the adaptive choice follows the load)
+            4,
         )
         assert r.exit_code == 0, r.output
         runs[flag] = json.loads(r.stdout.strip().splitlines()[-1])

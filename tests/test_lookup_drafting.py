@@ -1,4 +1,4 @@
-"""Copy-aware drafting: cycles that verify a span copied from the context (`policy.source`).
+"""Copy-aware drafting: cycles that verify a span copied from the context (a span source, `policy.adaptive`).
 
 Greedy output must stay mlx-lm's on every cache type (plain KV, Gated DeltaNet, sliding-window rings)
 while cycles switch between lookup spans, the drafter's blocks and plain steps. Two kinds of lookup:
@@ -85,7 +85,8 @@ def test_greedy_with_the_real_lookup_equals_mlx_lm(tiny_pair, family, seed):
         for block_size in (None, 4, AdaptiveBlock(CURVE, 16)):
             got = list(stream_generate(model, draft, tok, prompt, max_tokens=120, block_size=block_size))
             assert_same_stream(got, want, logprob_atol=1e-3)
-            assert Counter(r.source for r in got)["lookup"] > 0, block_size
+            # (whether this machine's timing-driven default copies is not this test's business)
+            assert block_size is None or Counter(r.source for r in got)["lookup"] > 0, block_size
         off = list(stream_generate(model, draft, tok, prompt, max_tokens=120, lookup=False))
         assert_same_stream(off, want, logprob_atol=1e-3)
         assert "lookup" not in {r.source for r in off}
@@ -93,17 +94,21 @@ def test_greedy_with_the_real_lookup_equals_mlx_lm(tiny_pair, family, seed):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_across_lookup_dflash_and_plain_switches_equals_mlx_lm(tiny_pair, family):
-    """The adaptive policy (on a fixed curve) with an oracle drafter accepting 3 of 15 and a lookup that
-    is right, then wrong for a while, then right: runs of each source and plain steps. A fixed block of
-    4 with every lookup acceptance length."""
+    """The adaptive policy (on a fixed curve) with a lookup that is right, then wrong for a while, then right,
+    and an oracle drafter accepting 3 of 15 (runs of each source, switching both ways) or none (plain steps
+    between the spans); a fixed block of 4 with every lookup acceptance length."""
     model, tokenizer, draft = tiny_pair(family)
     prompt = prompt_ids(24, seed=32)
     with without_eos(tokenizer) as tok:
         want = reference(model, tok, prompt, 160)
         reply = [r.token for r in want]
-        oracle = OracleProposer(reply + [0] * 16, [3, 0, 1], TINY_VOCAB, 16)
-        runs = ((oracle, AdaptiveBlock(CURVE, 16), [15, 15] + [0] * 20 + [15] * 8), (draft, 4, [0, 1, 2, 3]))
-        for proposer, block_size, pattern in runs:
+        spans = [15, 15] + [0] * 20 + [15] * 60  # (right long enough that the span's probes find it so)
+        runs = (
+            (OracleProposer(reply + [0] * 16, [3, 0, 1], TINY_VOCAB, 16), AdaptiveBlock(CURVE, 16), spans),
+            (OracleProposer(reply + [0] * 16, [0], TINY_VOCAB, 16), AdaptiveBlock(CURVE, 16), spans),
+            (draft, 4, [0, 1, 2, 3]),
+        )
+        for k, (proposer, block_size, pattern) in enumerate(runs):
             session = make_session(model, proposer)
             session._lookup_source = KnowingSource(prompt, reply, pattern)  # (the session keeps its source: this one)
             got = list(
@@ -113,10 +118,18 @@ def test_greedy_across_lookup_dflash_and_plain_switches_equals_mlx_lm(tiny_pair,
             seen = kinds(got)
             if block_size == 4:
                 assert "lookup" in seen and {r.cycle_tokens for r in got if r.cycle_tokens} == {1, 2, 3, 4}
-            else:
-                drafted = [k for k in seen if k in ("lookup", "oracle")]  # (misses and plain steps between)
-                changes = {(a, b) for a, b in zip(drafted, drafted[1:]) if a != b}
-                assert "plain" in seen and {("lookup", "oracle"), ("oracle", "lookup")} <= changes, seen
+                continue
+            drafted = [k for k in seen if k != "miss"]
+            changes = {(a, b) for a, b in zip(drafted, drafted[1:]) if a != b}
+            assert (
+                {("lookup", "oracle"), ("oracle", "lookup")} <= changes
+                if k == 0
+                else {
+                    ("lookup", "plain"),
+                    ("plain", "lookup"),
+                }
+                <= changes
+            ), (k, seen)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])

@@ -17,6 +17,8 @@ from mlx_lm.generate import main as mlx_lm_generate_main
 
 from dflash_mlx.mlx_lm import api as plugin_api
 from dflash_mlx.mlx_lm.cli import main
+from helpers import load_pair
+from helpers.calibrations import cheap_blocks_cache
 
 PROMPT = "hello world"
 
@@ -24,6 +26,15 @@ PROMPT = "hello world"
 @pytest.fixture(scope="module")
 def dirs(constant_pair_dirs):
     return constant_pair_dirs(PROMPT)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cheap_blocks(dirs, tmp_path_factory):
+    """The adaptive block on a pinned curve: how many drafts are accepted must not depend on this machine's
+    load (the commands here load the pair as `load_pair` does: float32 on a CPU)."""
+    model, _, draft = load_pair(*dirs)
+    with cheap_blocks_cache(tmp_path_factory.mktemp("calibration"), model, draft) as path:
+        yield path
 
 
 def masked(text: str) -> str:

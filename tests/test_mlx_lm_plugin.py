@@ -32,6 +32,7 @@ from dflash_mlx.draft.model import DFlashDraftModel
 from dflash_mlx.mlx_lm.samplers import UnsupportedSampler, sampler_settings
 from dflash_mlx.proposers import DFlashProposer
 from dflash_mlx.sampling import SamplingSettings, distribution
+from helpers.calibrations import cheap_blocks_cache
 
 PROMPT = "hello world"
 
@@ -47,6 +48,15 @@ def loaded(dirs):
     target, draft = dirs
     model, tokenizer = plugin.load(target, draft=draft)
     return model, tokenizer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cheap_blocks(loaded, tmp_path_factory):
+    """The adaptive block on a pinned curve (this module's processes and the scripts they start): which
+    blocks run, and so how many drafts are accepted, must not depend on this machine's load."""
+    model, _ = loaded
+    with cheap_blocks_cache(tmp_path_factory.mktemp("calibration"), model, plugin.remembered_draft(model)) as path:
+        yield path
 
 
 def tokens(responses):

@@ -206,7 +206,7 @@ def test_the_console_script_and_the_server_take_the_kv_flags():
         r.text for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=48, kv_bits=8, quantized_kv_start=0)
     )
     done = subprocess.run(
-        [shutil.which("dflash-mlx"), "generate", prompt, "--raw", "--json", "-n", "48", *flags],
+        [shutil.which("dflash-mlx"), "generate", prompt, "--raw", "--json", "-n", "48", "-b", "8", *flags],
         capture_output=True,
         text=True,
         timeout=600,

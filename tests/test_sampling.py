@@ -15,6 +15,7 @@ from dflash_mlx.sampling import (
     SamplingSettings,
     dense_from_candidates,
     distribution,
+    draw,
     filtered_logprobs,
     rejection_accept,
 )
@@ -51,6 +52,24 @@ def test_distribution_matches_mlx_lm_sampler(name, temperature):
     n = 40_000
     draws = np.array(sampler(mx.broadcast_to(logprobs[None], (n, V))))
     assert chi_square_p(np.bincount(draws, minlength=V), ours) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["plain", "all"])
+def test_draw_follows_the_distribution_and_splits_the_key_as_mx_random_split(name):
+    """The plain path's one compiled call (no log-softmax without a filter) draws from `distribution`;
+    each call hands back the next key, so a seed reproduces the draws."""
+    settings = SamplingSettings(temperature=0.7, **SETTINGS[name])
+    logits = logits_row(2)
+    n = 40_000
+    tokens, key = draw(mx.broadcast_to(logits[None], (n, V)), settings, mx.random.key(5))
+    want = np.array(distribution(logits[None], settings)[0])
+    assert tokens.dtype == mx.int32 and chi_square_p(np.bincount(np.array(tokens), minlength=V), want) > 1e-3
+    assert mx.array_equal(key, mx.random.split(mx.random.key(5))[0])
+    again, _ = draw(mx.broadcast_to(logits[None], (n, V)), settings, mx.random.key(5))
+    assert mx.array_equal(tokens, again)
+    if name == "plain":  # (the test can fail: another row's draws, on the same support)
+        other = np.array(draw(mx.broadcast_to(logits_row(3)[None], (n, V)), settings, mx.random.key(5))[0])
+        assert chi_square_p(np.bincount(other, minlength=V), want) < 1e-3
 
 
 def one_position_runs(p: np.ndarray, q: np.ndarray, runs: int, seed: int, rule=rejection_accept):

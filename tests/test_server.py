@@ -30,7 +30,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from dflash_mlx.server import make_server
 from dflash_mlx.server.stops import StopText
 from helpers import load_pair
-from helpers.calibrations import forget_curve, write_cheap_blocks_curve
+from helpers.calibrations import cheap_blocks_cache
 
 pytestmark = pytest.mark.slow  # servers
 
@@ -96,13 +96,10 @@ def server(pair, expected, tmp_path_factory):
     """The server, on a curve where blocks pay (helpers.calibrations): whether the tiny pair's drafting
     pays on this machine's own calibration depends on its load, and these tests show drafts accepted."""
     (_, draft_dir), (model, tokenizer, draft) = pair
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path_factory.mktemp("calibration")))
-        curve = write_cheap_blocks_curve(model, draft)
+    with cheap_blocks_cache(tmp_path_factory.mktemp("calibration"), model, draft):
         srv = make_server(model, tokenizer, draft, port=0, model_id="tiny", draft_id=str(draft_dir)).start()
         yield srv
         srv.stop()
-    forget_curve(curve)
 
 
 def request(server, method, path, body=None, raw=None):

@@ -200,7 +200,8 @@ def test_the_mlx_lm_drop_in_passes_the_index_through(tiny_pair_dirs):
         index = SuffixIndex()
         runs = [list(plugin.stream_generate(model, tok, prompt, max_tokens=40, suffix_index=index)) for _ in range(2)]
         assert [[r.token for r in run] for run in runs] == [want, want]
-        assert suffix_tokens(runs[0]) == 0 and suffix_tokens(runs[1]) > 0
+        # (the first run may draft from its own earlier tokens; the second has the whole first run)
+        assert suffix_tokens(runs[1]) > max(suffix_tokens(runs[0]), 10), [suffix_tokens(r) for r in runs]
         with pytest.warns(UserWarning, match="falling back"):
             sampler = lambda logits: mx.argmax(logits, axis=-1)  # noqa: E731 - a custom sampler: mlx-lm decodes
             plain = plugin.stream_generate(model, tok, prompt, max_tokens=8, suffix_index=index, sampler=sampler)

@@ -239,3 +239,28 @@ def test_bad_arguments_are_refused_with_the_reason():
         SuffixIndex(0)
     with pytest.raises(ValueError, match="suffix_index must be a dflash_mlx.SuffixIndex"):
         make_session(None, None, suffix_index=1000)
+
+
+def test_the_policy_weighs_a_span_by_the_index_odds():
+    """The policy's entry for the suffix proposer takes the index's own expected tokens (`SpanOdds`), and
+    a probe's hope floors each position's rate without lowering a better one."""
+    from dflash_mlx.policy.adaptive import AdaptiveBlock
+    from dflash_mlx.policy.cost import CostTable
+    from dflash_mlx.policy.estimate import SpanOdds
+
+    index = SuffixIndex()
+    first = SuffixProposer(index)
+    first.start(None, [1, 2, 3])
+    first.commit(list(range(10, 40)))
+    again = SuffixProposer(index)
+    again.start(None, [1, 2, 3])
+    again.commit(list(range(10, 16)))
+    policy = AdaptiveBlock(CostTable.curve(range(1, 9), [1.0] * 8), 8)
+    entry = policy.span_source("suffix", again.expected_tokens)
+    assert isinstance(entry.estimate, SpanOdds)
+    assert entry.expected(8) == pytest.approx(again.expected_tokens(8)[-1])
+    assert entry.expected(8) > 2.5  # (a 9-token match: its depth class's prior, 0.7 a token)
+    odds = SpanOdds(lambda w: [1.0, 1.9, 2.5, 2.8][:w])
+    assert odds.expected_tokens(4) == pytest.approx([1.0, 1.9, 2.5, 2.8])
+    assert odds.expected_tokens(4, floor=0.8) == pytest.approx([1.0, 1.9, 1.9 + 0.9 * 0.8, 1.9 + 0.72 + 0.72 * 0.8])
+    assert odds.expected_tokens(6)[-1] == pytest.approx(2.8)  # (nothing past the span)

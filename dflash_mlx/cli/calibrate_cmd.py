@@ -113,12 +113,11 @@ def calibrate(
     else:
         agree = "its rounds' agreement was not recorded"
     if not measured:
-        source = "corrected by the loop's own cycles" if summary["source"] == "learnt" else "as calibrated"
-        console.print(f"[dim]read from the cache ({source}; {agree}): {path}[/]")
+        console.print(f"[dim]read from the cache ({agree}): {path}[/]")
     elif summary["written"]:
         console.print(f"[dim]measured in {took:.2f} s, {agree}: {path}[/]")
     else:
         console.print(
             f"[yellow]measured in {took:.2f} s, but not cached: {agree}; the machine looks busy. "
-            "The loop corrects the curve as it runs; or run this again when the machine is quiet.[/]"
+            "The loop scales the curve by its own cycles as it runs; or run this again when the machine is quiet.[/]"
         )

@@ -8,7 +8,7 @@ drafter; an ordinary draft model, no drafter, or an option DFlash cannot honour
 runs ``mlx_lm.stream_generate`` itself (one warning per reason and process);
 ``kv_bits`` and its options run DFlash on mlx-lm's quantized KV cache. Two
 keywords mlx-lm does not have: ``lookup`` (True by default; False: no copy-aware
-drafting, `dflash_mlx.policy.source`) and ``suffix_index`` (a
+drafting, `dflash_mlx.policy.adaptive`) and ``suffix_index`` (a
 `dflash_mlx.SuffixIndex` shared by the calls given it: spans from what earlier
 generations produced), dropped where mlx-lm decodes.
 Samplers: `samplers`; mlx-lm's own prompt-cache lists: `cache`;

@@ -9,8 +9,9 @@ the proposer, in timed stretches of each grid block, fitted by `fit`. The
 batch decoder's table (`batch.calibration`) goes through the same `model_for`:
 the same key (with the decoder), file format, checks and model. A measurement
 whose rounds disagree on the shape (a busy machine) is measured again, and
-one that stays unstable is used but not cached. The model rewrites the file
-when the loop replaces a line. Sharded ranks all take rank 0's curve, which
+one that stays unstable is used but not cached. The loop's timings scale the
+table in the process's model (`cost.CostModel`), never in the file: the file
+is what a calibration measured. Sharded ranks all take rank 0's curve, which
 does not learn (they must choose the same blocks). Why: docs/adaptive.md.
 """
 
@@ -48,10 +49,8 @@ ROUNDS = 4  # timed rounds, after a warm-up cycle of each block
 MIN_ROUNDS = 2  # the rounds run whatever the budget
 BUDGET_SECONDS = 1.5  # past MIN_ROUNDS, no round starts that would end after this (a large model, a slow machine)
 SHARDED_ROUNDS = 5
-STRETCH = {1: 12}  # cycles per block in a stretch (DRAFT_STRETCH unless given), the first one not timed
-DRAFT_STRETCH = 3
-SHORT_STRETCH = {1: 6}  # where MIN_ROUNDS rounds of the above would overrun the budget (SHORT_DRAFT_STRETCH)
-SHORT_DRAFT_STRETCH = 2
+PLAIN_STRETCH = 12  # cycles per b = 1 stretch (plain steps are short and decide whether drafting pays at all)
+DRAFT_STRETCH = 3  # cycles per stretch of a larger block (its first one not timed); both halved on a slow setup
 PROMPT_TOKENS = 16
 STABLE = 0.25  # rounds whose T(b) / T(1) spread further than this (`fit.instability`) are a busy machine's
 ATTEMPTS = 3  # measurements at most, while they are unstable
@@ -186,9 +185,7 @@ def model_for(
             model = _follow_the_leader(key, group, found, measure)
         elif found is not None:
             table, doc = found
-            model = _learning(
-                key, table, learns=doc.get("learns", True) is not False, confirmed=doc.get("source") == "learnt"
-            )
+            model = CostModel(table, learns=doc.get("learns", True) is not False)
             model.notes = {
                 **{k: v for k, v in doc.items() if k not in ("key", "rows", "blocks", "seconds")},
                 "read": True,
@@ -197,7 +194,7 @@ def model_for(
             table, notes = _measured(measure)
             if notes["stable"]:
                 write_table(key, table, notes)
-            model = _learning(key, table)  # (an unstable one is cached once the loop confirms it)
+            model = CostModel(table)  # (an unstable one is used in this process, not cached)
             model.notes = notes
         _models[name] = model
         return model
@@ -221,18 +218,6 @@ def _measured(measure) -> tuple[CostTable, dict]:
         "measured_at": time.time(),
         "source": "measured",
     }
-
-
-def _learning(key: dict, table: CostTable, learns: bool = True, confirmed: bool = False) -> CostModel:
-    """A model of `key`'s table that rewrites its file when the loop replaces a line or first confirms it
-    (unless `confirmed`: the file is a loop's already)."""
-    writing = threading.Lock()
-
-    def rewrite(replaced: CostTable, notes: dict) -> None:
-        with writing:
-            write_table(key, replaced, {"source": "learnt", "learnt_at": time.time(), **notes})
-
-    return CostModel(table, learns=learns, on_replace=rewrite, confirmed=confirmed)
 
 
 def _follow_the_leader(key: dict, group, found, measure) -> CostModel:
@@ -351,19 +336,19 @@ def measure(
 
 
 def stretches(grid: list[int], warm_up: list, budget: float | None, elapsed: float) -> dict[int, int]:
-    """Cycles per stretch at each grid block: STRETCH and DRAFT_STRETCH, or the shorter SHORT_STRETCH and
-    SHORT_DRAFT_STRETCH where MIN_ROUNDS rounds of the longer ones, judged by the warm-up cycle of each
-    block (`warm_up`, seconds in grid order; None where untimed), would end after `budget` (a large model,
-    a slow machine: its cycles are long, so a moment's jitter weighs less in each). None: the longer ones
-    (sharded ranks must run the same cycles)."""
-    long = {b: STRETCH.get(b, DRAFT_STRETCH) for b in grid}
+    """Cycles per stretch at each grid block: PLAIN_STRETCH and DRAFT_STRETCH, or half as many (rounded up)
+    where MIN_ROUNDS rounds of those, judged by the warm-up cycle of each block (`warm_up`, seconds in grid
+    order; None where untimed), would end after `budget` (a large model, a slow machine: its cycles are
+    long, so a moment's jitter weighs less in each). None: the longer ones (sharded ranks must run the
+    same cycles)."""
+    long = {b: PLAIN_STRETCH if b == 1 else DRAFT_STRETCH for b in grid}
     known = [(b, t) for b, t in zip(grid, warm_up) if t is not None]
     if budget is None or len(warm_up) < len(grid) or not known:
         return long
     typical = statistics.median(t for _, t in known)
     if elapsed + MIN_ROUNDS * sum(long[b] * (t if t is not None else typical) for b, t in zip(grid, warm_up)) <= budget:
         return long
-    return {b: SHORT_STRETCH.get(b, SHORT_DRAFT_STRETCH) for b in grid}
+    return {b: -(-n // 2) for b, n in long.items()}
 
 
 def another_round(done: int, elapsed: float, last: float, budget: float) -> bool:

@@ -16,8 +16,7 @@ PRIOR_RATE = 0.8  # DFlash drafters accept ~5 of 15 drafts in distribution: opti
 PRIOR_WEIGHT = 0.5  # pseudo-observations behind the prior (a useless drafter's floor: 0.4 / 20.5, 2%)
 DISCOUNT = 0.95  # weight of older observations per new one (about 20 cycles of memory)
 LEARNT_DISCOUNT = 0.99  # the drafter's long-run history (about 100 cycles, across generations)
-LEARNT_WEIGHT = 2.0  # pseudo-observations behind a generation's prior taken from that history
-LEARNT_PRIOR_WEIGHT = 2.0  # pseudo-observations behind the history's own prior (PRIOR_RATE)
+LEARNT_WEIGHT = 2.0  # pseudo-observations behind a generation's prior taken from that history (and its own)
 
 
 class AcceptanceEstimate:
@@ -29,10 +28,12 @@ class AcceptanceEstimate:
         discount: float = DISCOUNT,
         priors: list[float] | None = None,
         record: Callable[[int, int], None] | None = None,
+        hopes: list[float] | None = None,
     ):
         """`priors`: per position, the drafter's long-run rates (`DrafterHistory`), each weighing
         LEARNT_WEIGHT cycles, instead of the fixed prior; `record(drafted, accepted)` is told every
-        observation (the history's)."""
+        observation (the history's); `hopes`: rates a probe may hope for (the history's, where it has
+        observed any: a drafter usually right is probed again soon after an unlucky stretch)."""
         if positions < 0:
             raise ValueError(f"positions must be >= 0, got {positions}.")
         self.prior, self.weight, self.discount = prior, weight, discount
@@ -40,6 +41,7 @@ class AcceptanceEstimate:
         self.seen = [0.0] * positions  # discounted observations per position
         self.record = record
         self._priors = list(priors[:positions]) + [prior] * (positions - len(priors)) if priors is not None else None
+        self.hopes = list(hopes[:positions]) if hopes is not None else None
         self._prior_weights = [LEARNT_WEIGHT] * positions if priors is not None else []
 
     @property
@@ -91,9 +93,14 @@ class AcceptanceEstimate:
     def rate(self, k: int) -> float:
         return self.rates()[k]
 
-    def expected_tokens(self, max_block: int) -> list[float]:
-        """[E(1), E(2), ..., E(max_block)]."""
+    def expected_tokens(self, max_block: int, floor: float = 0.0, hoped: bool = False) -> list[float]:
+        """[E(1), E(2), ..., E(max_block)] (`floor`: with every rate at least that, what a probe hopes;
+        `hoped`: at the better of these rates and `hopes`, where given: what a probe after an unlucky
+        stretch may commit)."""
         rates = self.rates()
+        if hoped and self.hopes is not None:
+            rates = [max(r, h) for r, h in zip(rates, self.hopes + rates[len(self.hopes) :])]
+        rates = [max(floor, r) for r in rates]
         out, reach, total = [], 1.0, 1.0
         for b in range(1, max_block + 1):
             out.append(total)
@@ -102,6 +109,34 @@ class AcceptanceEstimate:
         return out
 
 
+class SpanOdds:
+    """A span source's own odds as its entry's estimate (`expected_tokens(widest)`, e.g. the suffix index's
+    probabilities, which it learns from its spans itself: observing and softening here change nothing)."""
+
+    def __init__(self, expected: Callable[[int], list[float]]):
+        self._expected = expected
+
+    def expected_tokens(self, max_block: int, floor: float = 0.0, hoped: bool = False) -> list[float]:
+        """[E(1), ..., E(max_block)], each position's conditional rate at least `floor` (`hoped`: the odds
+        are the source's best guess already)."""
+        own = self._expected(max_block)
+        out, before, reach, total = [1.0], 1.0, 1.0, 1.0
+        for b in range(2, max_block + 1):
+            step = own[b - 1] - own[b - 2] if b - 1 < len(own) else 0.0  # P(the first b - 1 drafts accepted)
+            rate = step / before if before > 0 else 0.0  # (position b - 1's, given those before it were)
+            before = step
+            reach *= min(1.0, max(floor, rate))
+            total += reach
+            out.append(total)
+        return out
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass
+
+    def soften(self, factor: float) -> None:
+        pass
+
+
 def learnt_estimate(positions: int) -> AcceptanceEstimate:
     """A drafter's long-run acceptance (the `priors` of its generations' estimates)."""
-    return AcceptanceEstimate(positions, weight=LEARNT_PRIOR_WEIGHT, discount=LEARNT_DISCOUNT)
+    return AcceptanceEstimate(positions, weight=LEARNT_WEIGHT, discount=LEARNT_DISCOUNT)

@@ -397,7 +397,8 @@ class SuffixProposer:
 
     def expected_tokens(self, widest: int) -> list[float]:
         """[E(1), ..., E(widest)]: what a cycle verifying the anchor and w - 1 tokens of its span is expected
-        to commit, by the index's probabilities (`policy.source` compares it with the drafter's)."""
+        to commit, by the index's probabilities (its entry's estimate in `policy.adaptive`,
+        `estimate.SpanOdds`)."""
         found = self._continuation(widest - 1) if self.drafts and widest > 1 else None
         reach = found.reach if found is not None else []
         return [1.0 + sum(reach[: w - 1]) for w in range(1, widest + 1)]

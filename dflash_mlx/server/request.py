@@ -127,7 +127,7 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     num_draft_tokens: int | None = None
-    lookup: bool = True  # copy-aware drafting (`policy.source`; in a batch, `batch.engine`)
+    lookup: bool = True  # copy-aware drafting (`policy.adaptive`; in a batch, `batch.engine`)
     key: int | None = None  # the number of the API key it came with (never the key): its suffix scope
     stream: bool = False
     include_usage: bool = False

@@ -1,5 +1,7 @@
 """A cost curve written into the calibration cache, for tests whose point needs blocks to pay.
 
+`cheap_blocks_cache` is the curve in a private cache for the length of a block (a module's fixture).
+
 On this CPU the bundled pair in bfloat16 (as mlx-lm's loader leaves it) costs
 T(8) ~ 5 T(1): no block beats plain decoding, so the adaptive block rightly
 never drafts. Tests that show the plugin drafting write the curve of a machine
@@ -13,7 +15,10 @@ under load; tests whose point is that drafts are accepted use this curve.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 from dflash_mlx.models.block_size import default_block_size
 from dflash_mlx.policy import calibration
@@ -42,3 +47,17 @@ def forget_curve(path) -> None:
     """Drop this process's in-memory copy of the curve cached at `path` (its name is the key's digest),
     so the next lookup reads the file: before a test that wrote one, and after it."""
     calibration.forget(Path(path).stem)
+
+
+@contextmanager
+def cheap_blocks_cache(cache_dir, model, draft):
+    """A calibration cache in `cache_dir` ($DFLASH_MLX_CACHE_DIR while the block runs, for this process and
+    the subprocesses it starts) holding the cheap-blocks curve for (`model`, `draft`): what the adaptive
+    block chooses then depends on acceptance alone, not on this machine's load. Yields the curve's file."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DFLASH_MLX_CACHE_DIR", str(cache_dir))
+        path = write_cheap_blocks_curve(model, draft)
+        try:
+            yield path
+        finally:
+            forget_curve(path)

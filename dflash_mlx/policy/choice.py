@@ -1,0 +1,223 @@
+"""Which source runs the next cycle, and how wide: the rule, and the one probe schedule every source goes through.
+
+A *source* is anything a cycle can verify: plain decoding (one row), a
+drafter's block, a span source's span (a copy from the context), a batch's
+rows. Each is one `Source` entry: its name (its cost's key in the `CostModel`),
+its acceptance estimate (what a cycle of width b is expected to commit, E(b))
+and how its cost is timed. `Choice` runs the rule for one request's policy
+(`adaptive`) and the batch's (`batch.block_choice`):
+
+- **The rate.** A source at width b commits E(b) tokens in T(b) seconds: its
+  rate is E(b) / T(b), T from the cost model (the calibrated curve scaled by
+  the level the source's own timed cycles show). Of a source's widths the
+  widest within RESOLUTION of its best rate is taken.
+- **Proven.** A source that drafts takes over from plain decoding only where
+  its rate beats plain decoding's by SURE standard errors of the two
+  levels (the timings' spread over the root of their count): on a quiet
+  machine a few percent, on a busy one, where cycle times scatter, a wide
+  margin. The source running needs none (its own cycles keep its level
+  fresh: it yields as soon as another's rate beats it). Between drafting
+  sources, the better rate. A width slower than plain decoding is never
+  taken for RESOLUTION's sake.
+- **Probes.** A source not chosen is run now and then: at once while its
+  cost wants measuring (`CostModel.stale`: timed fewer than THIN times in
+  this process, or not since the machine changed the way that may make it
+  the better one) or
+  after a probe of it paid; else once it has
+  waited as many cycles as keep a probe's expected loss (its seconds beyond
+  the time the chosen source takes for the tokens it is expected to commit,
+  at the better of its estimate and its drafter's history) to BUDGET of the
+  time, and at least WINDOW (`cost`: a switch costs more than its timed
+  cycles show). A
+  probe is the narrowest width that would beat the chosen source were its
+  drafts accepted as a good drafter's are (`PRIOR_RATE`), else (a probe for
+  its time alone: never where the model does not learn) its narrowest.
+  After a probe that paid (committed what plain decoding would have in its
+  time) the source's acceptance counts are weighed by SOFTEN, so that
+  acceptance that recovered shows at once, and another probe is due.
+- **Timing.** A cycle's seconds go to its source's level unless it is the
+  first after another source's and the source `settles` (plain decoding's
+  first step after a block is not pipelined; a drafter's first block takes
+  in the rows that waited): a probe that wants timing runs that cycle and as
+  many more as bring its level to THIN timed cycles.
+
+Why each rule: docs/adaptive.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .cost import SURE, THIN, WINDOW, CostModel
+from .estimate import PRIOR_RATE
+
+BUDGET = 0.01  # time failed probes may cost, against running the chosen source
+RESOLUTION = 0.05  # a source's widths whose rates are this close are not told apart: the widest is taken
+SOFTEN = 0.5  # weight a source's acceptance counts keep after a probe that paid (the next ones count more)
+
+
+@dataclass(eq=False)
+class Source:
+    """One source as the policy sees it. `estimate` (an `estimate.AcceptanceEstimate`, or anything with
+    its `expected_tokens`, `observe` and `soften`; None: plain decoding, one token a cycle); `prior`: the
+    source whose level its cost takes until its own cycles are timed (a span source verifies without a
+    drafter forward: its drafter's cycle is an upper bound); `settles`: its first cycle after another
+    source's is not its cost. `idle`, `due`, `probing`: its probe state."""
+
+    name: str
+    estimate: object | None = None
+    prior: str | None = None
+    settles: bool = True
+    idle: int = 0  # chances to run it passed since it last ran
+    due: bool = False  # run at its next chance where it could pay (a probe that paid; a generation's start)
+    probing: bool = False  # a probe of it was chosen and has observed no acceptance yet
+    paid: bool = field(default=False, repr=False)  # a cycle of it committed what plain decoding would have
+
+    def expected(self, b: int, floor: float = 0.0, hoped: bool = False) -> float:
+        """E(b): the tokens a cycle of width b commits (`floor`: at every position's rate at least that;
+        `hoped`: at the better of its rates and its estimate's hopes, its drafter's history)."""
+        return 1.0 if self.estimate is None else self.estimate.expected_tokens(b, floor, hoped)[-1]
+
+
+class Choice:
+    """The rule over sources for one policy (see the module docstring). `plain` is plain decoding's entry;
+    `rows` the batch rows its cycles verify (1: one request)."""
+
+    def __init__(self, cost: CostModel, plain: Source, rows: int = 1):
+        self.cost, self.plain, self.rows = cost, plain, rows
+        self.last: tuple[int, str] | None = None  # (rows, source) of the last observed cycle
+        self.running: Source = plain  # the source the rule chose last (a probe is not a choice)
+        self._stretch: list[tuple[Source, int]] = []  # a probe's cycles still to run
+
+    def seconds(self, src: Source, b: int) -> float:
+        return self.cost.seconds(src.name, b, self.rows, src.prior)
+
+    def rate(self, src: Source, b: int) -> float:
+        """Tokens per second of `src` at width b."""
+        return src.expected(b) / self.seconds(src, b)
+
+    def best_width(self, src: Source, widest: int, floor: float = 0.0) -> tuple[int, float]:
+        """`src`'s width (1 for plain decoding, else 2..widest): the widest within RESOLUTION of its best rate
+        and above `floor` (plain decoding's: a width slower than plain decoding is never taken for the
+        resolution's sake), and that best rate."""
+        if src is self.plain:
+            return 1, self.rate(src, 1)
+        rates = {b: self.rate(src, b) for b in range(2, widest + 1)}
+        top = max(rates.values())
+        return max(b for b, r in rates.items() if r >= min(top, max(floor, top * (1 - RESOLUTION)))), top
+
+    def margin(self, src: Source) -> float:
+        """What `src`'s rate is divided by against plain decoding's: 1 for plain decoding and for the source
+        running (its own cycles keep its level fresh), else e to SURE standard errors of the difference of
+        their levels (`cost.SURE`): drafting takes over from plain decoding only once proven."""
+        if src is self.plain or src is self.running:
+            return 1.0
+        errors = (self.cost.level(s.name, self.rows, s.prior)[1] for s in (src, self.plain))
+        return math.exp(SURE * math.hypot(*errors))
+
+    def best(self, offers: list[tuple[Source, int]]) -> tuple[Source, int, float]:
+        """The chosen (source, width, rate) among `offers`, (source, widest) of each that can run now.
+        Ties go to plain decoding, then to a source whose cost is its prior's (an upper bound)."""
+        scored, plain = [], self.rate(self.plain, 1)
+        for src, widest in offers:
+            b, rate = self.best_width(src, widest, plain)
+            scored.append((rate / self.margin(src), src is self.plain, src.prior is not None, src, b, rate))
+        *_, src, b, rate = max(scored, key=lambda s: s[:3])
+        return src, b, rate
+
+    def choose(self, offers: list[tuple[Source, int]]) -> tuple[Source, int]:
+        """The next cycle's (source, width): a probe's next cycle, a probe due, or the best."""
+        while self._stretch:
+            src, b = self._stretch.pop()
+            widest = next((w for s, w in offers if s is src), 0)
+            if widest >= b:
+                return src, b
+        src, b, rate = self.best(offers)
+        src.idle, self.running = 0, src
+        for other, widest in offers:
+            if other is not src:
+                other.idle += 1
+                probe = self.probe(other, widest, src, b, rate)
+                if probe is not None:
+                    return probe
+        return src, b
+
+    def probe(self, src: Source, widest: int, chosen: Source, b: int, rate: float) -> tuple[Source, int] | None:
+        """`src`'s probe (its first cycle; the rest wait in the stretch) if one is due, else None."""
+        width, hopeful = self.probe_width(src, widest, rate)
+        timing = self.wants_timing(src)
+        if not (hopeful or self.cost.learns):
+            return None  # (a probe for its time alone, where no time is learnt)
+        cycles = self.cycles(src, timing or not hopeful)
+        loss = cycles * self.loss(src, width, rate, hopeful)
+        if not (timing or (src.due and hopeful) or self._waited(src, chosen, b, loss)):
+            return None
+        src.idle, src.due, src.probing = 0, False, True
+        self._stretch = [(src, width)] * (cycles - 1)
+        return src, width
+
+    def cycles(self, src: Source, timing: bool) -> int:
+        """A probe's cycles: one for its acceptance; for its time, its first after a switch not timed where it
+        `settles`, then as many as bring its level to THIN timed cycles (one at least)."""
+        if not timing:
+            return 1
+        return int(src.settles) + max(1, THIN - self.cost.level(src.name, self.rows, src.prior)[2])
+
+    def wants_timing(self, src: Source) -> bool:
+        """Whether `src`'s cost wants measuring at once (`CostModel.stale`): timed fewer than THIN times in this
+        process, or not since the machine changed the way that may make it the better source now: slower for plain
+        decoding (drafting suffers from another job at least as much), faster for the others (the job that
+        made their rows dear may have stopped). A span source takes its drafter's cost meanwhile."""
+        stale = self.cost.stale(src.name, self.rows)
+        return src.prior is None and (stale == 0 or stale == (1 if src is self.plain else -1))
+
+    def probe_width(self, src: Source, widest: int, rate: float) -> tuple[int, bool]:
+        """(width, hopeful): the narrowest width whose rate would beat `rate` at a good drafter's acceptance,
+        else `src`'s narrowest (1 for plain decoding, which hopes for nothing)."""
+        if src is self.plain:
+            return 1, False
+        for w in range(2, widest + 1):
+            if src.expected(w, PRIOR_RATE) / self.seconds(src, w) > rate:
+                return w, True
+        return 2, False
+
+    def due(self, src: Source, widest: int, others: list[tuple[Source, int]]) -> bool:
+        """Whether `src` would run next were it offered (the best, or its probe due), without choosing; a
+        chance passed by counts towards its probe."""
+        if self.best(others + [(src, widest)])[0] is src:
+            return True
+        chosen, b, rate = self.best(others)
+        src.idle += 1
+        width, hopeful = self.probe_width(src, widest, rate)
+        return (hopeful and src.due) or self._waited(src, chosen, b, self.loss(src, width, rate, hopeful))
+
+    def loss(self, src: Source, width: int, rate: float, hopeful: bool = True) -> float:
+        """Seconds a cycle of `src` at `width` is expected to lose against the chosen source's `rate`: its
+        time beyond what the chosen takes for the tokens it is expected to commit (at the better of its
+        estimate and its drafter's history: a drafter usually right is probed again soon after an unlucky
+        stretch, one near the chosen source often, a useless one rarely; for a probe of its time alone,
+        plain decoding's tokens: its drafts all rejected)."""
+        tokens = src.expected(width, hoped=True) if hopeful else self.plain.expected(1)
+        return max(0.0, self.seconds(src, width) - tokens / rate)
+
+    def _waited(self, src: Source, chosen: Source, b: int, loss: float) -> bool:
+        """Whether `src` has waited long enough for a probe losing `loss` seconds to cost BUDGET of the time
+        (and at least WINDOW chances: a run's level rests on WINDOW of its cycles, and a switch costs what
+        no timed cycle shows)."""
+        return src.idle >= WINDOW and src.idle * BUDGET * self.seconds(chosen, b) >= loss
+
+    def observe(self, src: Source, b: int, committed: float | None, seconds: float | None) -> None:
+        """A cycle of `src` at width b committed `committed` tokens (None: a stop token cut it) in `seconds`
+        (None: not its own cost); its acceptance is its owner's to observe."""
+        key, self.last = self.last, (self.rows, src.name)
+        if seconds is not None and (key == self.last or not src.settles):
+            self.cost.add(src.name, b, seconds, self.rows)
+        if src is self.plain or committed is None:
+            return
+        plain = self.plain.expected(1) / self.seconds(self.plain, 1)
+        src.paid = committed / self.seconds(src, b) >= plain  # committed what plain decoding would have
+        if src.probing:  # a probe that paid: its acceptance may have recovered, so the next cycles count more,
+            src.probing, src.due = False, src.paid  # and another probe comes at once while the estimate catches up
+            if src.paid and src.estimate is not None:
+                src.estimate.soften(SOFTEN)
