@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 import mlx.core as mx
+import pytest
 
 import dflash_mlx
 from dflash_mlx.acceptance import Acceptor
@@ -26,7 +27,7 @@ from dflash_mlx.batch.block_choice import BatchBlockChoice
 from dflash_mlx.batch.calibration import batch_cost_model
 from dflash_mlx.batch.engine import BatchDecoder
 from dflash_mlx.policy.choice import BUDGET
-from dflash_mlx.policy.cost import WINDOW
+from dflash_mlx.policy.cost import THIN, WINDOW
 from dflash_mlx.policy.cost import CostTable
 from dflash_mlx.policy.estimate import AcceptanceEstimate
 from dflash_mlx.sampling import SamplingSettings
@@ -128,3 +129,28 @@ def test_rows_fixing_different_blocks_keep_them(tiny_pair):
                 blocks[r.uid].add(r.block_size)
     assert list(got.values()) == want
     assert list(blocks.values())[0] == {2} and 6 in list(blocks.values())[1]
+
+
+def test_a_row_alone_times_its_steps_so_a_busy_curve_heals(calibration_cache, tiny_pair):
+    """A row alone in the batch chooses as one request does, on its cost model: its steps are timed into
+    that model (a curve cached on a busy machine is scaled by what this path's steps take, as the
+    single-request loop's are), not left at the cached table with every level wanting timing forever."""
+    from dflash_mlx.models.block_size import default_block_size
+    from dflash_mlx.policy.calibration import calibration_key, cost_model, file_for, forget, grid_for
+
+    model, tokenizer, draft = tiny_pair("qwen3")
+    session = make_session(model, draft)
+    max_block = default_block_size(model, draft)
+    grid = grid_for(max_block)
+    key = calibration_key(session.target, session.proposer, max_block)
+    busy = [0.005 * (1 + 1.5 * (b - 1)) for b in grid]  # a block of 8 at 11.5 plain steps: two jobs on two cores
+    doc = {"key": key, "rows": [1], "blocks": grid, "seconds": [busy], "learns": True, "source": "measured"}
+    file_for(key).parent.mkdir(parents=True, exist_ok=True)
+    file_for(key).write_text(json.dumps(doc, default=str))
+    forget()
+    with without_eos(tokenizer) as tok:
+        for _ in dflash_mlx.stream_batch_generate(model, draft, tok, [prompt_ids(9, seed=3)], max_tokens=48):
+            pass
+    costs = cost_model(session.target, session.proposer, max_block)
+    assert costs.table.line() == pytest.approx(busy)  # (the cached curve, as the row read it)
+    assert costs.cycles >= 20 and min(costs.level(source)[2] for source in ("target", "drafter")) >= THIN

@@ -405,8 +405,8 @@ class BatchDecoder:
 
     def _learn(self, b: int, accepts: list, single: bool, seconds: float | None) -> None:
         """The step's acceptance (and time) to the policy that chose its width."""
-        if single and self.rows[0].policy is not None:  # (not timed: plain steps not pipelined here)
-            self.rows[0].policy.observe(b, accepts[0], None)
+        if single and self.rows[0].policy is not None:  # (timed as this path runs it; a span's is not the drafter's)
+            self.rows[0].policy.observe(b, accepts[0], None if accepts[0] is None else seconds)
         elif self.choice is not None:
             self.choice.observe(self.rows, b, accepts, seconds)
 
