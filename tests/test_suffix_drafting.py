@@ -17,12 +17,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import dflash_mlx
 from dflash_mlx import SuffixIndex, make_session, stream_batch_generate, stream_generate
 from dflash_mlx.mlx_lm import api as plugin
 from dflash_mlx.policy.adaptive import AdaptiveBlock
 from dflash_mlx.policy.cost import CostTable
 from dflash_mlx.proposers.suffix import SuffixProposer
 from dflash_mlx.sampling import SamplingSettings, distribution
+from helpers.calibrations import cheap_blocks_cache
 from helpers import (
     TINY_VOCAB,
     assert_same_stream,
@@ -309,3 +311,30 @@ def test_the_chat_keeps_an_index_across_reset_and_shows_its_tokens(tiny_pair_dir
     off = CliRunner().invoke(app, [*args, "--suffix-cache-tokens", "0"], input=script, catch_exceptions=False)
     assert on.exit_code == off.exit_code == 0, on.output
     assert "suffix" in on.stdout and "suffix" not in off.stdout
+
+
+def test_a_row_alone_in_a_batch_plans_as_one_request_does(tmp_path, tiny_pair_dirs):
+    """A batch of one chooses each cycle as `stream_generate` does (plain decoding, the drafter or a span
+    source, by rate, on the same pinned curve): the same sources and widths cycle by cycle, a span as wide as
+    the policy prices it, not fitted into the block the drafter's policy chose."""
+    target, draft = tiny_pair_dirs("qwen3")
+    prompt = prompt_ids(24, seed=7)
+    streams, keep = [], []
+    for batched in (False, True):
+        model, tokenizer, drafter = dflash_mlx.load(target, draft=draft)  # (its own drafter: no history shared)
+        keep.append(drafter)
+        with cheap_blocks_cache(tmp_path / str(batched), model, drafter), without_eos(tokenizer) as tok:
+            reply = [r.token for r in reference(model, tok, prompt, 60)]
+            index = SuffixIndex()
+            record(index, prompt, changed(reply, [9, 7, 12]))
+            if batched:
+                run = [
+                    r
+                    for _, r in stream_batch_generate(model, drafter, tok, [prompt], max_tokens=60, suffix_index=index)
+                ]
+            else:
+                run = list(stream_generate(model, drafter, tok, prompt, max_tokens=60, suffix_index=index))
+        assert [r.token for r in run] == reply
+        streams.append([(r.source, r.cycle_block_size) for r in run])
+    assert streams[0] == streams[1]
+    assert {"suffix", "dflash"} <= {source for source, _ in streams[0]}, Counter(s for s, _ in streams[0])

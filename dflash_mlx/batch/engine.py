@@ -19,8 +19,9 @@ would be served alone.
 Every row of a step verifies the same block b: the decoder's fixed block,
 or with a `block_choice.BatchBlockChoice` the b that maximises the batch's
 expected tokens per second (plain batched decoding, b = 1, included); a row
-alone in the batch chooses as the single-request policy does (its
-`policy.adaptive` policy, whose acceptance estimate it also brings to the
+alone in the batch plans as a single request does (`_alone`: its planner's
+`plan`, its `policy.adaptive` policy choosing among plain decoding, its
+drafter and its span sources; its acceptance estimate it also brings to the
 batch). A row may fix its own block (`max_block`): a batch of such rows
 verifies the largest, and a row's drafts past its own block are ignored; a
 row needing fewer tokens takes its cut at acceptance. A step is widened to
@@ -283,7 +284,9 @@ class BatchDecoder:
         )
         for source in spans:  # (the first token, committed to the acceptor already)
             source.commit(list(tokens))
-        row.planner = CyclePlanner(policy or FixedBlock(cap), session.proposer, acceptor, spans=spans)
+        row.planner = CyclePlanner(
+            policy or FixedBlock(cap), session.proposer, acceptor, max_tokens=max_tokens, spans=spans
+        )
         self._next_uid += 1
         if not self.rows and self.choice is not None:
             self.choice.reset()
@@ -322,17 +325,34 @@ class BatchDecoder:
             return []
         tic = time.perf_counter()
         single = len(self.rows) == 1 and self._cache is None  # one row: its own caches, as served alone
-        b, chosen = self._width(block_size, single)
+        alone = self._alone(block_size, single)
+        if alone is not None:
+            b, chosen, plans = alone.width, (alone.width if alone.chosen else None), [alone]
+        else:
+            b, chosen = self._width(block_size, single)
+            plans = [r.planner.plan_at(b, r.max_block, self._drafter_tokens(r, b)) for r in self.rows]
         cache = self.rows[0].session.cache if single else self._batch()
-        plans = [r.planner.plan_at(b, r.max_block, self._drafter_tokens(r, b)) for r in self.rows]
         ids, drafts, probs = self._draft(plans, b)
         logits, features, record = self.target.verify(mx.stack(ids), cache)
         rows, verdicts = self._verdicts(logits, drafts, probs)
-        out, keep, accepts = self._take(rows, verdicts, plans, b)
+        out, keep, accepts, spans = self._take(rows, verdicts, plans, b)
+        seconds = None if block_size is not None else time.perf_counter() - tic
+        for row, plan, accepted in zip(self.rows, plans, spans):
+            if plan.spans:  # (a span source's own estimate; a row alone's span cycle timed as its own)
+                row.planner.observe(plan, accepted, seconds if single else None)
         if b == chosen:  # (policies learn from their own blocks)
-            self._learn(b, accepts, single, None if block_size is not None else time.perf_counter() - tic)
+            self._learn(b, plans, accepts, single, seconds)
         self._cut(cache, record, keep, features, single)
         return out
+
+    def _alone(self, block_size: int | None, single: bool) -> Plan | None:
+        """A row alone with a policy of its own plans its cycle as one request does (`CyclePlanner.plan`:
+        plain decoding, its drafter or a span source, by rate; widened to a run its grammar forces); else
+        None (the batch's width, `_width`, and each row's share of it, `plan_at`)."""
+        row = self.rows[0]
+        if block_size is not None or not single or row.policy is None:
+            return None
+        return row.planner.widened(row.planner.plan(row.committed, row.position), row.committed, row.position)
 
     def _width(self, block_size: int | None, single: bool) -> tuple[int, int]:
         """This step's width and the width its policy chose (narrower where a row's grammar forces a run:
@@ -341,8 +361,6 @@ class BatchDecoder:
             return block_size, block_size
         if self.choice is None or all(r.fixed for r in self.rows):
             b = max(r.max_block for r in self.rows)
-        elif single and self.rows[0].policy is not None:
-            b = self.rows[0].policy.choose(self.rows[0].max_block)
         else:
             b = self.choice.choose(self.rows)
         return max([b] + [r.planner.forced(r.max_block) for r in self.rows]), b
@@ -366,11 +384,12 @@ class BatchDecoder:
             probs.append(proposal.probs if proposal is not None and not pad else None)
         return [mx.concatenate([a, d]) for a, d in zip(anchors, drafts)], drafts, probs
 
-    def _take(self, rows: list, verdicts: list, plans: list[Plan], b: int) -> tuple[list, list[int], list]:
+    def _take(self, rows: list, verdicts: list, plans: list[Plan], b: int) -> tuple[list, list[int], list, list]:
         """Each row's share of the step: its tokens (cut at its stop token and max_tokens), committed to its
-        session and planner; the rows kept per row and the acceptance its drafter showed (None: a span's).
-        A row whose grammar failed (`fault`) commits nothing and leaves."""
-        out, keep, accepts = [], [], []
+        session and planner; the rows kept per row, the acceptance its drafter showed (None: a span's) and
+        its span's (None: a stop token cut it, or no span). A row whose grammar failed (`fault`) commits
+        nothing and leaves."""
+        out, keep, accepts, spans = [], [], [], []
         for i, (row, plan) in enumerate(zip(self.rows, plans)):
             values = verdicts[i]
             # (past a row's own drafts the committed token is the target's: argmax, or a sample of its
@@ -387,11 +406,10 @@ class BatchDecoder:
             elif row.max_tokens >= 0 and row.committed + len(tokens) >= row.max_tokens:
                 finish = "length"
             keep.append(max(len(tokens), 1))
+            spans.append(accepted if plan.spans and tokens and stop is None else None)
             if tokens:
                 row.session.fed([row.anchor] + tokens[:-1])
                 faulted(row, row.planner.commit, tokens)
-                if plan.spans:  # (a span source's estimate: its acceptance against the drafter's)
-                    row.planner.observe(plan, accepted if stop is None else None, None)
                 row.committed += len(tokens)
                 row.position += len(tokens)
                 row.anchor = tokens[-1]
@@ -401,13 +419,17 @@ class BatchDecoder:
             out.append(
                 RowTokens(row.uid, tokens, logprobs, drafted, min(b, row.max_block), row.finish, plan.name, row.fault)
             )
-        return out, keep, accepts
+        return out, keep, accepts, spans
 
-    def _learn(self, b: int, accepts: list, single: bool, seconds: float | None) -> None:
-        """The step's acceptance (and time) to the policy that chose its width."""
-        if single and self.rows[0].policy is not None:  # (timed as this path runs it; a span's is not the drafter's)
-            self.rows[0].policy.observe(b, accepts[0], None if accepts[0] is None else seconds)
+    def _learn(self, b: int, plans: list[Plan], accepts: list, single: bool, seconds: float | None) -> None:
+        """The step's acceptance (and time) to the policy that chose its width: a row alone's own (its drafter
+        or plain step, timed as this path runs it; a span's cycle is its source's, observed with the spans),
+        else the batch's."""
+        if single and self.rows[0].policy is not None:
+            if not plans[0].spans:
+                self.rows[0].policy.observe(b, accepts[0], seconds)
         elif self.choice is not None:
+            self.choice.observe(self.rows, b, accepts, seconds)
             self.choice.observe(self.rows, b, accepts, seconds)
 
     def _cut(self, cache: list, record, keep: list[int], features, single: bool) -> None:
