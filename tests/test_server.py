@@ -256,9 +256,10 @@ def test_num_draft_tokens_sets_the_block(server, expected):
 def test_lookup_false_turns_copy_aware_drafting_off(server, pair, expected, alone):
     """A prompt whose reply repeats itself: lookup spans by default, none with "lookup": false, the same
     text; in the batched loop and served one at a time (`alone`: decode_concurrency 1); a server started
-    with lookup off takes a request's "lookup": true."""
+    with lookup off takes a request's "lookup": true. On a fixed block (a span fills it wherever the context
+    matches): what the adaptive one chooses depends on the drafter's history from the module's other requests."""
     _, (model, tokenizer, draft) = pair
-    body = {"prompt": PROMPT, "max_tokens": 40}
+    body = {"prompt": PROMPT, "max_tokens": 40, "num_draft_tokens": 3}
     with contextlib.ExitStack() as stack:
         if alone:
             server = stack.enter_context(
