@@ -28,8 +28,8 @@ from dflash_mlx.batch.calibration import batch_cost_model
 from dflash_mlx.batch.engine import BatchDecoder
 from dflash_mlx.policy.choice import BUDGET
 from dflash_mlx.policy.cost import THIN, WINDOW
-from dflash_mlx.policy.cost import CostTable
-from dflash_mlx.policy.estimate import AcceptanceEstimate
+from dflash_mlx.policy.cost import CostModel, CostTable
+from dflash_mlx.policy.estimate import DISCOUNT, AcceptanceEstimate
 from dflash_mlx.sampling import SamplingSettings
 from dflash_mlx.session import make_session
 from helpers import prompt_ids, without_eos
@@ -154,3 +154,28 @@ def test_a_row_alone_times_its_steps_so_a_busy_curve_heals(calibration_cache, ti
     costs = cost_model(session.target, session.proposer, max_block)
     assert costs.table.line() == pytest.approx(busy)  # (the cached curve, as the row read it)
     assert costs.cycles >= 20 and min(costs.level(source)[2] for source in ("target", "drafter")) >= THIN
+
+
+def test_a_batch_step_is_observed_once(calibration_cache, tiny_pair):
+    """Each step of several rows reaches the batch's choice once: one timed cycle in its cost model per step
+    at the width it chose, and each row's acceptance counted once."""
+    model, _, draft = tiny_pair("qwen3")
+    grid = (1, 2, 4, 8)
+    table = CostTable(grid, [[0.01 * (1 + 0.02 * (b - 1)) * n for b in grid] for n in (1, 2, 4, 8)], (1, 2, 4, 8))
+    choice = BatchBlockChoice(CostModel(table), 8)  # (blocks cheap: the rows draft)
+    prompts = [prompt_ids(7, seed=11), prompt_ids(13, seed=12)]
+    sessions = [make_session(model, draft) for _ in prompts]
+    decoder = BatchDecoder(sessions[0].target, 8, choice)
+    for session, prompt in zip(sessions, prompts):
+        p = mx.array(prompt)
+        decoder.insert(session, p, Acceptor(SamplingSettings(), p), max_tokens=24)
+    seen, steps = [], 0
+    while len(decoder.rows) == 2:
+        before = [list(r.estimate.seen) for r in decoder.rows]
+        widths = {r.block_size for r in decoder.step()}
+        steps += 1
+        if len(decoder.rows) == 2 and widths != {1}:
+            after = [r.estimate.seen[0] for r in decoder.rows]
+            seen += [round(a - b[0] * DISCOUNT, 6) for a, b in zip(after, before)]
+    assert steps > 3 and 0 < choice.cost.cycles <= steps  # (the first cycle after a change of source is not timed)
+    assert seen and set(seen) == {1.0}  # (position 0 observed once per drafted step: discounted, plus one)

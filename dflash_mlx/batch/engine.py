@@ -430,7 +430,6 @@ class BatchDecoder:
                 self.rows[0].policy.observe(b, accepts[0], seconds)
         elif self.choice is not None:
             self.choice.observe(self.rows, b, accepts, seconds)
-            self.choice.observe(self.rows, b, accepts, seconds)
 
     def _cut(self, cache: list, record, keep: list[int], features, single: bool) -> None:
         """Cut every row's caches back to what it kept, feed its drafter, and let finished rows leave."""
