@@ -176,10 +176,8 @@ class CyclePlanner:
         cap = min(width, cap)
         if cap <= 1 or self.drafter is None:
             return PLAIN
-        best = None  # (expected tokens, span source, drafts)
-        for i, source in enumerate(self.spans):
-            if (n := offered(source, cap - 1)) and (best is None or self._expected(i, n + 1) > best[0]):
-                best = (self._expected(i, n + 1), i, n)
+        offers = [(self._expected(i, n + 1), i, n) for i, s in enumerate(self.spans) if (n := offered(s, cap - 1))]
+        best = max(offers, key=lambda offer: offer[0], default=None)  # (expected tokens, span source, drafts)
         if best is not None and (drafter_tokens is None or best[0] >= drafter_tokens):
             return self._span(best[1], best[2] + 1)
         return self._drafted(cap)
