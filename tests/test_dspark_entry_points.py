@@ -95,7 +95,9 @@ def test_the_library_entry_points(dspark):
         )
         assert batch.token_ids == [greedy(model, tokenizer, p) for p in PROMPTS]
         rows: dict[int, list] = {}
-        for i, r in stream_batch_generate(loaded_model, drafter, tok, PROMPTS, max_tokens=TOKENS, max_batch=2):
+        for i, r in stream_batch_generate(
+            loaded_model, drafter, tok, PROMPTS, max_tokens=TOKENS, max_batch=2, block_size=8
+        ):
             rows.setdefault(i, []).append(r)
         assert [[r.token for r in rows[i]] for i in range(len(PROMPTS))] == [
             greedy(model, tokenizer, p) for p in PROMPTS
@@ -129,8 +131,12 @@ def test_the_server_in_both_worker_modes(dspark, concurrency):
         with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300) as client:
             for prompt in PROMPTS[:2]:
                 text = tokenizer.decode(prompt)
-                reply = client.completions.create(
-                    model="default_model", prompt=text, max_tokens=TOKENS, temperature=0.0
+                reply = client.completions.create(  # a fixed block: the timing-driven default may run plain here
+                    model="default_model",
+                    prompt=text,
+                    max_tokens=TOKENS,
+                    temperature=0.0,
+                    extra_body={"num_draft_tokens": 7},
                 )
                 stats = reply.model_extra["dflash"]
                 assert reply.choices[0].text == dflash_mlx.generate(model, None, tokenizer, text, max_tokens=TOKENS)
