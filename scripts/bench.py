@@ -47,8 +47,9 @@ long (the bundled pair on multi-turn GSM8K conversations of at least 1,600 token
 samples (seeded per unit; `--unseeded`: no seed, as a user's call without one); greedy runs check every
 leg's tokens against mlx-lm's.
 
-On Linux preload the system OpenBLAS, as the `dflash-mlx` command does for itself:
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python3 scripts/bench.py legs
+It runs as the `dflash-mlx` command does: on Linux it re-executes itself with the system OpenBLAS
+preloaded, on one thread (`dflash_mlx.cli.openblas`; an OPENBLAS_NUM_THREADS already set is kept, e.g.
+OPENBLAS_NUM_THREADS=2 for the tables measured on two).
 docs/benchmarks.md has each table this prints, with the command that produced it.
 """
 
@@ -2041,4 +2042,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from dflash_mlx.cli.openblas import maybe_reexec
+
+    maybe_reexec()
     main()

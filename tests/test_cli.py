@@ -25,7 +25,7 @@ runner = CliRunner()
 
 def _clean_env() -> dict[str, str]:
     env = dict(os.environ)
-    for key in ("LD_PRELOAD", openblas.GUARD_ENV, openblas.DISABLE_ENV):
+    for key in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS", openblas.GUARD_ENV, openblas.DISABLE_ENV):
         env.pop(key, None)
     return env
 
@@ -158,6 +158,25 @@ def test_reexec_child_has_openblas_preloaded():
     preload, mapped = result.stdout.splitlines()
     assert preload == library
     assert mapped == "True"
+    from dflash_mlx.utils.machine import openblas_threads
+
+    probe = "from dflash_mlx.utils.machine import loaded_blas; print(loaded_blas())"
+    for args, threads in ((["generate", "hi"], "1 thread)"), (["train"], f"{os.cpu_count()} threads)")):
+        child = subprocess.run(
+            [sys.executable, "-c", f"from dflash_mlx.cli import openblas; openblas.maybe_reexec(); {probe}", *args],
+            capture_output=True,
+            text=True,
+            env=_clean_env(),
+            timeout=120,
+        )
+        assert child.returncode == 0 and child.stdout.strip().endswith(threads), (child.stdout, child.stderr)
+    preloaded = {**_clean_env(), "LD_PRELOAD": library}  # preloaded by the user: no re-exec, one thread all the same
+    code = f"import os; from dflash_mlx.cli import openblas; openblas.maybe_reexec(); {probe}; print(os.getpid())"
+    child = subprocess.run(
+        [sys.executable, "-c", code, "serve"], capture_output=True, text=True, env=preloaded, timeout=120
+    )
+    assert child.returncode == 0 and child.stdout.splitlines()[0].endswith("1 thread)"), (child.stdout, child.stderr)
+    assert openblas_threads("/nonexistent/libopenblas.so") is None
 
 
 def test_ci_runs_exactly_the_readme_test_command():
@@ -180,7 +199,19 @@ def test_ranks_sharing_a_machine_split_its_openblas_threads(tmp_path, monkeypatc
     assert new_env["OPENBLAS_NUM_THREADS"] == "4"
     _, new_env = openblas.reexec_plan(LIB, {**env, "OPENBLAS_NUM_THREADS": "3"}, EXE, ARGV)
     assert new_env["OPENBLAS_NUM_THREADS"] == "3"  # the user's choice stays
-    assert "OPENBLAS_NUM_THREADS" not in openblas.reexec_plan(LIB, {}, EXE, ARGV)[1]
+    assert openblas.reexec_plan(LIB, {}, EXE, ARGV, ["models"])[1]["OPENBLAS_NUM_THREADS"] == "1"  # (below)
+
+
+@pytest.mark.parametrize(
+    ("args", "threads"),
+    [(["serve", "--port", "0"], "1"), (["--verbose", "generate", "hi"], "1"), (["train", "--steps", "2"], None)],
+)
+def test_decoding_commands_run_openblas_on_one_thread(args, threads):
+    """One thread for decoding (its matmuls have a few rows), OpenBLAS's default for `train`, the user's own
+    count kept."""
+    env = openblas.reexec_plan(LIB, {}, EXE, ARGV, args)[1]
+    assert env.get("OPENBLAS_NUM_THREADS") == threads
+    assert openblas.reexec_plan(LIB, {"OPENBLAS_NUM_THREADS": "2"}, EXE, ARGV, args)[1]["OPENBLAS_NUM_THREADS"] == "2"
 
 
 def test_tables_and_headers_name_the_drafters_kind(tiny_pair):

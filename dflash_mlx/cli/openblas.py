@@ -6,14 +6,21 @@ instead. LD_PRELOAD only works when set before the process starts, so the CLI
 re-executes itself once with it set. Does nothing on macOS (MLX uses
 Accelerate and Metal there). Set ``DFLASH_MLX_NO_REEXEC=1`` to opt out.
 
-Ranks that ``mlx.launch`` starts on one machine (a ring hostfile listing the
-same address more than once) share its cores: each gets OPENBLAS_NUM_THREADS
-= cores / ranks there (unless set), as oversubscribed OpenBLAS threads and
-the ring's busy-waiting ranks slow each other down.
+OpenBLAS runs on one thread (OPENBLAS_NUM_THREADS=1, unless set) for every
+command but ``train``: a decoding step's matmuls have one to a few rows, and
+OpenBLAS's threads cost more to wake and join there than they save; with other
+jobs on the cores, a threaded matmul also waits for a core for each of its
+threads (docs/benchmarks.md, "One OpenBLAS thread"). Training's matmuls have
+hundreds of rows: it keeps OpenBLAS's default, every core. Ranks that
+``mlx.launch`` starts on one machine (a ring hostfile listing the same address
+more than once) share its cores: each gets cores / ranks threads there
+(unless set), as oversubscribed OpenBLAS threads and the ring's busy-waiting
+ranks slow each other down.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
@@ -58,12 +65,14 @@ def reexec_plan(
     env: Mapping[str, str],
     executable: str,
     orig_argv: Sequence[str],
+    args: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]] | None:
     """The (argv, environment) to re-exec with, or None to carry on as is.
 
     Pure decision logic: ``library`` comes from ``openblas_path()``, ``env`` is
     the current environment, ``orig_argv`` the interpreter's original command
-    line (``sys.orig_argv``: keeps ``-m module`` and interpreter options).
+    line (``sys.orig_argv``: keeps ``-m module`` and interpreter options),
+    ``args`` the program's own arguments (``sys.argv[1:]``: its command).
     """
     if library is None or env.get(DISABLE_ENV) or env.get(GUARD_ENV):
         return None
@@ -75,10 +84,23 @@ def reexec_plan(
     new_env = dict(env)
     new_env["LD_PRELOAD"] = f"{library}:{current}" if current else library
     new_env[GUARD_ENV] = "1"
-    local = ranks_on_this_machine(env)
-    if local > 1 and "OPENBLAS_NUM_THREADS" not in env:
-        new_env["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
+    threads = blas_threads(env, args)
+    if threads is not None:
+        new_env["OPENBLAS_NUM_THREADS"] = str(threads)
     return [executable, *orig_argv[1:]], new_env
+
+
+def blas_threads(env: Mapping[str, str], args: Sequence[str]) -> int | None:
+    """OpenBLAS's thread count for a command run with ``args`` (None: OpenBLAS's default, every core, or
+    the count the environment sets): one for decoding, cores / ranks for ranks sharing a machine, the
+    default for ``train``."""
+    if "OPENBLAS_NUM_THREADS" in env:
+        return None
+    local = ranks_on_this_machine(env)
+    if local > 1:
+        return max(1, (os.cpu_count() or 1) // local)
+    command = next((a for a in args if not a.startswith("-")), None)
+    return None if command == "train" else 1
 
 
 def ranks_on_this_machine(env: Mapping[str, str]) -> int:
@@ -100,8 +122,9 @@ def maybe_reexec() -> None:
     Returns normally when nothing is to be done; otherwise does not return.
     Only for a program's entry point: it replaces the whole process.
     """
-    plan = reexec_plan(openblas_path(), os.environ, sys.executable, sys.orig_argv)
+    plan = reexec_plan(openblas_path(), os.environ, sys.executable, sys.orig_argv, sys.argv[1:])
     if plan is None:
+        set_threads(blas_threads(os.environ, sys.argv[1:]))
         return
     argv, env = plan
     sys.stdout.flush()
@@ -110,3 +133,18 @@ def maybe_reexec() -> None:
         os.execve(argv[0], argv, env)
     except OSError:
         return  # could not re-exec: run on with the bundled BLAS
+
+
+def set_threads(threads: int | None) -> None:
+    """Run the OpenBLAS this process already has (LD_PRELOAD set by the user) on `threads` threads, here
+    and in the processes it starts (None: as it is). At start, before any matmul."""
+    from ..utils.machine import mapped_openblas
+
+    path = mapped_openblas()
+    if threads is None or path is None:
+        return
+    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
+    try:
+        ctypes.CDLL(path).openblas_set_num_threads(threads)
+    except (OSError, AttributeError):
+        pass

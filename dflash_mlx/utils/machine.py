@@ -2,12 +2,13 @@
 
 Platform, chip or CPU model, MLX / mlx-lm versions, the device MLX computes
 on (Metal GPU or CPU), memory, and on Linux which BLAS library the process
-actually has loaded (MLX's bundled reference BLAS is slow; the system OpenBLAS
-is what `dflash_mlx.cli.openblas` preloads).
+actually has loaded and with how many threads (MLX's bundled reference BLAS
+is slow; the system OpenBLAS is what `dflash_mlx.cli.openblas` preloads).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import subprocess
@@ -51,7 +52,8 @@ def memory_gb() -> float | None:
 
 
 def loaded_blas() -> str | None:
-    """On Linux: the BLAS shared library this process has mapped (None elsewhere)."""
+    """On Linux: the BLAS shared library this process has mapped, OpenBLAS's with its thread count (None
+    elsewhere)."""
     if platform.system() != "Linux":
         return None
     try:
@@ -59,11 +61,34 @@ def loaded_blas() -> str | None:
             maps = f.read()
     except OSError:
         return None
+    path = mapped_openblas(maps)
+    if path is None:
+        return "MLX's bundled reference BLAS (slow)"
+    threads = openblas_threads(path)
+    return f"OpenBLAS ({path}" + (f", {threads} thread{'s' * (threads != 1)})" if threads else ")")
+
+
+def mapped_openblas(maps: str | None = None) -> str | None:
+    """The path of the OpenBLAS this process has mapped (`maps`: /proc/self/maps' text), or None."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps", encoding="utf-8") as f:
+                maps = f.read()
+        except OSError:
+            return None
     for line in maps.splitlines():
         path = line.split()[-1] if line.split() else ""
         if "libopenblas" in os.path.basename(path):
-            return f"OpenBLAS ({path})"
-    return "MLX's bundled reference BLAS (slow)"
+            return path
+    return None
+
+
+def openblas_threads(path: str) -> int | None:
+    """The thread count of the OpenBLAS mapped at `path` (None if it cannot be asked)."""
+    try:
+        return int(ctypes.CDLL(path).openblas_get_num_threads())
+    except (OSError, AttributeError):
+        return None
 
 
 def device() -> str:
