@@ -123,10 +123,9 @@ class CostModel:
             levels = self._levels.get((rows, source))
             if not levels:
                 levels = self._levels.get((rows, prior)) if prior is not None else None
-                return (statistics.median(list(levels)[-WINDOW:]) if levels else 0.0), 0.0, 0
-            newest = list(levels)[-WINDOW:]
-            n = len(newest)
-            return statistics.median(newest), self._noise(rows, source) / math.sqrt(n), n
+                return (_mean_level(levels) if levels else 0.0), 0.0, 0
+            n = min(len(levels), WINDOW)
+            return _mean_level(levels), self._noise(rows, source) / math.sqrt(n), n
 
     def _noise(self, rows: int, source: str) -> float:
         """The standard deviation of `source`'s cycle times about their level (robust: from the median of
@@ -176,6 +175,14 @@ class CostModel:
                 deviations.clear()
                 self._stale.update({k: change for k in self._levels if k[0] == rows and k != key})
                 self.changes += 1
+
+
+def _mean_level(levels) -> float:
+    """The log of the mean of the newest WINDOW cycles' seconds over the table's: what the cycles cost on
+    average, a rare very slow one included (under load a multi-row verify may take 60 times its usual time
+    now and then: a median would not see what those cycles cost)."""
+    newest = list(levels)[-WINDOW:]
+    return math.log(sum(math.exp(y) for y in newest) / len(newest))
 
 
 def _change(levels, spread: float) -> int:
