@@ -4,7 +4,7 @@
 blocks, interpolated between them (the calibration's). `CostModel` is one
 setup's table as the loop knows it, shared by the setup's generations: each
 source (plain decoding, a drafter, a span source: any name) has a *level*,
-the median over its newest WINDOW timed cycles of log(seconds / T(B, b)), so
+the log of the mean over its newest WINDOW timed cycles of seconds / T(B, b), so
 its cost at width b is T(B, b) times e^level: the table gives the shape, the
 loop's own cycles the scale, each source its own (under load a multi-row
 verify slows far more than a one-row step). The level's standard error (its
@@ -26,7 +26,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-WINDOW = 8  # newest timed cycles per source and row count whose median is its level (4 times as many kept)
+WINDOW = 8  # newest timed cycles per source and row count whose mean is its level (4 times as many kept)
 CHANGE = 2.0  # a newest window all this many times slower or faster than the cycles before: the machine changed
 SURE = 2.0  # standard deviations past which a difference is taken as real (a change; drafting proven)
 THIN = 3  # timed cycles a level rests on before it is trusted (fewer: measured again at once)
@@ -116,9 +116,10 @@ class CostModel:
         return frozen
 
     def level(self, source: str, rows: int = 1, prior: str | None = None) -> tuple[float, float, int]:
-        """(level, its standard error, the cycles it rests on) of `source` at `rows`: the log of its newest
-        WINDOW cycles' seconds over the table's (their median). A source with no timed cycles takes `prior`'s
-        level (a span source: its drafter's, an upper bound), else 0 (the table as calibrated), with no error."""
+        """(level, its standard error, the cycles it rests on) of `source` at `rows`: the log of the mean of its
+        newest WINDOW cycles' seconds over the table's (`_mean_level`). A source with no timed cycles takes
+        `prior`'s level (a span source: its drafter's, an upper bound), else 0 (the table as calibrated), with
+        no error."""
         with self._lock:
             levels = self._levels.get((rows, source))
             if not levels:
