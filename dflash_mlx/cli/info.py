@@ -111,7 +111,7 @@ def _environment_report() -> None:
             advice.append(
                 "The system OpenBLAS is installed but not loaded in this process. The `dflash-mlx` command "
                 "preloads it by itself (unless DFLASH_MLX_NO_REEXEC=1); in Python, start with "
-                f"LD_PRELOAD={openblas_path()}"
+                f"LD_PRELOAD={openblas_path()} OPENBLAS_NUM_THREADS=1 (one thread decodes faster)"
             )
         else:
             advice.append(
