@@ -74,8 +74,10 @@ def test_features_in_chunks_equal_one_forward(tiny_target, family):
     target = TargetAdapter(model, (1, 2))
     ids = mx.array(np.random.default_rng(1).integers(5, 500, (2, 29)).astype(np.int32))
     whole = np.array(target_features(target, ids))
-    for chunk in (5, 8, 16):
-        np.testing.assert_allclose(np.array(target_features(target, ids, chunk)), whole, atol=2e-5, err_msg=str(chunk))
+    for chunk in (5, 8, 16):  # float32 summed in another order (the matmuls' blocking, the gated-delta recurrence's
+        # chunks): the error scales with the values (1.8e-5 relative at 1.2 seen on one OpenBLAS thread)
+        got = np.array(target_features(target, ids, chunk))
+        np.testing.assert_allclose(got, whole, rtol=1e-4, atol=2e-5, err_msg=str(chunk))
 
 
 def test_anchors_spread_over_a_long_response():
