@@ -97,13 +97,21 @@ class Choice:
         """Tokens per second of `src` at width b."""
         return src.expected(b) / self.seconds(src, b)
 
+    def rates(self, src: Source, widest: int, floor: float = 0.0) -> dict[int, float]:
+        """{b: tokens per second} of `src` at widths 2..widest (`floor`: as for `Source.expected`), its
+        estimate and level read once."""
+        tokens = src.estimate.expected_tokens(widest, floor) if src.estimate is not None else [1.0] * widest
+        scale = math.exp(self.cost.level(src.name, self.rows, src.prior)[0])
+        table, rows = self.cost.table, self.rows
+        return {b: tokens[b - 1] / (table(b, rows) * scale) for b in range(2, widest + 1)}
+
     def best_width(self, src: Source, widest: int, floor: float = 0.0) -> tuple[int, float]:
         """`src`'s width (1 for plain decoding, else 2..widest): the widest within RESOLUTION of its best rate
         and above `floor` (plain decoding's: a width slower than plain decoding is never taken for the
         resolution's sake), and that best rate."""
         if src is self.plain:
             return 1, self.rate(src, 1)
-        rates = {b: self.rate(src, b) for b in range(2, widest + 1)}
+        rates = self.rates(src, widest)
         top = max(rates.values())
         return max(b for b, r in rates.items() if r >= min(top, max(floor, top * (1 - RESOLUTION)))), top
 
@@ -177,10 +185,8 @@ class Choice:
         else `src`'s narrowest (1 for plain decoding, which hopes for nothing)."""
         if src is self.plain:
             return 1, False
-        for w in range(2, widest + 1):
-            if src.expected(w, PRIOR_RATE) / self.seconds(src, w) > rate:
-                return w, True
-        return 2, False
+        hoped = self.rates(src, widest, PRIOR_RATE)
+        return next(((w, True) for w in range(2, widest + 1) if hoped[w] > rate), (2, False))
 
     def due(self, src: Source, widest: int, others: list[tuple[Source, int]]) -> bool:
         """Whether `src` would run next were it offered (the best, or its probe due), without choosing; a
