@@ -27,6 +27,8 @@ import platform
 import sys
 from collections.abc import Mapping, Sequence
 
+from ..utils.machine import mapped_openblas
+
 DISABLE_ENV = "DFLASH_MLX_NO_REEXEC"
 GUARD_ENV = "_DFLASH_MLX_OPENBLAS_REEXEC"
 
@@ -138,10 +140,10 @@ def maybe_reexec() -> None:
 def set_threads(threads: int | None) -> None:
     """Run the OpenBLAS this process already has (LD_PRELOAD set by the user) on `threads` threads, here
     and in the processes it starts (None: as it is). At start, before any matmul."""
-    from ..utils.machine import mapped_openblas
-
+    if threads is None:
+        return
     path = mapped_openblas()
-    if threads is None or path is None:
+    if path is None:
         return
     os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
     try:

@@ -54,12 +54,8 @@ def memory_gb() -> float | None:
 def loaded_blas() -> str | None:
     """On Linux: the BLAS shared library this process has mapped, OpenBLAS's with its thread count (None
     elsewhere)."""
-    if platform.system() != "Linux":
-        return None
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as f:
-            maps = f.read()
-    except OSError:
+    maps = _self_maps() if platform.system() == "Linux" else None
+    if maps is None:
         return None
     path = mapped_openblas(maps)
     if path is None:
@@ -69,18 +65,23 @@ def loaded_blas() -> str | None:
 
 
 def mapped_openblas(maps: str | None = None) -> str | None:
-    """The path of the OpenBLAS this process has mapped (`maps`: /proc/self/maps' text), or None."""
-    if maps is None:
-        try:
-            with open("/proc/self/maps", encoding="utf-8") as f:
-                maps = f.read()
-        except OSError:
-            return None
-    for line in maps.splitlines():
+    """The path of the OpenBLAS this process has mapped (`maps`: /proc/self/maps' text, read if not given),
+    or None."""
+    maps = _self_maps() if maps is None else maps
+    for line in (maps or "").splitlines():
         path = line.split()[-1] if line.split() else ""
         if "libopenblas" in os.path.basename(path):
             return path
     return None
+
+
+def _self_maps() -> str | None:
+    """This process's /proc/self/maps (None where there is none: not Linux)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def openblas_threads(path: str) -> int | None:
