@@ -2,11 +2,12 @@
 
 The real ``dflash-mlx serve`` on the bundled pair, batched (the default) and ``--decode-concurrency 1``:
 
-- a non-streamed request for 4,000 tokens at temperature 2 on each generating route, abandoned after
-  1 s (its client closes the connection, as a client's timeout does): from 2 s after that the server
-  process uses under 0.5 CPU-seconds over the next 3 s (its own CPU time from /proc, which a loaded
-  machine does not inflate), and ``/health`` counts the request cancelled (it did not just finish); a
-  streamed one, abandoned after its first event, too;
+- a non-streamed request for 4,000 tokens at temperature 2 on each generating route (its text's end
+  ruled out, so that it cannot finish on its own first), abandoned after 1 s (its client closes the
+  connection, as a client's timeout does): from 2 s after that the server process uses under 0.5
+  CPU-seconds over the next 3 s (its own CPU time from /proc, which a loaded machine does not inflate),
+  and ``/health`` counts the request cancelled (it did not just finish); a streamed one, abandoned
+  after its first event, too;
 - a 20 MB body (one long message) sent while a 200-token stream runs: refused (413) before the body is
   read (the 413 arrives before a byte of it is sent), and the stream's time with it stays under 1.25x
   its time alone, both measured in this test, interleaved (alone, with, with, alone, six of each: drift
@@ -22,21 +23,36 @@ import socket
 import statistics
 import threading
 import time
+from pathlib import Path
 
+import dflash_mlx
 import pytest
+from mlx_lm.utils import load_tokenizer
 
 from helpers.servers import ServeProcess
 
 pytestmark = pytest.mark.slow  # servers
 
+DEMO = Path(dflash_mlx.__file__).parent / "demo"
 QUESTION = "Tom has 3 boxes with 12 apples each. How many apples?"
 MESSAGES = [{"role": "user", "content": QUESTION}]
-LONG = {"max_tokens": 4000, "temperature": 2}  # (the 2048-token context cuts it: still seconds of decoding)
+# Seconds of decoding that cannot end early: 4,000 tokens at temperature 2 (the 2048-token context cuts it), where
+# the end of the text is ruled out (an EOS sampled at temperature 2 may end a free reply after a few dozen
+# tokens): by a logit bias where the dialect has one, and by a JSON array of at least 1,500 numbers where not
+LONG = {"max_tokens": 4000, "temperature": 2}
+NO_EOS = {"logit_bias": {str(t): -100 for t in load_tokenizer(DEMO / "target").eos_token_ids}}
+NUMBERS = {"type": "json_schema", "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 1500}}
 ROUTES = {
-    "/v1/chat/completions": {"model": "demo", "messages": MESSAGES, **LONG},
-    "/v1/completions": {"model": "demo", "prompt": QUESTION, **LONG},
-    "/v1/messages": {"model": "demo", "messages": MESSAGES, **LONG},
-    "/v1/responses": {"model": "demo", "input": QUESTION, "max_output_tokens": 4000, "temperature": 2},
+    "/v1/chat/completions": {"model": "demo", "messages": MESSAGES, **LONG, **NO_EOS},
+    "/v1/completions": {"model": "demo", "prompt": QUESTION, **LONG, **NO_EOS},
+    "/v1/messages": {"model": "demo", "messages": MESSAGES, **LONG, "output_config": {"format": NUMBERS}},
+    "/v1/responses": {
+        "model": "demo",
+        "input": QUESTION,
+        "max_output_tokens": 4000,
+        "temperature": 2,
+        "text": {"format": {**NUMBERS, "name": "numbers"}},
+    },
 }
 ABANDONED_AFTER, GRACE, WINDOW, MAX_CPU = 1.0, 2.0, 3.0, 0.5  # seconds (the issue's)
 
@@ -123,7 +139,7 @@ def test_an_abandoned_stream_stops_decoding(served):
 
 # -- a 20 MB body beside a running stream -----------------------------------------------------------
 
-STREAM = {"model": "demo", "prompt": QUESTION, "max_tokens": 200, "logit_bias": {"2": -100}, "stream": True}
+STREAM = {"model": "demo", "prompt": QUESTION, "max_tokens": 200, **NO_EOS, "stream": True}
 BIG = json.dumps({"model": "demo", "max_tokens": 8, "messages": [{"role": "user", "content": "apples " * 3_000_000}]})
 
 

@@ -25,7 +25,7 @@ from mlx_lm import stream_generate as mlx_lm_stream_generate
 from dflash_mlx import batch_generate, load, stream_generate
 from dflash_mlx.proposers.oracle import OracleProposer
 from dflash_mlx.sampling import SamplingSettings, distribution
-from dflash_mlx.structured import Grammar, GrammarError, GrammarLogitsProcessor, grammar_text
+from dflash_mlx.structured import Grammar, GrammarError, GrammarFault, GrammarLogitsProcessor, grammar_text
 from helpers import TINY_VOCAB, chi_square_p, make_draft2, prompt_ids, without_eos
 from helpers.formats import Answer, Order, schema_format
 
@@ -208,6 +208,30 @@ def test_a_format_llguidance_cannot_compile_is_a_value_error(demo):
         next(stream_generate(model, draft, tokenizer, prompt, max_tokens=4, response_format=bad))
     with pytest.raises(ValueError, match="llguidance"):
         batch_generate(model, draft, tokenizer, [prompt], max_tokens=4, response_format=bad)
+
+
+def test_a_grammar_that_meets_a_limit_mid_output_is_its_fault_and_a_token_outside_the_mask_is_not(demo):
+    """A string of at least 8,000 characters outgrows the lexer states llguidance may build (`LIMITS`) a few
+    hundred tokens in: whether a mask or a commit meets the limit, it is a `GrammarFault` (the request's 4xx in a
+    server). A committed token the mask refuses is the engine's error (a RuntimeError, a 500)."""
+    _, tokenizer, _, _ = demo
+    long_string = {"type": "object", "properties": {"a": {"type": "string", "minLength": 8000}}, "required": ["a"]}
+    grammar = Grammar(tokenizer, {"type": "json_schema", "json_schema": {"name": "a", "schema": long_string}})
+    rng, width = np.random.default_rng(0), grammar.tokenizer.vocab_size
+    constraint = grammar.constraint()
+    with pytest.raises(GrammarFault, match="too many states|fails parse|refused a token its mask allows"):
+        for _ in range(20_000):  # tokens chosen under the masks, one to three a commit (a cycle's)
+            drafts: list[int] = []
+            for _ in range(3):
+                rows = constraint.masks(len(drafts) + 1, mx.array(drafts, mx.int32) if drafts else None, width)
+                drafts.append(int(rng.choice(np.flatnonzero(np.asarray(rows[-1])))))
+            constraint.commit(drafts[: rng.integers(1, 4)])
+    fresh = Grammar(tokenizer, {"type": "json_schema", "json_schema": {"name": "b", "schema": long_string}})
+    constraint = fresh.constraint()
+    refused = int(np.flatnonzero(~np.asarray(constraint.masks(1, None, width)[0]))[0])
+    with pytest.raises(RuntimeError, match="its mask refuses it") as caught:
+        constraint.commit([refused])
+    assert not isinstance(caught.value, GrammarFault)
 
 
 # -- sampling -----------------------------------------------------------------------------------

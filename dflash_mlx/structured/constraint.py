@@ -82,8 +82,19 @@ class Constraint:
         """Take committed tokens (each must follow the grammar)."""
         taken = self._take(tokens)
         if taken < len(tokens) and not self.ended:
-            fault = GrammarFault if self.matcher.is_error() else RuntimeError
-            raise fault(f"token {tokens[taken]} does not follow the grammar: {library_error(self.matcher)}")
+            raise self._refusal(tokens[taken])
+
+    def _refusal(self, token: int) -> Exception:
+        """Why the matcher refused a committed token (every one was chosen under this constraint's masks): the
+        library's failure, the grammar's fault, when it is in error or refused a token its own mask allows (a
+        limit met while consuming it, which `try_consume_tokens` does not record); the engine's error when the
+        mask refuses the token too."""
+        if not self.matcher.is_error():
+            row = self._fill(np.empty((1, self.words), np.int32), 0, False)  # (a GrammarFault if this fails)
+            if not self.allows(row, token):
+                return RuntimeError(f"token {token} does not follow the grammar (its mask refuses it)")
+        reason = library_error(self.matcher) or "the grammar library refused a token its mask allows"
+        return GrammarFault(f"token {token} does not follow the grammar: {reason}")
 
     def follow(self, tokens: list[int]) -> None:
         """Hold the longest prefix of `tokens` that follows the grammar (a history that may step back
