@@ -177,17 +177,19 @@ def stream_generate(
             block_size = 1
         else:
             largest = max_block_size or default_block_size(model, draft)
-            # greedy runs carry the drafter's acceptance history from one call to the next (their
-            # output cannot change); sampled runs start from the prior, and a seeded one keeps to the
-            # curve this process started with, so no timing changes its blocks and the seed reproduces it
+            # greedy and unseeded sampled runs carry the drafter's acceptance history of their kind from one
+            # call to the next (their output, or its distribution, cannot change); a seeded sampled run starts
+            # from the prior and keeps to the curve this process started with, so that nothing before it and
+            # no timing changes its blocks, and the seed reproduces it
+            seeded = not settings.greedy and seed is not None
             block_size = adaptive_policy(
                 target,
                 proposer,
                 largest,
-                carry=settings.greedy,
+                carry=not seeded,
                 kv=kv,
                 sampled=not settings.greedy,
-                frozen=not settings.greedy and seed is not None,
+                frozen=seeded,
             )
     elif max_block_size is not None:
         raise ValueError("max_block_size is for the adaptive block (block_size=None), not a fixed one.")

@@ -233,7 +233,9 @@ def test_sampled_tokens_follow_the_target_across_a_block_change(tiny_pair):
     assert chi_square_p(c, p) > 1e-3
 
 
-def test_greedy_calls_carry_the_drafters_acceptance_sampled_calls_do_not(tiny_pair, monkeypatch):
+def test_greedy_and_unseeded_calls_carry_the_drafters_acceptance_of_their_kind_seeded_calls_do_not(
+    tiny_pair, monkeypatch
+):
     from dflash_mlx.policy import calibration
     from dflash_mlx.policy.cost import CostModel
 
@@ -255,5 +257,8 @@ def test_greedy_calls_carry_the_drafters_acceptance_sampled_calls_do_not(tiny_pa
         assert_same_stream(out, want, logprob_atol=1e-3)
         assert carried < fresh  # the second greedy call starts from what the first learnt
         sampled = [first_block(temperature=1.0, seed=5) for _ in range(2)]
-        assert sampled[0][0] == sampled[1][0] == fresh  # sampled calls start from the prior
+        assert sampled[0][0] == sampled[1][0] == fresh  # seeded sampled calls start from the prior
         assert [r.token for r in sampled[0][1]] == [r.token for r in sampled[1][1]]
+        unseeded = [first_block(temperature=1.0)[0] for _ in range(2)]
+        assert unseeded[0] == fresh  # the first unseeded call: its kind's history is new (not the greedy one)
+        assert unseeded[1] < fresh  # the next starts from what the first learnt

@@ -251,7 +251,7 @@ class BatchDecoder:
             cap = 1
         fixed = max_block is not None or self.choice is None
         policy = None
-        if not fixed and cap > 1:  # alone, a row chooses as `stream_generate` does (greedy: carrying history)
+        if not fixed and cap > 1:  # alone, a row chooses as `stream_generate` does (carrying history unless seeded)
             sampled = not acceptor.settings.greedy
             cap = choose_source(self.target, session.proposer, cap, sampled=sampled)  # (a RatedChoice: its member)
             key = (cap, sampled, id(getattr(session.proposer, "drafter", None)))
@@ -261,8 +261,9 @@ class BatchDecoder:
                 self.target,
                 session.proposer,
                 cap,
-                carry=not sampled,
+                carry=not acceptor.seeded,
                 cost=self._costs[key],
+                sampled=sampled,
                 frozen=acceptor.seeded,
             )
         row = BatchRow(

@@ -5,9 +5,10 @@ decoding and the drafter (`choose(limit)`, `observe`), and the planner's
 choice among more (`choose_from`, `observe_source`): each span source joins
 as one more entry (`span_source(name)`). The rule and the one probe schedule
 are `choice.Choice`'s; the costs the setup's `CostModel`'s (`calibration`).
-A drafter's greedy generations carry its history (`DrafterHistory`): its
-long-run acceptance as the next generation's prior, its probe wait, and
-whether drafting paid lately. Why: docs/adaptive.md.
+A drafter's generations carry its history (`DrafterHistory`, one for
+greedy generations and one for unseeded sampled ones): its long-run
+acceptance as the next generation's prior, its probe wait, and whether
+drafting paid lately. Why: docs/adaptive.md.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ RECENT_GENERATIONS = 3  # a greedy generation probes at once unless drafting pai
 
 
 class DrafterHistory:
-    """What a drafter's greedy generations pass on to the next: its long-run acceptance (the priors of
+    """What a drafter's generations of one kind pass on to the next: its long-run acceptance (the priors of
     each generation's estimate), its probe wait, and when drafting last paid. Generations may run at once
     (threads): each takes a copy when it begins and records into the history under its lock."""
 
@@ -134,7 +135,7 @@ class AdaptiveBlock:
             self.history.keep(self.drafter)
 
 
-_histories: dict[int, DrafterHistory] = {}  # id(drafter) -> its history, while the drafter lives
+_histories: dict[tuple[int, bool], DrafterHistory] = {}  # (id(drafter), sampled) -> a history, while the drafter lives
 _histories_lock = threading.Lock()
 
 
@@ -151,10 +152,12 @@ def adaptive_policy(
 ) -> AdaptiveBlock:
     """An adaptive policy for one generation, on this machine's cost model (`calibration.cost_model`).
 
-    `carry`: the generation continues the drafter's history (`DrafterHistory`): its estimate starts from
-    the drafter's long-run acceptance instead of the fixed prior and adds its own cycles to it, so a poor
-    drafter starts at b = 1 and a good one at a large block, and its probe wait goes on. The library
-    carries only for greedy decoding, whose output no block choice can change. `cost`: the setup's model
+    `carry`: the generation continues the drafter's history of its kind (`DrafterHistory`, greedy or
+    `sampled`): its estimate starts from the drafter's long-run acceptance instead of the fixed prior and
+    adds its own cycles to it, so a poor drafter starts at b = 1 and a good one at a large block, and its
+    probe wait goes on. The library carries for greedy decoding, whose output no block choice can change,
+    and for unseeded sampling, whose distribution none changes; a seeded one starts from the prior, as
+    its draws must not depend on the calls before it. `cost`: the setup's model
     (or a table) when the caller has it, else the one for `kv` and greedy or `sampled` cycles. `frozen`:
     the table alone, whatever this process times (a seeded sampled request: its blocks decide its random
     draws).
@@ -166,7 +169,8 @@ def adaptive_policy(
         cost = cost_model(target, proposer, max_block, kv=kv, sampled=sampled)
     if frozen and isinstance(cost, CostModel):
         cost = cost.frozen()
-    history = drafter_history(getattr(proposer, "drafter", proposer), max_block - 1) if carry else None
+    drafter = getattr(proposer, "drafter", proposer)
+    history = drafter_history(drafter, max_block - 1, sampled=sampled) if carry else None
     if history is None:
         return AdaptiveBlock(cost, max_block)
     priors, observed, idle, due = history.begin(max_block - 1)
@@ -202,10 +206,10 @@ def choose_source(target, proposer, max_block: int, *, kv=None, sampled: bool = 
     return min(max_block, members[best].block_size)
 
 
-def drafter_history(drafter, positions: int) -> DrafterHistory | None:
-    """The history of `drafter`'s greedy generations (made at first use, dropped with the drafter),
-    or None for a drafter that cannot be weakly referenced."""
-    key = id(drafter)  # (modules are dicts: not hashable, keyed by id)
+def drafter_history(drafter, positions: int, sampled: bool = False) -> DrafterHistory | None:
+    """The history of `drafter`'s greedy generations, or with `sampled` its sampled ones (made at first use,
+    dropped with the drafter), or None for a drafter that cannot be weakly referenced."""
+    key = (id(drafter), sampled)  # (modules are dicts: not hashable, keyed by id)
     with _histories_lock:
         if key not in _histories:
             try:
