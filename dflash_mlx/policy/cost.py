@@ -7,8 +7,9 @@ source (plain decoding, a drafter, a span source: any name) has a *level*,
 the log of the mean over its newest WINDOW timed cycles of seconds / T(B, b), so
 its cost at width b is T(B, b) times e^level: the table gives the shape, the
 loop's own cycles the scale, each source its own (under load a multi-row
-verify slows far more than a one-row step). The level's standard error (its
-cycles' spread over the root of their count) says how sure it is. A source's
+verify slows far more than a one-row step). The level's standard error (the
+spread of the same cycles' costs over the root of their count, a lone slow
+one included, and at least the machine's usual spread) says how sure it is. A source's
 newest WINDOW cycles all CHANGE times slower or faster than the median of the
 ones before them (and SURE standard deviations, where cycle times scatter)
 mean the machine changed: another job started or stopped. Its older cycles are dropped
@@ -105,6 +106,7 @@ class CostModel:
         self._levels: dict[tuple[int, str], deque] = {}  # (rows, source) -> newest log(seconds / T(rows, b))
         self._deviations: dict[tuple[int, str], deque] = {}  # (rows, source) -> |one of those - the median before|
         self._stale: dict[tuple[int, str], int] = {}  # levels timed before the machine changed -> which way
+        self._known: dict[tuple[int, str, str | None], tuple[float, float, int]] = {}  # levels read since the last add
 
     def __call__(self, b: int, rows: int = 1) -> float:
         return self.table(b, rows)
@@ -117,16 +119,27 @@ class CostModel:
 
     def level(self, source: str, rows: int = 1, prior: str | None = None) -> tuple[float, float, int]:
         """(level, its standard error, the cycles it rests on) of `source` at `rows`: the log of the mean of its
-        newest WINDOW cycles' seconds over the table's (`_mean_level`). A source with no timed cycles takes
+        newest WINDOW cycles' seconds over the table's (`_mean_level`), and that mean's standard error: the
+        spread of those cycles' costs (a lone slow cycle widens it as much as it raises the mean: a level one
+        hiccup raised is not sure) and at least the robust spread of its cycles (`_noise`: the machine's usual
+        noise, which two or three alike cycles do not disprove). A source with no timed cycles takes
         `prior`'s level (a span source: its drafter's, an upper bound), else 0 (the table as calibrated), with
         no error."""
         with self._lock:
-            levels = self._levels.get((rows, source))
-            if not levels:
-                levels = self._levels.get((rows, prior)) if prior is not None else None
-                return (_mean_level(levels) if levels else 0.0), 0.0, 0
-            n = min(len(levels), WINDOW)
-            return _mean_level(levels), self._noise(rows, source) / math.sqrt(n), n
+            known = self._known.get((rows, source, prior))
+            if known is None:
+                known = self._known[rows, source, prior] = self._level(source, rows, prior)
+            return known
+
+    def _level(self, source: str, rows: int, prior: str | None) -> tuple[float, float, int]:
+        """`level`, computed (under the lock; kept until the next timed cycle: a choice reads it several times)."""
+        levels = self._levels.get((rows, source))
+        if not levels:
+            levels = self._levels.get((rows, prior)) if prior is not None else None
+            return (_mean_level(levels) if levels else 0.0), 0.0, 0
+        n = min(len(levels), WINDOW)
+        spread = max(_mean_spread(levels), self._noise(rows, source))
+        return _mean_level(levels), spread / math.sqrt(n), n
 
     def _noise(self, rows: int, source: str) -> float:
         """The standard deviation of `source`'s cycle times about their level (robust: from the median of
@@ -159,6 +172,7 @@ class CostModel:
             return
         with self._lock:
             self.cycles += 1
+            self._known.clear()
             key = (rows, source)
             levels = self._levels.setdefault(key, deque(maxlen=4 * WINDOW))
             deviations = self._deviations.setdefault(key, deque(maxlen=4 * WINDOW))
@@ -184,6 +198,17 @@ def _mean_level(levels) -> float:
     now and then: a median would not see what those cycles cost)."""
     newest = list(levels)[-WINDOW:]
     return math.log(sum(math.exp(y) for y in newest) / len(newest))
+
+
+def _mean_spread(levels) -> float:
+    """The standard deviation of the newest WINDOW cycles' costs relative to their mean (the log level's, to
+    first order; 0 for fewer than two). (Floats: `statistics.stdev` sums exact fractions, 50 us a call.)"""
+    newest = [math.exp(y) for y in list(levels)[-WINDOW:]]
+    n = len(newest)
+    if n < 2:
+        return 0.0
+    mean = sum(newest) / n
+    return math.sqrt(sum((x - mean) ** 2 for x in newest) / (n - 1)) / mean
 
 
 def _change(levels, spread: float) -> int:
