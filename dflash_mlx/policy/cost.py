@@ -9,12 +9,12 @@ its cost at width b is T(B, b) times e^level: the table gives the shape, the
 loop's own cycles the scale, each source its own (under load a multi-row
 verify slows far more than a one-row step). The level's standard error (the
 spread of the same cycles' costs over the root of their count, a lone slow
-one included, and at least the machine's usual spread) says how sure it is. A source's
-newest WINDOW cycles all CHANGE times slower or faster than the median of the
-ones before them (and SURE standard deviations, where cycle times scatter)
-mean the machine changed: another job started or stopped. Its older cycles are dropped
-and every other source's level goes *stale*, to be measured again (`stale`,
-with the way the machine went). A model that does
+one included, and at least the machine's usual spread) says how sure it is.
+A source's newest WINDOW cycles all CHANGE times slower or faster than the
+median of the ones before them (and SURE standard deviations, where cycle
+times scatter) mean the machine changed: another job started or stopped. Its
+older cycles are dropped and every other source's level goes *stale*, to be
+measured again (`stale`, with the way the machine went). A model that does
 not learn (`learns=False`: seeded requests, sharded ranks, a curve a test
 injects) is the table alone, whatever the timings. Why: docs/adaptive.md.
 """
@@ -106,7 +106,7 @@ class CostModel:
         self._levels: dict[tuple[int, str], deque] = {}  # (rows, source) -> newest log(seconds / T(rows, b))
         self._deviations: dict[tuple[int, str], deque] = {}  # (rows, source) -> |one of those - the median before|
         self._stale: dict[tuple[int, str], int] = {}  # levels timed before the machine changed -> which way
-        self._known: dict[tuple[int, str, str | None], tuple[float, float, int]] = {}  # levels read since the last add
+        self._read: dict[tuple[int, str, str | None], tuple[float, float, int]] = {}  # levels read since the last add
 
     def __call__(self, b: int, rows: int = 1) -> float:
         return self.table(b, rows)
@@ -126,10 +126,10 @@ class CostModel:
         `prior`'s level (a span source: its drafter's, an upper bound), else 0 (the table as calibrated), with
         no error."""
         with self._lock:
-            known = self._known.get((rows, source, prior))
-            if known is None:
-                known = self._known[rows, source, prior] = self._level(source, rows, prior)
-            return known
+            read = self._read.get((rows, source, prior))
+            if read is None:
+                read = self._read[rows, source, prior] = self._level(source, rows, prior)
+            return read
 
     def _level(self, source: str, rows: int, prior: str | None) -> tuple[float, float, int]:
         """`level`, computed (under the lock; kept until the next timed cycle: a choice reads it several times)."""
@@ -172,7 +172,7 @@ class CostModel:
             return
         with self._lock:
             self.cycles += 1
-            self._known.clear()
+            self._read.clear()
             key = (rows, source)
             levels = self._levels.setdefault(key, deque(maxlen=4 * WINDOW))
             deviations = self._deviations.setdefault(key, deque(maxlen=4 * WINDOW))
@@ -196,19 +196,24 @@ def _mean_level(levels) -> float:
     """The log of the mean of the newest WINDOW cycles' seconds over the table's: what the cycles cost on
     average, a rare very slow one included (under load a multi-row verify may take 60 times its usual time
     now and then: a median would not see what those cycles cost)."""
-    newest = list(levels)[-WINDOW:]
-    return math.log(sum(math.exp(y) for y in newest) / len(newest))
+    newest = _newest_costs(levels)
+    return math.log(sum(newest) / len(newest))
 
 
 def _mean_spread(levels) -> float:
     """The standard deviation of the newest WINDOW cycles' costs relative to their mean (the log level's, to
     first order; 0 for fewer than two). (Floats: `statistics.stdev` sums exact fractions, 50 us a call.)"""
-    newest = [math.exp(y) for y in list(levels)[-WINDOW:]]
+    newest = _newest_costs(levels)
     n = len(newest)
     if n < 2:
         return 0.0
     mean = sum(newest) / n
     return math.sqrt(sum((x - mean) ** 2 for x in newest) / (n - 1)) / mean
+
+
+def _newest_costs(levels) -> list[float]:
+    """The newest WINDOW cycles' seconds over the table's (the levels are their logs)."""
+    return [math.exp(y) for y in list(levels)[-WINDOW:]]
 
 
 def _change(levels, spread: float) -> int:
