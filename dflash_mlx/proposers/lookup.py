@@ -45,6 +45,7 @@ class LookupIndex:
         # per n-gram length n: entry e - (n - 1) is where the occurrence before the one ending at e ends (-1: none)
         self._before = [array("q") for _ in range(min_match, max_match + 1)]
         self._key_bytes = 0  # the n-gram tuples the table holds
+        self._tuple_bytes = [sys.getsizeof(tuple(range(n))) for n in range(min_match, max_match + 1)]
         self.extend(tokens or [])
 
     def __len__(self) -> int:
@@ -52,22 +53,19 @@ class LookupIndex:
 
     def _lengths(self):
         """(n, its `_before` array, the bytes of an n-gram's tuple) for every indexed n-gram length."""
-        for n, before in zip(range(self.min_match, self.max_match + 1), self._before):
-            yield n, before, sys.getsizeof(tuple(range(n)))
+        return zip(range(self.min_match, self.max_match + 1), self._before, self._tuple_bytes)
 
     def extend(self, tokens: list[int]) -> None:
         """Append tokens: each one indexes the n-grams that end right before it (so the sequence's own
-        suffix stays unindexed, and a lookup of it finds an earlier occurrence)."""
+        suffix stays unindexed, and a lookup of it finds an earlier occurrence). (Called with each
+        committed token: one slice per n-gram, no generator per length.)"""
         seq, ends = self.tokens, self._ends
         first = len(seq) - 1  # the first end not indexed yet: the last token before these
         seq.extend(map(int, tokens))
         last = len(seq) - 2
         for n, before, size in self._lengths():
-            start = max(first, n - 1)
-            if start > last:
-                continue
-            grams = zip(*(seq[start - n + 1 + k : last - n + 2 + k] for k in range(n)))
-            for gram, end in zip(grams, range(start, last + 1)):
+            for end in range(max(first, n - 1), last + 1):
+                gram = tuple(seq[end - n + 1 : end + 1])
                 previous = ends.get(gram, -1)
                 before.append(previous)
                 ends[gram] = end
