@@ -264,6 +264,27 @@ def test_one_reply_off_distribution_does_not_keep_the_next_one_plain():
     assert simulate(generation(DRAFTING_COSTS, useless), [0.0], WINDOW) == [1] * WINDOW
 
 
+def test_one_lucky_cycle_does_not_make_a_generation_in_which_drafting_paid():
+    """Sampled drafts are accepted with odds: a drafter that loses in every generation, yet has one cycle in
+    each that committed more than plain decoding would have, starts a generation with its probe wait once
+    RECENT_GENERATIONS generations lost (drafting paid in a generation when its cycles together did)."""
+    history = DrafterHistory(7)
+    for _ in range(RECENT_GENERATIONS + 1):
+        policy = generation(DRAFTING_COSTS, history)
+        for accepted in (7, 0, 0, 0, 0, 0, 0):  # one cycle of 8 tokens (plain: 2.2 in its time), six of 1
+            policy.observe(8, accepted, None)
+        assert policy.drafter.gain < 0 < 8 - DRAFTING_COSTS(8) / DRAFTING_COSTS(1)
+        simulate(policy, [0.0], 40)
+    assert not history.paid and history.unpaid >= RECENT_GENERATIONS - 1
+    assert simulate(generation(DRAFTING_COSTS, history), [0.0], WINDOW) == [1] * WINDOW
+    # a generation whose drafting paid in sum starts the next with a probe
+    policy = generation(DRAFTING_COSTS, history)
+    for accepted in (7, 7, 0):
+        policy.observe(8, accepted, None)
+    simulate(policy, [0.0], 10)
+    assert policy.drafter.gain > 0 and history.paid and generation(DRAFTING_COSTS, history).choose(100) > 1
+
+
 def test_no_probes_where_no_block_can_pay_on_a_frozen_curve():
     policy = AdaptiveBlock(NO_BLOCK_PAYS, 5)
     probe_width = policy.choice.probe_width
@@ -298,6 +319,40 @@ def test_greedy_generations_continue_the_drafters_probe_schedule():
     fresh = adaptive_policy(None, drafter, 16, cost=FLAT)  # not carried: afresh
     assert fresh.history is None and fresh.drafter.idle == 0
     assert adaptive_policy(None, Drafter(), 16, carry=True, cost=FLAT).choose(100) > 8  # another drafter
+
+
+def test_a_probe_times_its_source_where_the_model_learns():
+    """A drafter's first block after plain steps is not timed (it takes in their rows): a probe runs one more
+    cycle, so each probe measures the drafter's cost with its acceptance (a level timed before another job
+    started would misjudge every later probe's loss). A frozen curve times nothing: a probe is one cycle."""
+    for model, length in ((CostModel(DRAFTING_COSTS), 2), (DRAFTING_COSTS, 1)):
+        policy = AdaptiveBlock(model, 8)
+        chosen = simulate(policy, [0.0], 3000, times=DRAFTING_COSTS)[200:]
+        runs = "".join("d" if b > 1 else "." for b in chosen).split(".")
+        assert {len(r) for r in runs if r} == {length}
+
+
+def test_a_span_sources_acceptance_is_carried_as_its_drafters_is():
+    """The copy index's spans are accepted as often as the target follows its context (a sampled reply
+    seldom repeats one): carried generations start a span source from its long-run rates, per kind (greedy,
+    sampled); a generation that carries nothing (seeded), and another source, from the prior."""
+
+    class Drafter:
+        pass
+
+    drafter = Drafter()
+    first = adaptive_policy(None, drafter, 8, carry=True, cost=FLAT, sampled=True)
+    spans = first.span_source("lookup")
+    for _ in range(30):
+        first.observe_source(spans, 8, 0, None)
+    carried = adaptive_policy(None, drafter, 8, carry=True, cost=FLAT, sampled=True).span_source("lookup")
+    assert carried.estimate.rate(0) < 0.2 and carried.expected(8, hoped=True) < 1.3
+    for fresh in (
+        adaptive_policy(None, drafter, 8, carry=True, cost=FLAT).span_source("lookup"),  # greedy
+        adaptive_policy(None, drafter, 8, cost=FLAT, sampled=True).span_source("lookup"),  # not carried
+        adaptive_policy(None, drafter, 8, carry=True, cost=FLAT, sampled=True).span_source("suffix"),
+    ):
+        assert fresh.estimate.rate(0) == pytest.approx(PRIOR_RATE)
 
 
 def test_a_probe_that_observed_nothing_runs_at_the_next_generations_first_plain_cycle():

@@ -128,6 +128,23 @@ def test_a_curve_that_says_no_block_pays_is_timed_once_and_corrected():
     assert set(run(frozen, Machine(CHEAP), 300, rates=(0.9,))) == {1}  # a frozen curve is never timed
 
 
+def test_one_slow_plain_step_does_not_keep_a_losing_drafter_running():
+    """One plain step 30 times its cost (a page fault, another process's moment) raises plain decoding's level
+    with a wide error. Judged against that level, any probe paid, so another followed at once; plain decoding
+    never ran twice in a row to be timed again, and a drafter losing to it ran on (sampled demo GSM8K: a
+    livelock of probes at b2). A probe pays by the margin that proves a source, and the hiccup washes out."""
+    sampled = CostTable.curve(GRID, [0.0029, 0.0059, 0.0062, 0.0066, 0.0072, 0.0079])  # the demo pair at T > 0
+    model, machine = CostModel(sampled), Machine(sampled, seed=2)
+    policy = AdaptiveBlock(model, 8)
+    run(policy, machine, 300, rates=(0.45,), seed=2)  # drafting loses: E(3) = 1.65 tokens in 2.1 plain steps
+    while policy.choose(100) != 1:
+        policy.observe(8, 0, machine(8))
+    policy.observe(1, 0, 30 * machine(1))
+    after = run(policy, machine, 400, rates=(0.45,), seed=3)
+    assert sum(b > 1 for b in after) < 0.08 * len(after)
+    assert abs(model.level("target")[0]) < 0.1  # timed again: the hiccup left its window
+
+
 def test_load_coming_and_going_is_followed_both_ways():
     """Two CPU-bound jobs start while the policy drafts: it runs plainly within a few blocks, at nearly plain
     decoding's speed; they stop: it drafts again within a few cycles (plain decoding got faster: the

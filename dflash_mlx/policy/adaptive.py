@@ -8,19 +8,21 @@ are `choice.Choice`'s; the costs the setup's `CostModel`'s (`calibration`).
 A drafter's generations carry its history (`DrafterHistory`, one for
 greedy generations and one for unseeded sampled ones): its long-run
 acceptance as the next generation's prior, its probe wait, and whether
-drafting paid lately. Why: docs/adaptive.md.
+drafting paid lately; each span source of its generations carries its own
+long-run acceptance the same way. Why: docs/adaptive.md.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from typing import Callable
 
 from .choice import Choice, Source
 from .cost import CostModel, CostTable
 from .estimate import AcceptanceEstimate, SpanOdds, learnt_estimate
 
-RECENT_GENERATIONS = 3  # a greedy generation probes at once unless drafting paid in none of this many before it
+RECENT_GENERATIONS = 3  # a generation probes at once unless drafting paid in none of this many before it
 
 
 class DrafterHistory:
@@ -35,30 +37,39 @@ class DrafterHistory:
         self.unrun = False  # a probe was chosen and observed nothing (the reply ended first)
         self.generations = 0
         self.unpaid = 0  # generations in a row, before the latest, in which drafting did not pay
-        self.paid = False  # drafting paid in the latest generation
+        self.paid = False  # drafting paid in the latest generation (its cycles together beat plain decoding)
+
+    def learnt_rates(self, positions: int) -> tuple[list[float], bool]:
+        """The long-run rates a generation starts from, and whether they rest on observations (else they are
+        the prior)."""
+        with self._lock:
+            self.learnt.grow(positions)
+            return self.learnt.rates(), self.learnt.seen[0] > 0
 
     def begin(self, positions: int) -> tuple[list[float], bool, int, bool]:
         """A new generation: the rates it starts from, whether they rest on observations (else they are the
         prior), the drafter's probe wait, and whether its probe is due at once: a probe it never ran, or
         drafting paid in one of the last RECENT_GENERATIONS (one reply the drafter did not fit does not keep
-        the next one plain for a probe's wait)."""
+        the next one plain for a probe's wait). Drafting paid in a generation when its cycles together
+        committed more than plain decoding would have in their time: one lucky cycle (a sampled draft is
+        accepted with odds, not surely) does not make a generation that paid."""
+        rates, observed = self.learnt_rates(positions)
         with self._lock:
-            self.learnt.grow(positions)
             if self.generations:
                 self.unpaid = 0 if self.paid else self.unpaid + 1
             self.generations, self.paid = self.generations + 1, False
             due = self.unrun or self.unpaid < RECENT_GENERATIONS
-            return self.learnt.rates(), self.learnt.seen[0] > 0, self.idle, due
+            return rates, observed, self.idle, due
 
     def record(self, drafted: int, accepted: int) -> None:
         with self._lock:
             self.learnt.observe(drafted, accepted)
 
     def keep(self, drafter: Source) -> None:
-        """The generation's probe state of the drafter (and whether drafting paid), for the next."""
+        """The generation's probe state of the drafter (and whether drafting paid so far), for the next."""
         with self._lock:
             self.idle, self.unrun = drafter.idle, drafter.probing
-            self.paid |= drafter.paid
+            self.paid = drafter.gain > 0
 
 
 class AdaptiveBlock:
@@ -68,25 +79,42 @@ class AdaptiveBlock:
         max_block: int,
         estimate: AcceptanceEstimate | None = None,
         history: DrafterHistory | None = None,
+        span_history: Callable[[str], DrafterHistory | None] | None = None,
     ):
         """`cost`: the setup's model (a table: a model of it that does not learn); `history`: the drafter's,
-        which the estimate's priors came from and which this generation keeps."""
+        which the estimate's priors came from and which this generation keeps; `span_history(name)`: the
+        history a span source of that name carries (None: each generation's span sources start afresh)."""
         if max_block < 1:
             raise ValueError(f"max_block must be >= 1, got {max_block}.")
         self.cost = cost if isinstance(cost, CostModel) else CostModel(cost, learns=False)
         self.max_block = max_block
         self.estimate = estimate or AcceptanceEstimate(max_block - 1)
         self.history = history
+        self.span_history = span_history
         self.plain = Source("target")  # (the names of their costs in the setup's model)
         self.drafter = Source("drafter", self.estimate)
         self.spans: list[Source] = []
         self.choice = Choice(self.cost, self.plain)
 
     def span_source(self, name: str, odds=None) -> Source:
-        """A span source's entry: its acceptance (learnt from its cycles, or `odds`, the source's own
-        `expected_tokens`: the suffix index's probabilities) and, until its cycles are timed, the drafter's
-        cost (a verify without a drafter forward costs no more)."""
-        estimate = SpanOdds(odds) if odds is not None else AcceptanceEstimate(max(0, self.max_block - 1))
+        """A span source's entry: its acceptance (learnt from its cycles, from its history's long-run rates
+        where the policy carries one, or `odds`, the source's own `expected_tokens`: the suffix index's
+        probabilities) and, until its cycles are timed, the drafter's cost (a verify without a drafter forward
+        costs no more)."""
+        positions = max(0, self.max_block - 1)
+        history = self.span_history(name) if self.span_history is not None and odds is None else None
+        if odds is not None:
+            estimate = SpanOdds(odds)
+        elif history is not None:
+            priors, observed = history.learnt_rates(positions)
+            estimate = AcceptanceEstimate(
+                positions,
+                priors=priors if observed else None,
+                record=history.record,
+                hopes=priors if observed else None,
+            )
+        else:
+            estimate = AcceptanceEstimate(positions)
         src = Source(name, estimate, prior=self.drafter.name, settles=False)
         self.spans.append(src)
         return src
@@ -135,7 +163,7 @@ class AdaptiveBlock:
             self.history.keep(self.drafter)
 
 
-_histories: dict[tuple[int, bool], DrafterHistory] = {}  # (id(drafter), sampled) -> a history, while the drafter lives
+_histories: dict[tuple[int, bool, str | None], DrafterHistory] = {}  # (id(drafter), sampled, source) -> a history
 _histories_lock = threading.Lock()
 
 
@@ -176,7 +204,11 @@ def adaptive_policy(
     priors, observed, idle, due = history.begin(max_block - 1)
     hopes = priors if observed else None
     estimate = AcceptanceEstimate(max_block - 1, priors=priors, record=history.record, hopes=hopes)
-    policy = AdaptiveBlock(cost, max_block, estimate, history)
+
+    def span_history(name: str) -> DrafterHistory | None:
+        return drafter_history(drafter, max_block - 1, sampled=sampled, source=name)
+
+    policy = AdaptiveBlock(cost, max_block, estimate, history, span_history)
     policy.drafter.idle, policy.drafter.due = idle, due
     return policy
 
@@ -206,10 +238,12 @@ def choose_source(target, proposer, max_block: int, *, kv=None, sampled: bool = 
     return min(max_block, members[best].block_size)
 
 
-def drafter_history(drafter, positions: int, sampled: bool = False) -> DrafterHistory | None:
+def drafter_history(drafter, positions: int, sampled: bool = False, source: str | None = None) -> DrafterHistory | None:
     """The history of `drafter`'s greedy generations, or with `sampled` its sampled ones (made at first use,
-    dropped with the drafter), or None for a drafter that cannot be weakly referenced."""
-    key = (id(drafter), sampled)  # (modules are dicts: not hashable, keyed by id)
+    dropped with the drafter), or None for a drafter that cannot be weakly referenced; `source`: the history
+    of the span source of that name in the drafter's generations (the copy index's spans are accepted as
+    often as the target follows its context, which depends on the target and the sampling, not the call)."""
+    key = (id(drafter), sampled, source)  # (modules are dicts: not hashable, keyed by id)
     with _histories_lock:
         if key not in _histories:
             try:

@@ -72,7 +72,7 @@ class Source:
     idle: int = 0  # chances to run it passed since it last ran
     due: bool = False  # run at its next chance where it could pay (a probe that paid; a generation's start)
     probing: bool = False  # a probe of it was chosen and has observed no acceptance yet
-    paid: bool = field(default=False, repr=False)  # a cycle of it committed what plain decoding would have
+    gain: float = field(default=0.0, repr=False)  # tokens its cycles committed beyond plain decoding's in their time
 
     def expected(self, b: int, floor: float = 0.0, hoped: bool = False) -> float:
         """E(b): the tokens a cycle of width b commits (`floor`: at every position's rate at least that;
@@ -166,11 +166,14 @@ class Choice:
         return src, width
 
     def cycles(self, src: Source, timing: bool) -> int:
-        """A probe's cycles: one for its acceptance; for its time, its first after a switch not timed where it
-        `settles`, then as many as bring its level to THIN timed cycles (one at least)."""
-        if not timing:
+        """A probe's cycles where the model learns: its first after a switch, not timed where it `settles`,
+        then one timed (a probe measures the source's cost with its acceptance: a level timed long ago, on
+        another machine's load, would misjudge every later probe's loss), or for its time as many as bring
+        its level to THIN timed cycles. Where the model does not learn: one."""
+        if not self.cost.learns:
             return 1
-        return int(src.settles) + max(1, THIN - self.cost.level(src.name, self.rows, src.prior)[2])
+        timed = max(1, THIN - self.cost.level(src.name, self.rows, src.prior)[2]) if timing else 1
+        return int(src.settles) + timed
 
     def wants_timing(self, src: Source) -> bool:
         """Whether `src`'s cost wants measuring at once (`CostModel.stale`): timed fewer than THIN times in this
@@ -221,9 +224,11 @@ class Choice:
             self.cost.add(src.name, b, seconds, self.rows)
         if src is self.plain or committed is None:
             return
-        plain = self.plain.expected(1) / self.seconds(self.plain, 1)
-        src.paid = committed / self.seconds(src, b) >= plain  # committed what plain decoding would have
+        # beyond what plain decoding would have committed, by the margin that proves a source (a hiccup that
+        # made plain decoding's level look dear does not make every probe look paid)
+        gain = committed - self.rate(self.plain, 1) * self.margin(src) * self.seconds(src, b)
+        src.gain += gain
         if src.probing:  # a probe that paid: its acceptance may have recovered, so the next cycles count more,
-            src.probing, src.due = False, src.paid  # and another probe comes at once while the estimate catches up
-            if src.paid and src.estimate is not None:
+            src.probing, src.due = False, gain >= 0  # and another probe comes at once while the estimate catches up
+            if gain >= 0 and src.estimate is not None:
                 src.estimate.soften(SOFTEN)
