@@ -68,6 +68,7 @@ class CostTable:
             raise ValueError(f"Cycle times must be positive, got {[list(line) for line in seconds]}.")
         nearest = {b: min(blocks, key=lambda g: (abs(g - b), g)) for b in range(1, blocks[-1] + 1)}
         object.__setattr__(self, "_nearest", nearest)
+        object.__setattr__(self, "_values", {})  # (b, rows) -> seconds: the policy reads them every cycle
 
     @classmethod
     def curve(cls, blocks, seconds) -> CostTable:
@@ -75,9 +76,14 @@ class CostTable:
         return cls(tuple(blocks), (tuple(seconds),))
 
     def __call__(self, b: int, rows: int = 1) -> float:
-        if len(self.rows) == 1:
-            return _between(self.blocks, self.seconds[0], b)
-        return _between(self.rows, [_between(self.blocks, line, b) for line in self.seconds], rows)
+        value = self._values.get((b, rows))
+        if value is None:
+            if len(self.rows) == 1:
+                value = _between(self.blocks, self.seconds[0], b)
+            else:
+                value = _between(self.rows, [_between(self.blocks, line, b) for line in self.seconds], rows)
+            self._values[b, rows] = value
+        return value
 
     def line(self, rows: int = 1) -> tuple[float, ...]:
         """The measured seconds at every grid block for this row count (a grid row count)."""

@@ -43,6 +43,7 @@ class AcceptanceEstimate:
         self._priors = list(priors[:positions]) + [prior] * (positions - len(priors)) if priors is not None else None
         self.hopes = list(hopes[:positions]) if hopes is not None else None
         self._prior_weights = [LEARNT_WEIGHT] * positions if priors is not None else []
+        self._expected: dict[tuple, list[float]] = {}  # expected_tokens' answers since the last observation
 
     @property
     def positions(self) -> int:
@@ -50,6 +51,7 @@ class AcceptanceEstimate:
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A cycle offered `drafted` drafts and the target accepted the first `accepted`."""
+        self._expected.clear()
         for k in range(min(drafted, accepted + 1, self.positions)):
             self.seen[k] = self.seen[k] * self.discount + 1.0
             self.accepted[k] = self.accepted[k] * self.discount + (1.0 if k < accepted else 0.0)
@@ -60,6 +62,7 @@ class AcceptanceEstimate:
 
     def grow(self, positions: int) -> None:
         """Make room for `positions` positions (new ones unobserved)."""
+        self._expected.clear()
         extra = positions - self.positions
         if extra > 0:
             self.accepted += [0.0] * extra
@@ -72,6 +75,7 @@ class AcceptanceEstimate:
         """Weigh the whole history by `factor` (before a probe, after a long pause): the observed
         positions' priors from the drafter's history too, so the rates stand and only their weight
         falls (the next observations count more; a rate does not drift back to its prior)."""
+        self._expected.clear()
         for k in range(self.positions):
             self.seen[k] *= factor
             self.accepted[k] *= factor
@@ -97,6 +101,9 @@ class AcceptanceEstimate:
         """[E(1), E(2), ..., E(max_block)] (`floor`: with every rate at least that, what a probe hopes;
         `hoped`: at the better of these rates and `hopes`, where given: what a probe after an unlucky
         stretch may commit)."""
+        key = (max_block, floor, hoped)
+        if key in self._expected:
+            return self._expected[key]
         rates = self.rates()
         if hoped and self.hopes is not None:
             rates = [max(r, h) for r, h in zip(rates, self.hopes + rates[len(self.hopes) :])]
@@ -106,6 +113,7 @@ class AcceptanceEstimate:
             out.append(total)
             reach = reach * rates[b - 1] if b - 1 < len(rates) else 0.0
             total += reach
+        self._expected[key] = out
         return out
 
 
