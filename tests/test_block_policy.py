@@ -285,6 +285,25 @@ def test_one_lucky_cycle_does_not_make_a_generation_in_which_drafting_paid():
     assert policy.drafter.gain > 0 and history.paid and generation(DRAFTING_COSTS, history).choose(100) > 1
 
 
+def test_generations_at_once_each_count_with_their_own_sum():
+    """Generations may run at once (a server's rows): drafting paid if it paid, in sum, in any generation that
+    ran since the latest began, whichever kept its state last; a lead taken early and lost later is no pay."""
+    history = DrafterHistory(7)
+    for _ in range(RECENT_GENERATIONS + 1):  # a drafter that has not paid for a while: no probe at once
+        simulate(generation(DRAFTING_COSTS, history), [0.0], 40)
+    paying, idle = generation(DRAFTING_COSTS, history), generation(DRAFTING_COSTS, history)
+    for accepted in (7, 7, 0):
+        paying.observe(8, accepted, None)
+    idle.observe(1, 0, None)  # kept last, having drafted nothing
+    assert history.paid and generation(DRAFTING_COSTS, history).choose(100) > 1
+    lost = generation(DRAFTING_COSTS, history)
+    lost.observe(8, 7, None)  # ahead after one cycle,
+    assert history.paid
+    for _ in range(6):
+        lost.observe(8, 0, None)  # behind after seven
+    assert not history.paid
+
+
 def test_no_probes_where_no_block_can_pay_on_a_frozen_curve():
     policy = AdaptiveBlock(NO_BLOCK_PAYS, 5)
     probe_width = policy.choice.probe_width

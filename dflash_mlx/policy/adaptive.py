@@ -37,7 +37,7 @@ class DrafterHistory:
         self.unrun = False  # a probe was chosen and observed nothing (the reply ended first)
         self.generations = 0
         self.unpaid = 0  # generations in a row, before the latest, in which drafting did not pay
-        self.paid = False  # drafting paid in the latest generation (its cycles together beat plain decoding)
+        self._gains: dict[Source, float] = {}  # the drafter's gain in each generation that kept since the last began
 
     def learnt_rates(self, positions: int) -> tuple[list[float], bool]:
         """The long-run rates a generation starts from, and whether they rest on observations (else they are
@@ -56,20 +56,31 @@ class DrafterHistory:
         rates, observed = self.learnt_rates(positions)
         with self._lock:
             if self.generations:
-                self.unpaid = 0 if self.paid else self.unpaid + 1
-            self.generations, self.paid = self.generations + 1, False
+                self.unpaid = 0 if self._paid() else self.unpaid + 1
+            self.generations += 1
+            self._gains.clear()
             due = self.unrun or self.unpaid < RECENT_GENERATIONS
             return rates, observed, self.idle, due
+
+    @property
+    def paid(self) -> bool:
+        """Whether drafting paid (its cycles together) in a generation that ran since the latest began (generations
+        may run at once: any of them)."""
+        with self._lock:
+            return self._paid()
+
+    def _paid(self) -> bool:
+        return any(gain > 0 for gain in self._gains.values())
 
     def record(self, drafted: int, accepted: int) -> None:
         with self._lock:
             self.learnt.observe(drafted, accepted)
 
     def keep(self, drafter: Source) -> None:
-        """The generation's probe state of the drafter (and whether drafting paid so far), for the next."""
+        """The generation's probe state of the drafter (and what drafting gained in it so far), for the next."""
         with self._lock:
             self.idle, self.unrun = drafter.idle, drafter.probing
-            self.paid = drafter.gain > 0
+            self._gains[drafter] = drafter.gain
 
 
 class AdaptiveBlock:
