@@ -113,19 +113,16 @@ class AdaptiveBlock:
         probabilities) and, until its cycles are timed, the drafter's cost (a verify without a drafter forward
         costs no more)."""
         positions = max(0, self.max_block - 1)
-        history = self.span_history(name) if self.span_history is not None and odds is None else None
+        carries = odds is None and self.span_history is not None  # (a source with its own odds carries nothing)
+        history = self.span_history(name) if carries else None
         if odds is not None:
             estimate = SpanOdds(odds)
-        elif history is not None:
-            priors, observed = history.learnt_rates(positions)
-            estimate = AcceptanceEstimate(
-                positions,
-                priors=priors if observed else None,
-                record=history.record,
-                hopes=priors if observed else None,
-            )
-        else:
+        elif history is None:
             estimate = AcceptanceEstimate(positions)
+        else:
+            priors, observed = history.learnt_rates(positions)
+            learnt = priors if observed else None  # (a history with nothing observed: the bare prior)
+            estimate = AcceptanceEstimate(positions, priors=learnt, record=history.record, hopes=learnt)
         src = Source(name, estimate, prior=self.drafter.name, settles=False)
         self.spans.append(src)
         return src
