@@ -373,7 +373,7 @@ def make_legs(
             legs[name] = ours(None, None)
         elif name == "adaptive":
             legs[name] = ours(draft, None)
-        elif name[:1] == "b" and name[1:].isdigit() and int(name[1:]) >= 2:
+        elif name[:1] == "b" and name[1:].isdigit() and int(name[1:]) >= 1:
             legs[name] = ours(draft, int(name[1:]))
         else:
             raise SystemExit(f"--legs: unknown leg {name!r} (plain, adaptive, b2, b3, ...)")

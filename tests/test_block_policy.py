@@ -277,12 +277,27 @@ def test_one_lucky_cycle_does_not_make_a_generation_in_which_drafting_paid():
         simulate(policy, [0.0], 40)
     assert not history.paid and history.unpaid >= RECENT_GENERATIONS - 1
     assert simulate(generation(DRAFTING_COSTS, history), [0.0], WINDOW) == [1] * WINDOW
-    # a generation whose drafting paid in sum starts the next with a probe
+    # a generation whose drafting paid in sum, by more than its odds explain, starts the next with a probe
     policy = generation(DRAFTING_COSTS, history)
     for accepted in (7, 7, 0):
         policy.observe(8, accepted, None)
-    simulate(policy, [0.0], 10)
-    assert policy.drafter.gain > 0 and history.paid and generation(DRAFTING_COSTS, history).choose(100) > 1
+    assert policy.drafter.paid and history.paid and generation(DRAFTING_COSTS, history).choose(100) > 1
+
+
+def test_a_lucky_probe_at_odds_that_lose_is_not_pay():
+    """A sampled drafter accepting about half its drafts loses to plain decoding at every width; a probe of
+    two cycles that commit all their tokens (odds of 1 in 20) is ahead of plain decoding, yet not pay: what
+    its cycles commit varies by more than that at those odds."""
+    policy = AdaptiveBlock(DRAFTING_COSTS, 8, estimate=AcceptanceEstimate(7, weight=0.0))
+    policy.estimate.seen = [100.0] * 7
+    policy.estimate.accepted = [45.0] * 7
+    assert policy.best(8) == 1
+    for _ in range(2):
+        policy.observe(3, 2, None)
+    assert policy.drafter.gain > 0 and not policy.drafter.paid
+    for _ in range(8):  # as many more: no longer luck at these odds
+        policy.observe(3, 2, None)
+    assert policy.drafter.paid
 
 
 def test_generations_at_once_each_count_with_their_own_sum():

@@ -128,6 +128,68 @@ def test_a_curve_that_says_no_block_pays_is_timed_once_and_corrected():
     assert set(run(frozen, Machine(CHEAP), 300, rates=(0.9,))) == {1}  # a frozen curve is never timed
 
 
+def test_a_switch_costs_what_first_cycles_take_beyond_their_level_where_it_is_sure():
+    """The first cycle after another source's is not timed into a level (a drafter's first block takes in
+    the rows that waited; plain decoding's first step is not pipelined), but what it takes beyond its level is
+    a switch's cost, which a probe pays on top of its cycles: probes come later by that much. First cycles
+    scattering about their level as every cycle does are no cost."""
+    sampled = CostTable.curve(GRID, [0.0029, 0.0059, 0.0062, 0.0066, 0.0072, 0.0079])
+
+    def probes(first_extra: float, noise: float = 0.0) -> tuple[int, float]:
+        model, rng = CostModel(sampled), random.Random(5)
+        policy = AdaptiveBlock(model, 8)
+        chosen, last = [], 1
+        for _ in range(3000):
+            b = policy.choose(100)
+            t = sampled(b) * math.exp(rng.gauss(0, noise))
+            policy.observe(b, 0, t + (first_extra * sampled(b) if (b > 1) != (last > 1) else 0.0))
+            chosen.append(b)
+            last = b
+        return sum(a == 1 and b > 1 for a, b in zip(chosen, chosen[1:])), model.switch("drafter")
+
+    plain, none = probes(0.0)
+    dear, charged = probes(0.5)
+    assert none == 0 and charged == pytest.approx(0.5 * sampled(3), rel=0.05)
+    assert dear < 0.75 * plain
+    scattered, charged = probes(0.0, noise=0.3)
+    assert charged == 0.0  # noise alone (a slow first cycle now and then) is no cost of switching
+    model = CostModel(sampled, learns=False)
+    model.add_switch("drafter", 3, 10 * sampled(3))
+    assert model.switch("drafter") == 0.0  # (a model that does not learn: the table alone)
+
+
+def drafted(chosen: list[int]) -> int:
+    return sum(b > 1 for b in chosen)
+
+
+def test_a_settled_plain_run_is_decided_once_in_a_window_with_the_same_blocks():
+    """While plain decoding is the clear choice, the rule is run once per WINDOW cycles (or at the first probe
+    due): the blocks chosen are those of running it every cycle on a curve that does not learn; on one that
+    does, its probes come as often (a level moved by the cycles since may move one by a cycle or two)."""
+    from dflash_mlx.policy.choice import Choice
+
+    class EveryCycle(Choice):
+        def choose(self, offers):
+            self._quiet = None
+            return super().choose(offers)
+
+    for learns in (False, True):
+        runs = []
+        for every in (False, True):
+            policy, machine = AdaptiveBlock(CostModel(QUIET, learns=learns), 8), Machine(QUIET, seed=1)
+            if every:
+                policy.choice = EveryCycle(policy.cost, policy.plain)
+            decided = []
+            best = policy.choice.best
+            policy.choice.best = lambda offers: decided.append(1) or best(offers)
+            chosen = run(policy, machine, 1500, rates=(0.1,), seed=2)
+            runs.append((chosen, len(decided)))
+        (settled, decisions), (every_cycle, all_decisions) = runs
+        assert settled == every_cycle if not learns else abs(drafted(settled) - drafted(every_cycle)) <= 3
+        assert settled.count(1) > 1400 and drafted(settled) >= 10
+        assert all_decisions >= 1400 and decisions < all_decisions / (WINDOW - 2)
+
+
 def test_one_slow_plain_step_does_not_keep_a_losing_drafter_running():
     """One plain step 30 times its cost (a page fault, another process's moment) raises plain decoding's level
     with a wide error. Judged against that level, any probe paid, so another followed at once; plain decoding

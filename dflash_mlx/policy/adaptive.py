@@ -37,7 +37,9 @@ class DrafterHistory:
         self.unrun = False  # a probe was chosen and observed nothing (the reply ended first)
         self.generations = 0
         self.unpaid = 0  # generations in a row, before the latest, in which drafting did not pay
-        self._gains: dict[Source, float] = {}  # the drafter's gain in each generation that kept since the last began
+        self._paid_by: dict[
+            Source, bool
+        ] = {}  # whether drafting paid in each generation that kept since the last began
 
     def learnt_rates(self, positions: int) -> tuple[list[float], bool]:
         """The long-run rates a generation starts from, and whether they rest on observations (else they are
@@ -51,14 +53,15 @@ class DrafterHistory:
         prior), the drafter's probe wait, and whether its probe is due at once: a probe it never ran, or
         drafting paid in one of the last RECENT_GENERATIONS (one reply the drafter did not fit does not keep
         the next one plain for a probe's wait). Drafting paid in a generation when its cycles together
-        committed more than plain decoding would have in their time: one lucky cycle (a sampled draft is
-        accepted with odds, not surely) does not make a generation that paid."""
+        committed more than plain decoding would have in their time, by more than their odds explain
+        (`choice.Source.paid`): a few lucky cycles (a sampled draft is accepted with odds, not surely) do not
+        make a generation that paid."""
         rates, observed = self.learnt_rates(positions)
         with self._lock:
             if self.generations:
                 self.unpaid = 0 if self._paid() else self.unpaid + 1
             self.generations += 1
-            self._gains.clear()
+            self._paid_by.clear()
             due = self.unrun or self.unpaid < RECENT_GENERATIONS
             return rates, observed, self.idle, due
 
@@ -70,7 +73,7 @@ class DrafterHistory:
             return self._paid()
 
     def _paid(self) -> bool:
-        return any(gain > 0 for gain in self._gains.values())
+        return any(self._paid_by.values())
 
     def record(self, drafted: int, accepted: int) -> None:
         with self._lock:
@@ -80,7 +83,7 @@ class DrafterHistory:
         """The generation's probe state of the drafter (and what drafting gained in it so far), for the next."""
         with self._lock:
             self.idle, self.unrun = drafter.idle, drafter.probing
-            self._gains[drafter] = drafter.gain
+            self._paid_by[drafter] = drafter.paid
 
 
 class AdaptiveBlock:
@@ -161,9 +164,9 @@ class AdaptiveBlock:
 
     def observe_source(self, src: Source, b: int, accepted: int | None, seconds: float | None) -> None:
         """A cycle of `src` at width b: `accepted` drafts (None: a stop token cut it) in `seconds`."""
+        self.choice.observe(src, b, None if accepted is None else accepted + 1, seconds)  # (at the odds before it)
         if src.estimate is not None and accepted is not None and b > 1:
             src.estimate.observe(b - 1, accepted)
-        self.choice.observe(src, b, None if accepted is None else accepted + 1, seconds)
         self._keep()
 
     def _keep(self) -> None:

@@ -73,11 +73,28 @@ class Source:
     due: bool = False  # run at its next chance where it could pay (a probe that paid; a generation's start)
     probing: bool = False  # a probe of it was chosen and has observed no acceptance yet
     gain: float = field(default=0.0, repr=False)  # tokens its cycles committed beyond plain decoding's in their time
+    spread: float = field(default=0.0, repr=False)  # the variance of those tokens at its estimate's odds
+
+    @property
+    def paid(self) -> bool:
+        """Whether its cycles together committed more than plain decoding would have in their time, by SURE
+        standard deviations of what they commit at its odds (sampled drafts are accepted with odds: a few
+        lucky cycles of a drafter that loses are not pay)."""
+        return self.gain > SURE * math.sqrt(self.spread)
 
     def expected(self, b: int, floor: float = 0.0, hoped: bool = False) -> float:
         """E(b): the tokens a cycle of width b commits (`floor`: at every position's rate at least that;
         `hoped`: at the better of its rates and its estimate's hopes, its drafter's history)."""
         return 1.0 if self.estimate is None else self.estimate.expected_tokens(b, floor, hoped)[-1]
+
+    def variance(self, b: int) -> float:
+        """The variance of the tokens a cycle of width b commits: 1 plus the number of drafts reached, each
+        position k (1..b - 1) reached with odds r_k, so E[S^2] = sum (2k - 1) r_k."""
+        if self.estimate is None or b < 2:
+            return 0.0
+        tokens = self.estimate.expected_tokens(b)
+        reach = [tokens[k] - tokens[k - 1] for k in range(1, b)]
+        return max(0.0, sum((2 * k - 1) * r for k, r in enumerate(reach, 1)) - sum(reach) ** 2)
 
 
 class Choice:
@@ -89,6 +106,8 @@ class Choice:
         self.last: tuple[int, str] | None = None  # (rows, source) of the last observed cycle
         self.running: Source = plain  # the source the rule chose last (a probe is not a choice)
         self._stretch: list[tuple[Source, int]] = []  # a probe's cycles still to run
+        self._quiet: tuple | None = None  # (offers, width, cycles, the machine's changes): a settled run's rest
+        self._wait = 0  # chances left before the first probe of the last choice's others is due
 
     def seconds(self, src: Source, b: int) -> float:
         return self.cost.seconds(src.name, b, self.rows, src.prior)
@@ -141,14 +160,28 @@ class Choice:
             widest = next((w for s, w in offers if s is src), 0)
             if widest >= b:
                 return src, b
+        quiet = self._quiet
+        if quiet is not None and quiet[2] > 0 and quiet[0] == offers and quiet[3] == self.cost.changes:
+            self._quiet = (*quiet[:2], quiet[2] - 1, quiet[3])
+            for other, _ in offers:
+                other.idle += other is not self.plain
+            return self.plain, quiet[1]
         src, b, rate = self.best(offers)
-        src.idle, self.running = 0, src
+        src.idle, self.running, self._wait = 0, src, WINDOW
         for other, widest in offers:
             if other is not src:
                 other.idle += 1
                 probe = self.probe(other, widest, src, b, rate)
                 if probe is not None:
+                    self._quiet = None
                     return probe
+        # plain decoding chosen clearly: the same for the next cycles, up to the first probe due and at most WINDOW
+        # (its cycles move only its level, the mean of WINDOW of them: one moves it by a fraction of what sets it
+        # apart from the others; where one is within RESOLUTION of it, every cycle decides)
+        clear = src is self.plain and all(
+            self.best_width(o, w, rate)[1] < rate * (1 - RESOLUTION) for o, w in offers if o is not src
+        )
+        self._quiet = (offers, b, self._wait - 1, self.cost.changes) if clear else None
         return src, b
 
     def probe(self, src: Source, widest: int, chosen: Source, b: int, rate: float) -> tuple[Source, int] | None:
@@ -158,8 +191,9 @@ class Choice:
         if not (hopeful or self.cost.learns):
             return None  # (a probe for its time alone, where no time is learnt)
         cycles = self.cycles(src, timing or not hopeful)
-        loss = cycles * self.loss(src, width, rate, hopeful)
+        loss = cycles * self.loss(src, width, rate, hopeful) + self.switches(src, chosen)
         if not (timing or (src.due and hopeful) or self._waited(src, chosen, b, loss)):
+            self._wait = min(self._wait, self._left(src, chosen, b, loss))
             return None
         src.idle, src.due, src.probing = 0, False, True
         self._stretch = [(src, width)] * (cycles - 1)
@@ -199,7 +233,8 @@ class Choice:
         chosen, b, rate = self.best(others)
         src.idle += 1
         width, hopeful = self.probe_width(src, widest, rate)
-        return (hopeful and src.due) or self._waited(src, chosen, b, self.loss(src, width, rate, hopeful))
+        loss = self.loss(src, width, rate, hopeful) + self.switches(src, chosen)
+        return (hopeful and src.due) or self._waited(src, chosen, b, loss)
 
     def loss(self, src: Source, width: int, rate: float, hopeful: bool = True) -> float:
         """Seconds a cycle of `src` at `width` is expected to lose against the chosen source's `rate`: its
@@ -209,6 +244,18 @@ class Choice:
         plain decoding's tokens: its drafts all rejected)."""
         tokens = src.expected(width, hoped=True) if hopeful else self.plain.expected(1)
         return max(0.0, self.seconds(src, width) - tokens / rate)
+
+    def switches(self, src: Source, chosen: Source) -> float:
+        """Seconds a probe of `src` costs in switching, beyond its cycles' and the chosen source's levels: to
+        `src` and back to `chosen`, for each that `settles` (`CostModel.switch`: what their first cycles after
+        another's took beyond their level; a drafter's first block takes in the rows that waited)."""
+        return sum(self.cost.switch(s.name, self.rows) for s in (src, chosen) if s.settles and s.prior is None)
+
+    def _left(self, src: Source, chosen: Source, b: int, loss: float) -> int:
+        """The chances `src` waits yet before `_waited` holds (its costs as they are now)."""
+        per = BUDGET * self.seconds(chosen, b)
+        needed = max(WINDOW, math.ceil(loss / per) if per > 0 else WINDOW)
+        return max(0, needed - src.idle)
 
     def _waited(self, src: Source, chosen: Source, b: int, loss: float) -> bool:
         """Whether `src` has waited long enough for a probe losing `loss` seconds to cost BUDGET of the time
@@ -220,14 +267,19 @@ class Choice:
         """A cycle of `src` at width b committed `committed` tokens (None: a stop token cut it) in `seconds`
         (None: not its own cost); its acceptance is its owner's to observe."""
         key, self.last = self.last, (self.rows, src.name)
+        if src is not self.plain:
+            self._quiet = None
         if seconds is not None and (key == self.last or not src.settles):
             self.cost.add(src.name, b, seconds, self.rows)
+        elif seconds is not None and key is not None:  # its first cycle after another source's: a switch
+            self.cost.add_switch(src.name, b, seconds, self.rows)
         if src is self.plain or committed is None:
             return
         # beyond what plain decoding would have committed, by the margin that proves a source (a hiccup that
         # made plain decoding's level look dear does not make every probe look paid)
         gain = committed - self.rate(self.plain, 1) * self.margin(src) * self.seconds(src, b)
         src.gain += gain
+        src.spread += src.variance(b)  # (the odds before this cycle: its owner observes its acceptance after)
         if src.probing:  # a probe that paid: its acceptance may have recovered, so the next cycles count more,
             src.probing, src.due = False, gain >= 0  # and another probe comes at once while the estimate catches up
             if gain >= 0 and src.estimate is not None:

@@ -112,6 +112,7 @@ class CostModel:
         self._levels: dict[tuple[int, str], deque] = {}  # (rows, source) -> newest log(seconds / T(rows, b))
         self._deviations: dict[tuple[int, str], deque] = {}  # (rows, source) -> |one of those - the median before|
         self._stale: dict[tuple[int, str], int] = {}  # levels timed before the machine changed -> which way
+        self._switches: dict[tuple[int, str], deque] = {}  # (rows, source) -> newest first cycles' extra seconds
         self._read: dict[tuple[int, str, str | None], tuple[float, float, int]] = {}  # levels read since the last add
 
     def __call__(self, b: int, rows: int = 1) -> float:
@@ -160,6 +161,30 @@ class CostModel:
     def seconds(self, source: str, b: int, rows: int = 1, prior: str | None = None) -> float:
         """`source`'s seconds per cycle at width b: the table's, scaled by its level."""
         return self.table(b, rows) * math.exp(self.level(source, rows, prior)[0])
+
+    def add_switch(self, source: str, b: int, seconds: float, rows: int = 1) -> None:
+        """The first cycle of `source` after another source's took `seconds` (not timed into its level: a
+        drafter's first block takes in the rows that waited, plain decoding's first step is not pipelined):
+        what it took beyond its level's cost is what a switch to it costs (nothing where the model does not
+        learn)."""
+        if not self.learns or not seconds > 0 or rows not in self.table.rows:
+            return
+        extra = seconds - self.seconds(source, b, rows)
+        with self._lock:
+            self._switches.setdefault((rows, source), deque(maxlen=WINDOW)).append(extra)
+
+    def switch(self, source: str, rows: int = 1) -> float:
+        """Seconds a switch to `source` costs beyond its cycle's level: the mean of its newest WINDOW first
+        cycles' extra seconds where it is SURE standard errors above 0, else 0 (where cycle times scatter, a
+        few slow first cycles are not a cost of switching)."""
+        with self._lock:
+            extra = list(self._switches.get((rows, source), ()))
+        n = len(extra)
+        if n < 2:
+            return 0.0
+        mean = sum(extra) / n
+        error = math.sqrt(sum((x - mean) ** 2 for x in extra) / (n - 1) / n)
+        return mean if mean > SURE * error else 0.0
 
     def stale(self, source: str, rows: int = 1) -> int | None:
         """Whether `source`'s level wants measuring: None where it is fresh, 0 where it rests on fewer than
