@@ -22,7 +22,6 @@ injects) is the table alone, whatever the timings. Why: docs/adaptive.md.
 from __future__ import annotations
 
 import math
-import statistics
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -154,7 +153,7 @@ class CostModel:
         machine's noise as seen), else 0."""
         deviations = self._deviations.get((rows, source), ())
         if len(deviations) >= 3:
-            return MAD_TO_SD * statistics.median(deviations)
+            return MAD_TO_SD * _median(list(deviations))
         known = [k for (n, k), d in self._deviations.items() if n == rows and len(d) >= 3]
         return max((self._noise(rows, k) for k in known), default=0.0)
 
@@ -212,9 +211,9 @@ class CostModel:
                 deviations.clear()
             y = math.log(seconds / self.table(b, rows))
             if levels:
-                deviations.append(abs(y - statistics.median(list(levels)[-WINDOW:])))
+                deviations.append(abs(y - _median(list(levels)[-WINDOW:])))
             levels.append(y)
-            change = _change(levels, self._noise(rows, source))
+            change = _change(levels, lambda: self._noise(rows, source))
             if change:
                 while len(levels) > WINDOW:
                     levels.popleft()
@@ -247,16 +246,24 @@ def _newest_costs(levels) -> list[float]:
     return [math.exp(y) for y in list(levels)[-WINDOW:]]
 
 
-def _change(levels, spread: float) -> int:
+def _median(values: list[float]) -> float:
+    """The median (`statistics.median` without its checks: this runs every timed cycle)."""
+    ordered, n = sorted(values), len(values)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def _change(levels, spread) -> int:
     """+1 (slower) or -1 (faster) where the newest WINDOW cycles lie all above, or all below, the median of
     the (at least WINDOW) cycles before them by more than CHANGE times and SURE of the cycles' standard
-    deviations (`spread`): noise, and a burst of a few slow cycles (another job's time slice), put a few on
-    either side; another job starting or stopping puts them all on one. Else 0."""
+    deviations (`spread()`, asked only where the cycles are beyond CHANGE): noise, and a burst of a few slow
+    cycles (another job's time slice), put a few on either side; another job starting or stopping puts them
+    all on one. Else 0."""
     if len(levels) < 2 * WINDOW:
         return 0
     values = list(levels)
-    older, newest = statistics.median(values[:-WINDOW]), values[-WINDOW:]
-    jump = max(math.log(CHANGE), SURE * spread)
-    if all(y - older > jump for y in newest):
-        return 1
-    return -1 if all(older - y > jump for y in newest) else 0
+    older, newest = _median(values[:-WINDOW]), values[-WINDOW:]
+    low, high = min(newest) - older, older - max(newest)
+    if max(low, high) <= math.log(CHANGE):
+        return 0
+    jump = max(math.log(CHANGE), SURE * spread())
+    return 1 if low > jump else -1 if high > jump else 0
