@@ -376,7 +376,7 @@ def make_legs(
         elif name[:1] == "b" and name[1:].isdigit() and int(name[1:]) >= 1:
             legs[name] = ours(draft, int(name[1:]))
         else:
-            raise SystemExit(f"--legs: unknown leg {name!r} (plain, adaptive, b2, b3, ...)")
+            raise SystemExit(f"--legs: unknown leg {name!r} (plain, adaptive, b1, b2, ...)")
     return legs
 
 
@@ -1870,7 +1870,11 @@ def main() -> None:
 
     p = sub.add_parser("legs", help="mlx-lm against dflash-mlx legs, alternated")
     p.add_argument("--settings", default="demo-gsm8k,demo-mtbench,untrained,4bit,long,synthetic")
-    p.add_argument("--legs", default="plain,adaptive", help="plain, adaptive, b2 ... (comma-separated)")
+    p.add_argument(
+        "--legs",
+        default="plain,adaptive",
+        help="plain, adaptive, b1 (the drafter present, never drafting), b2 ... (comma-separated)",
+    )
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=10)
