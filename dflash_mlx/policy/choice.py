@@ -26,15 +26,20 @@ and how its cost is timed. `Choice` runs the rule for one request's policy
   after a probe of it paid; else once it has
   waited as many cycles as keep a probe's expected loss (its seconds beyond
   the time the chosen source takes for the tokens it is expected to commit,
-  at the better of its estimate and its drafter's history) to BUDGET of the
-  time, and at least WINDOW (`cost`: a switch costs more than its timed
-  cycles show). A
+  at the better of its estimate and its drafter's history, and the switches
+  to it and back: `CostModel.switch`) to BUDGET of the time, and at least
+  WINDOW. A
   probe is the narrowest width that would beat the chosen source were its
   drafts accepted as a good drafter's are (`PRIOR_RATE`), else (a probe for
   its time alone: never where the model does not learn) its narrowest.
   After a probe that paid (committed what plain decoding would have in its
   time) the source's acceptance counts are weighed by SOFTEN, so that
   acceptance that recovered shows at once, and another probe is due.
+- **A settled plain run.** Where plain decoding is the clear choice (every
+  other rate more than RESOLUTION below it) the rule runs once per WINDOW
+  cycles or at the first probe due (its own Python is a share of a small
+  model's step); another source's cycle, another offer or a change of the
+  machine runs it at once.
 - **Timing.** A cycle's seconds go to its source's level unless it is the
   first after another source's and the source `settles` (plain decoding's
   first step after a block is not pipelined; a drafter's first block takes
@@ -228,9 +233,10 @@ class Choice:
     def due(self, src: Source, widest: int, others: list[tuple[Source, int]]) -> bool:
         """Whether `src` would run next were it offered (the best, or its probe due), without choosing; a
         chance passed by counts towards its probe."""
-        if self.best(others + [(src, widest)])[0] is src:
+        # where src is not the best, this is the best of the others (of equals the first is kept; src is last)
+        chosen, b, rate = self.best(others + [(src, widest)])
+        if chosen is src:
             return True
-        chosen, b, rate = self.best(others)
         src.idle += 1
         width, hopeful = self.probe_width(src, widest, rate)
         loss = self.loss(src, width, rate, hopeful) + self.switches(src, chosen)

@@ -14,7 +14,9 @@ A source's newest WINDOW cycles all CHANGE times slower or faster than the
 median of the ones before them (and SURE standard deviations, where cycle
 times scatter) mean the machine changed: another job started or stopped. Its
 older cycles are dropped and every other source's level goes *stale*, to be
-measured again (`stale`, with the way the machine went). A model that does
+measured again (`stale`, with the way the machine went). What a source's
+first cycle after another's takes beyond its level is what a switch to it
+costs (`switch`: the mean of the newest WINDOW, where sure). A model that does
 not learn (`learns=False`: seeded requests, sharded ranks, a curve a test
 injects) is the table alone, whatever the timings. Why: docs/adaptive.md.
 """
@@ -112,6 +114,7 @@ class CostModel:
         self._deviations: dict[tuple[int, str], deque] = {}  # (rows, source) -> |one of those - the median before|
         self._stale: dict[tuple[int, str], int] = {}  # levels timed before the machine changed -> which way
         self._switches: dict[tuple[int, str], deque] = {}  # (rows, source) -> newest first cycles' extra seconds
+        self._switch: dict[tuple[int, str], float] = {}  # (rows, source) -> what a switch costs (`switch`)
         self._read: dict[tuple[int, str, str | None], tuple[float, float, int]] = {}  # levels read since the last add
 
     def __call__(self, b: int, rows: int = 1) -> float:
@@ -170,20 +173,15 @@ class CostModel:
             return
         extra = seconds - self.seconds(source, b, rows)
         with self._lock:
-            self._switches.setdefault((rows, source), deque(maxlen=WINDOW)).append(extra)
+            newest = self._switches.setdefault((rows, source), deque(maxlen=WINDOW))
+            newest.append(extra)
+            self._switch[rows, source] = _sure_mean(newest)
 
     def switch(self, source: str, rows: int = 1) -> float:
         """Seconds a switch to `source` costs beyond its cycle's level: the mean of its newest WINDOW first
         cycles' extra seconds where it is SURE standard errors above 0, else 0 (where cycle times scatter, a
-        few slow first cycles are not a cost of switching)."""
-        with self._lock:
-            extra = list(self._switches.get((rows, source), ()))
-        n = len(extra)
-        if n < 2:
-            return 0.0
-        mean = sum(extra) / n
-        error = math.sqrt(sum((x - mean) ** 2 for x in extra) / (n - 1) / n)
-        return mean if mean > SURE * error else 0.0
+        few slow first cycles are not a cost of switching). (Kept as its first cycles come: read every cycle.)"""
+        return self._switch.get((rows, source), 0.0)
 
     def stale(self, source: str, rows: int = 1) -> int | None:
         """Whether `source`'s level wants measuring: None where it is fresh, 0 where it rests on fewer than
@@ -244,6 +242,16 @@ def _mean_spread(levels) -> float:
 def _newest_costs(levels) -> list[float]:
     """The newest WINDOW cycles' seconds over the table's (the levels are their logs)."""
     return [math.exp(y) for y in list(levels)[-WINDOW:]]
+
+
+def _sure_mean(values) -> float:
+    """The mean of `values` where it is SURE standard errors above 0, else 0 (fewer than two: 0)."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    error = math.sqrt(sum((x - mean) ** 2 for x in values) / (n - 1) / n)
+    return mean if mean > SURE * error else 0.0
 
 
 def _median(values: list[float]) -> float:
