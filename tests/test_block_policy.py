@@ -449,3 +449,19 @@ def test_every_constant_of_the_policy_is_listed_in_the_docs_with_its_reason():
     rows = {line.split("|")[1].strip().strip("`") for line in table.splitlines() if line.startswith("| `")}
     assert rows == names and len(names) < 51
     assert f"{len(names)}, where there were 51" in " ".join(table.split())
+
+
+def test_a_source_chosen_is_no_longer_due_for_a_probe():
+    """A probe that paid makes its source due at its next chance; chosen as the best instead, it runs, and a
+    probe of it is no longer due: it must not pre-empt the next source that beats it (traced in `bench.py load
+    --scenario run`: after the load stopped, each copy-index span the rule chose was replaced by a two-cycle
+    probe of the drafter at b3, for 40-66 cycles of a window)."""
+    policy = AdaptiveBlock(FLAT, 8)
+    policy.drafter.due = True
+    assert policy.choose(8) == 8
+    assert not policy.drafter.due
+    span = policy.span_source("lookup")
+    span.estimate.seen = [100.0] * 7
+    span.estimate.accepted = [100.0] * 7  # a span always accepted: the best source when offered
+    src, width = policy.choose_from(8, [(span, 8)])
+    assert src is span and width == 8

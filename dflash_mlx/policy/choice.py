@@ -172,7 +172,7 @@ class Choice:
                 other.idle += other is not self.plain
             return self.plain, quiet[1]
         src, b, rate = self.best(offers)
-        src.idle, self.running, self._wait = 0, src, WINDOW
+        src.idle, src.due, self.running, self._wait = 0, False, src, WINDOW  # (chosen, it runs: no probe due)
         for other, widest in offers:
             if other is not src:
                 other.idle += 1
