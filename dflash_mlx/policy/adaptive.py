@@ -37,9 +37,8 @@ class DrafterHistory:
         self.unrun = False  # a probe was chosen and observed nothing (the reply ended first)
         self.generations = 0
         self.unpaid = 0  # generations in a row, before the latest, in which drafting did not pay
-        self._paid_by: dict[
-            Source, bool
-        ] = {}  # whether drafting paid in each generation that kept since the last began
+        # whether drafting paid in each generation that kept its state since the latest began
+        self._paid_by: dict[Source, bool] = {}
 
     def learnt_rates(self, positions: int) -> tuple[list[float], bool]:
         """The long-run rates a generation starts from, and whether they rest on observations (else they are
@@ -80,7 +79,7 @@ class DrafterHistory:
             self.learnt.observe(drafted, accepted)
 
     def keep(self, drafter: Source) -> None:
-        """The generation's probe state of the drafter (and what drafting gained in it so far), for the next."""
+        """The generation's probe state of the drafter (and whether drafting paid in it so far), for the next."""
         with self._lock:
             self.idle, self.unrun = drafter.idle, drafter.probing
             self._paid_by[drafter] = drafter.paid

@@ -255,7 +255,7 @@ class Choice:
         """Seconds a probe of `src` costs in switching, beyond its cycles' and the chosen source's levels: to
         `src` and back to `chosen`, for each that `settles` (`CostModel.switch`: what their first cycles after
         another's took beyond their level; a drafter's first block takes in the rows that waited)."""
-        return sum(self.cost.switch(s.name, self.rows) for s in (src, chosen) if s.settles and s.prior is None)
+        return sum(self.cost.switch(s.name, self.rows) for s in (src, chosen) if s.settles)
 
     def _left(self, src: Source, chosen: Source, b: int, loss: float) -> int:
         """The chances `src` waits yet before `_waited` holds (its costs as they are now)."""

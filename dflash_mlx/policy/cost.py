@@ -24,6 +24,7 @@ injects) is the table alone, whatever the timings. Why: docs/adaptive.md.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -156,7 +157,7 @@ class CostModel:
         machine's noise as seen), else 0."""
         deviations = self._deviations.get((rows, source), ())
         if len(deviations) >= 3:
-            return MAD_TO_SD * _median(list(deviations))
+            return MAD_TO_SD * statistics.median(deviations)
         known = [k for (n, k), d in self._deviations.items() if n == rows and len(d) >= 3]
         return max((self._noise(rows, k) for k in known), default=0.0)
 
@@ -209,7 +210,7 @@ class CostModel:
                 deviations.clear()
             y = math.log(seconds / self.table(b, rows))
             if levels:
-                deviations.append(abs(y - _median(list(levels)[-WINDOW:])))
+                deviations.append(abs(y - statistics.median(list(levels)[-WINDOW:])))
             levels.append(y)
             change = _change(levels, lambda: self._noise(rows, source))
             if change:
@@ -254,12 +255,6 @@ def _sure_mean(values) -> float:
     return mean if mean > SURE * error else 0.0
 
 
-def _median(values: list[float]) -> float:
-    """The median (`statistics.median` without its checks: this runs every timed cycle)."""
-    ordered, n = sorted(values), len(values)
-    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
-
-
 def _change(levels, spread) -> int:
     """+1 (slower) or -1 (faster) where the newest WINDOW cycles lie all above, or all below, the median of
     the (at least WINDOW) cycles before them by more than CHANGE times and SURE of the cycles' standard
@@ -269,7 +264,7 @@ def _change(levels, spread) -> int:
     if len(levels) < 2 * WINDOW:
         return 0
     values = list(levels)
-    older, newest = _median(values[:-WINDOW]), values[-WINDOW:]
+    older, newest = statistics.median(values[:-WINDOW]), values[-WINDOW:]
     low, high = min(newest) - older, older - max(newest)
     if max(low, high) <= math.log(CHANGE):
         return 0
