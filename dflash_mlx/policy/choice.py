@@ -125,9 +125,9 @@ class Choice:
         """{b: tokens per second} of `src` at widths 2..widest (`floor`: as for `Source.expected`), its
         estimate and level read once."""
         tokens = src.estimate.expected_tokens(widest, floor) if src.estimate is not None else [1.0] * widest
-        scale = math.exp(self.cost.level(src.name, self.rows, src.prior)[0])
-        table, rows = self.cost.table, self.rows
-        return {b: tokens[b - 1] / (table(b, rows) * scale) for b in range(2, widest + 1)}
+        scale = self.cost.scale(src.name, self.rows, src.prior)
+        line = self.cost.table.upto(widest, self.rows)
+        return {b: tokens[b - 1] / (line[b - 1] * scale) for b in range(2, widest + 1)}
 
     def best_width(self, src: Source, widest: int, floor: float = 0.0) -> tuple[int, float]:
         """`src`'s width (1 for plain decoding, else 2..widest): the widest within RESOLUTION of its best rate

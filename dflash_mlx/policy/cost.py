@@ -70,7 +70,7 @@ class CostTable:
             raise ValueError(f"Cycle times must be positive, got {[list(line) for line in seconds]}.")
         nearest = {b: min(blocks, key=lambda g: (abs(g - b), g)) for b in range(1, blocks[-1] + 1)}
         object.__setattr__(self, "_nearest", nearest)
-        object.__setattr__(self, "_values", {})  # (b, rows) -> seconds: the policy reads them every cycle
+        object.__setattr__(self, "_values", {})  # (b, rows) -> seconds, and `upto`'s: the policy reads them every cycle
 
     @classmethod
     def curve(cls, blocks, seconds) -> CostTable:
@@ -86,6 +86,13 @@ class CostTable:
                 value = _between(self.rows, [_between(self.blocks, line, b) for line in self.seconds], rows)
             self._values[b, rows] = value
         return value
+
+    def upto(self, widest: int, rows: int = 1) -> tuple[float, ...]:
+        """(T(1), ..., T(widest)) at `rows` rows (the policy reads a source's every width each cycle)."""
+        values = self._values.get((widest, rows, "upto"))
+        if values is None:
+            values = self._values[widest, rows, "upto"] = tuple(self(b, rows) for b in range(1, widest + 1))
+        return values
 
     def line(self, rows: int = 1) -> tuple[float, ...]:
         """The measured seconds at every grid block for this row count (a grid row count)."""
@@ -117,6 +124,11 @@ class CostModel:
         self._switches: dict[tuple[int, str], deque] = {}  # (rows, source) -> newest first cycles' extra seconds
         self._switch: dict[tuple[int, str], float] = {}  # (rows, source) -> what a switch costs (`switch`)
         self._read: dict[tuple[int, str, str | None], tuple[float, float, int]] = {}  # levels read since the last add
+        self._scales: dict[tuple[int, str, str | None], float] = {}  # e to those levels (`scale`)
+        # (rows, source) -> (level, spread, count) and its robust noise (None: fewer than 3 deviations), as of its
+        # last timed cycle (read every cycle, changed only by `add`)
+        self._summary: dict[tuple[int, str], tuple[float, float, int]] = {}
+        self._mad: dict[tuple[int, str], float | None] = {}
 
     def __call__(self, b: int, rows: int = 1) -> float:
         return self.table(b, rows)
@@ -143,27 +155,37 @@ class CostModel:
 
     def _level(self, source: str, rows: int, prior: str | None) -> tuple[float, float, int]:
         """`level`, computed (under the lock; kept until the next timed cycle: a choice reads it several times)."""
-        levels = self._levels.get((rows, source))
-        if not levels:
-            levels = self._levels.get((rows, prior)) if prior is not None else None
-            return (_mean_level(levels) if levels else 0.0), 0.0, 0
-        n = min(len(levels), WINDOW)
-        spread = max(_mean_spread(levels), self._noise(rows, source))
-        return _mean_level(levels), spread / math.sqrt(n), n
+        summary = self._summary.get((rows, source))
+        if summary is None:
+            summary = self._summary.get((rows, prior)) if prior is not None else None
+            return (summary[0] if summary else 0.0), 0.0, 0
+        level, spread, n = summary
+        return level, max(spread, self._noise(rows, source)) / math.sqrt(n), n
 
     def _noise(self, rows: int, source: str) -> float:
         """The standard deviation of `source`'s cycle times about their level (robust: from the median of
         its last 4 x WINDOW deviations); with fewer than 3, the widest of this row count's sources' (the
         machine's noise as seen), else 0."""
-        deviations = self._deviations.get((rows, source), ())
-        if len(deviations) >= 3:
-            return MAD_TO_SD * statistics.median(deviations)
-        known = [k for (n, k), d in self._deviations.items() if n == rows and len(d) >= 3]
-        return max((self._noise(rows, k) for k in known), default=0.0)
+        own = self._mad.get((rows, source))
+        if own is not None:
+            return own
+        return max((m for (n, _), m in self._mad.items() if n == rows and m is not None), default=0.0)
+
+    def scale(self, source: str, rows: int = 1, prior: str | None = None) -> float:
+        """What `source`'s cycles cost over the table's: e to its `level` (read every cycle, kept as `level`)."""
+        key = (rows, source, prior)
+        with self._lock:
+            scale = self._scales.get(key)
+            if scale is None:
+                read = self._read.get(key)
+                if read is None:
+                    read = self._read[key] = self._level(source, rows, prior)
+                scale = self._scales[key] = math.exp(read[0])
+            return scale
 
     def seconds(self, source: str, b: int, rows: int = 1, prior: str | None = None) -> float:
         """`source`'s seconds per cycle at width b: the table's, scaled by its level."""
-        return self.table(b, rows) * math.exp(self.level(source, rows, prior)[0])
+        return self.table(b, rows) * self.scale(source, rows, prior)
 
     def add_switch(self, source: str, b: int, seconds: float, rows: int = 1) -> None:
         """The first cycle of `source` after another source's took `seconds` (not timed into its level: a
@@ -202,6 +224,7 @@ class CostModel:
         with self._lock:
             self.cycles += 1
             self._read.clear()
+            self._scales.clear()
             key = (rows, source)
             levels = self._levels.setdefault(key, deque(maxlen=4 * WINDOW))
             deviations = self._deviations.setdefault(key, deque(maxlen=4 * WINDOW))
@@ -212,6 +235,7 @@ class CostModel:
             if levels:
                 deviations.append(abs(y - statistics.median(list(levels)[-WINDOW:])))
             levels.append(y)
+            self._mad[key] = MAD_TO_SD * statistics.median(deviations) if len(deviations) >= 3 else None
             change = _change(levels, lambda: self._noise(rows, source))
             if change:
                 while len(levels) > WINDOW:
@@ -219,20 +243,22 @@ class CostModel:
                 deviations.clear()
                 self._stale.update({k: change for k in self._levels if k[0] == rows and k != key})
                 self.changes += 1
+                self._mad[key] = None
+            newest = _newest_costs(levels)
+            self._summary[key] = (_mean_level(newest), _mean_spread(newest), len(newest))
 
 
-def _mean_level(levels) -> float:
-    """The log of the mean of the newest WINDOW cycles' seconds over the table's: what the cycles cost on
-    average, a rare very slow one included (under load a multi-row verify may take 60 times its usual time
-    now and then: a median would not see what those cycles cost)."""
-    newest = _newest_costs(levels)
+def _mean_level(newest: list[float]) -> float:
+    """The log of the mean of the newest WINDOW cycles' seconds over the table's (`_newest_costs`): what the
+    cycles cost on average, a rare very slow one included (under load a multi-row verify may take 60 times
+    its usual time now and then: a median would not see what those cycles cost)."""
     return math.log(sum(newest) / len(newest))
 
 
-def _mean_spread(levels) -> float:
-    """The standard deviation of the newest WINDOW cycles' costs relative to their mean (the log level's, to
-    first order; 0 for fewer than two). (Floats: `statistics.stdev` sums exact fractions, 50 us a call.)"""
-    newest = _newest_costs(levels)
+def _mean_spread(newest: list[float]) -> float:
+    """The standard deviation of the newest WINDOW cycles' costs (`_newest_costs`) relative to their mean (the
+    log level's, to first order; 0 for fewer than two). (Floats: `statistics.stdev` sums exact fractions, 50 us
+    a call.)"""
     n = len(newest)
     if n < 2:
         return 0.0

@@ -121,8 +121,11 @@ class LookupIndex:
         return table + tokens + sum(sys.getsizeof(b) for b in self._before)
 
     def match(self) -> tuple[int, int]:
-        """(length of the longest indexed suffix match, where that occurrence ends), or (0, -1)."""
+        """(length of the longest indexed suffix match, where that occurrence ends), or (0, -1). (Asked every
+        cycle: a suffix whose shortest n-gram never occurred has no longer match, so that one is asked first.)"""
         seq = self.tokens
+        if len(seq) < self.min_match or tuple(seq[len(seq) - self.min_match :]) not in self._ends:
+            return 0, -1
         for n in range(min(self.max_match, len(seq)), self.min_match - 1, -1):
             end = self._ends.get(tuple(seq[len(seq) - n :]))
             if end is not None:
