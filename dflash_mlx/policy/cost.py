@@ -125,10 +125,11 @@ class CostModel:
         self._switch: dict[tuple[int, str], float] = {}  # (rows, source) -> what a switch costs (`switch`)
         self._read: dict[tuple[int, str, str | None], tuple[float, float, int]] = {}  # levels read since the last add
         self._scales: dict[tuple[int, str, str | None], float] = {}  # e to those levels (`scale`)
-        # (rows, source) -> (level, spread, count) and its robust noise (None: fewer than 3 deviations), as of its
-        # last timed cycle (read every cycle, changed only by `add`)
+        # (rows, source) -> its newest WINDOW cycles' seconds over the table's, and their (level, spread, count), as
+        # of its last timed cycle (read every cycle, changed only by `add`)
+        self._costs: dict[tuple[int, str], deque] = {}
         self._summary: dict[tuple[int, str], tuple[float, float, int]] = {}
-        self._mad: dict[tuple[int, str], float | None] = {}
+        self._mad: dict[tuple[int, str], float | None] = {}  # its robust noise (`_own_noise`), until its next cycle
 
     def __call__(self, b: int, rows: int = 1) -> float:
         return self.table(b, rows)
@@ -166,10 +167,18 @@ class CostModel:
         """The standard deviation of `source`'s cycle times about their level (robust: from the median of
         its last 4 x WINDOW deviations); with fewer than 3, the widest of this row count's sources' (the
         machine's noise as seen), else 0."""
-        own = self._mad.get((rows, source))
+        own = self._own_noise((rows, source))
         if own is not None:
             return own
-        return max((m for (n, _), m in self._mad.items() if n == rows and m is not None), default=0.0)
+        known = (self._own_noise(k) for k in self._deviations if k[0] == rows)
+        return max((noise for noise in known if noise is not None), default=0.0)
+
+    def _own_noise(self, key: tuple[int, str]) -> float | None:
+        """MAD_TO_SD times the median of the source's deviations (None: fewer than 3), kept until its next cycle."""
+        if key not in self._mad:
+            deviations = self._deviations.get(key, ())
+            self._mad[key] = MAD_TO_SD * statistics.median(deviations) if len(deviations) >= 3 else None
+        return self._mad[key]
 
     def scale(self, source: str, rows: int = 1, prior: str | None = None) -> float:
         """What `source`'s cycles cost over the table's: e to its `level` (read every cycle, kept as `level`)."""
@@ -226,37 +235,41 @@ class CostModel:
             self._read.clear()
             self._scales.clear()
             key = (rows, source)
-            levels = self._levels.setdefault(key, deque(maxlen=4 * WINDOW))
-            deviations = self._deviations.setdefault(key, deque(maxlen=4 * WINDOW))
+            if key not in self._levels:
+                self._levels[key], self._deviations[key] = deque(maxlen=4 * WINDOW), deque(maxlen=4 * WINDOW)
+                self._costs[key] = deque(maxlen=WINDOW)
+            levels, deviations, costs = self._levels[key], self._deviations[key], self._costs[key]
             if self._stale.pop(key, None) is not None:  # measured afresh since the machine changed: its older
                 levels.clear()  # cycles are of another machine
                 deviations.clear()
+                costs.clear()
             y = math.log(seconds / self.table(b, rows))
             if levels:
                 deviations.append(abs(y - statistics.median(list(levels)[-WINDOW:])))
             levels.append(y)
-            self._mad[key] = MAD_TO_SD * statistics.median(deviations) if len(deviations) >= 3 else None
+            costs.append(math.exp(y))
+            self._mad.pop(key, None)
             change = _change(levels, lambda: self._noise(rows, source))
             if change:
                 while len(levels) > WINDOW:
                     levels.popleft()
                 deviations.clear()
+                self._mad.pop(key, None)
                 self._stale.update({k: change for k in self._levels if k[0] == rows and k != key})
                 self.changes += 1
-                self._mad[key] = None
-            newest = _newest_costs(levels)
+            newest = list(costs)
             self._summary[key] = (_mean_level(newest), _mean_spread(newest), len(newest))
 
 
 def _mean_level(newest: list[float]) -> float:
-    """The log of the mean of the newest WINDOW cycles' seconds over the table's (`_newest_costs`): what the
+    """The log of the mean of the newest WINDOW cycles' seconds over the table's (e to their levels): what the
     cycles cost on average, a rare very slow one included (under load a multi-row verify may take 60 times
     its usual time now and then: a median would not see what those cycles cost)."""
     return math.log(sum(newest) / len(newest))
 
 
 def _mean_spread(newest: list[float]) -> float:
-    """The standard deviation of the newest WINDOW cycles' costs (`_newest_costs`) relative to their mean (the
+    """The standard deviation of the newest WINDOW cycles' costs (e to their levels) relative to their mean (the
     log level's, to first order; 0 for fewer than two). (Floats: `statistics.stdev` sums exact fractions, 50 us
     a call.)"""
     n = len(newest)
@@ -264,11 +277,6 @@ def _mean_spread(newest: list[float]) -> float:
         return 0.0
     mean = sum(newest) / n
     return math.sqrt(sum((x - mean) ** 2 for x in newest) / (n - 1)) / mean
-
-
-def _newest_costs(levels) -> list[float]:
-    """The newest WINDOW cycles' seconds over the table's (the levels are their logs)."""
-    return [math.exp(y) for y in list(levels)[-WINDOW:]]
 
 
 def _sure_mean(values) -> float:
@@ -290,9 +298,13 @@ def _change(levels, spread) -> int:
     if len(levels) < 2 * WINDOW:
         return 0
     values = list(levels)
-    older, newest = statistics.median(values[:-WINDOW]), values[-WINDOW:]
-    low, high = min(newest) - older, older - max(newest)
-    if max(low, high) <= math.log(CHANGE):
+    before, newest = values[:-WINDOW], values[-WINDOW:]
+    lowest, highest, limit = min(newest), max(newest), math.log(CHANGE)
+    if lowest - min(before) <= limit and max(before) - highest <= limit:  # (within CHANGE of the median, surely)
+        return 0
+    older = statistics.median(before)
+    low, high = lowest - older, older - highest
+    if max(low, high) <= limit:
         return 0
     jump = max(math.log(CHANGE), SURE * spread())
     return 1 if low > jump else -1 if high > jump else 0

@@ -58,19 +58,20 @@ class LookupIndex:
     def extend(self, tokens: list[int]) -> None:
         """Append tokens: each one indexes the n-grams that end right before it (so the sequence's own
         suffix stays unindexed, and a lookup of it finds an earlier occurrence). (Called with each
-        committed token: one slice per n-gram, no generator per length.)"""
-        seq, ends = self.tokens, self._ends
+        committed token: per end, one slice of the longest n-gram, the shorter ones its tails.)"""
+        seq, ends, lowest = self.tokens, self._ends, self.min_match
         first = len(seq) - 1  # the first end not indexed yet: the last token before these
         seq.extend(map(int, tokens))
-        last = len(seq) - 2
-        for n, before, size in self._lengths():
-            for end in range(max(first, n - 1), last + 1):
-                gram = tuple(seq[end - n + 1 : end + 1])
+        for end in range(max(first, lowest - 1), len(seq) - 1):
+            top = min(self.max_match, end + 1)
+            longest = tuple(seq[end - top + 1 : end + 1])
+            for n in range(lowest, top + 1):
+                gram = longest[top - n :]
                 previous = ends.get(gram, -1)
-                before.append(previous)
+                self._before[n - lowest].append(previous)
                 ends[gram] = end
                 if previous < 0:
-                    self._key_bytes += size
+                    self._key_bytes += self._tuple_bytes[n - lowest]
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens (a session cut back to a common prefix), trimmed in place: each
@@ -114,9 +115,11 @@ class LookupIndex:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of what the index holds: its table (the hash table, n-gram tuples, positions), the tokens
-        and the occurrence chains. Token ids are counted as its own (a copy counts them again)."""
-        table = sys.getsizeof(self._ends) + self._key_bytes + INT_BYTES * len(self._ends)
+        """Bytes of what the index holds: its table (the hash table, n-gram tuples, positions: one per end,
+        shared by the n-grams ending there), the tokens and the occurrence chains. Token ids are counted as its
+        own (a copy counts them again)."""
+        positions = min(len(self._ends), len(self.tokens))
+        table = sys.getsizeof(self._ends) + self._key_bytes + INT_BYTES * positions
         tokens = sys.getsizeof(self.tokens) + INT_BYTES * len(self.tokens)
         return table + tokens + sum(sys.getsizeof(b) for b in self._before)
 
