@@ -172,6 +172,15 @@ def stream_generate(
         )
     if max_block_size is not None and (not isinstance(max_block_size, int) or max_block_size < 1):
         raise ValueError(f"max_block_size must be an integer >= 1, got {max_block_size!r}.")
+    acceptor = Acceptor(
+        settings,
+        prompt,
+        logits_processors,
+        seed,
+        xtc=(xtc_probability, xtc_threshold, sorted(tokenizer.eos_token_ids)) if xtc_probability else None,
+        sample_drafts=draft_sampling == "sample",
+        constraint=grammar.constraint() if grammar else None,
+    )
     if block_size is None or block_size == "auto":
         if proposer is None:  # plain decoding: nothing to choose
             block_size = 1
@@ -181,15 +190,14 @@ def stream_generate(
             # call to the next (their output, or its distribution, cannot change); a seeded sampled run starts
             # from the prior and keeps to the curve this process started with, so that nothing before it and
             # no timing changes its blocks, and the seed reproduces it
-            seeded = not settings.greedy and seed is not None
             block_size = adaptive_policy(
                 target,
                 proposer,
                 largest,
-                carry=not seeded,
+                carry=not acceptor.seeded,
                 kv=kv,
                 sampled=not settings.greedy,
-                frozen=seeded,
+                frozen=acceptor.seeded,
             )
     elif max_block_size is not None:
         raise ValueError("max_block_size is for the adaptive block (block_size=None), not a fixed one.")
@@ -204,15 +212,7 @@ def stream_generate(
         block_size,
         prefill_step_size,
         prompt_progress_callback,
-        Acceptor(
-            settings,
-            prompt,
-            logits_processors,
-            seed,
-            xtc=(xtc_probability, xtc_threshold, sorted(tokenizer.eos_token_ids)) if xtc_probability else None,
-            sample_drafts=draft_sampling == "sample",
-            constraint=grammar.constraint() if grammar else None,
-        ),
+        acceptor,
         kv,
         lookup,
         suffix_index,
