@@ -17,7 +17,7 @@ import pytest
 from dflash_mlx.batch.block_choice import BatchBlockChoice
 from dflash_mlx.policy.adaptive import AdaptiveBlock, adaptive_policy
 from dflash_mlx.policy.choice import BUDGET
-from dflash_mlx.policy.cost import CHANGE, SURE, WINDOW, CostModel, CostTable
+from dflash_mlx.policy.cost import CHANGE, SURE, THIN, WINDOW, CostModel, CostTable
 from dflash_mlx.policy.estimate import AcceptanceEstimate
 
 GRID = [1, 2, 3, 4, 6, 8]
@@ -348,6 +348,35 @@ def test_a_level_that_jumps_drops_the_older_cycles_and_makes_the_others_stale():
         model.add("target", 1, QUIET(1))
     policy = AdaptiveBlock(model, 8)
     assert model.stale("drafter") == -1 and policy.choice.wants_timing(policy.drafter)
+
+
+def test_a_span_source_takes_its_drafters_cost_until_its_own_is_timed_thin_times_since_the_machine_changed():
+    """A span runs only where the context matches, so its cost cannot be measured again at once: one slow
+    cycle, or cycles timed under a load that has since stopped, would price it out for good (traced: the copy
+    index, timed once while two jobs ran, stayed at 3.9x its cost after they stopped and never ran again).
+    Until its own level rests on THIN cycles timed since the machine last changed it takes its drafter's."""
+    model = CostModel(QUIET)
+    for _ in range(2 * WINDOW):
+        model.add("drafter", 8, QUIET(8))
+    model.add("lookup", 8, 4.0 * QUIET(8))  # one slow cycle
+    assert model.level("lookup", prior="drafter") == (pytest.approx(0.0), 0.0, 0)  # the drafter's
+    assert model.seconds("lookup", 8, prior="drafter") == pytest.approx(QUIET(8))
+    for _ in range(THIN - 1):
+        model.add("lookup", 8, 0.7 * QUIET(8))
+    assert model.level("lookup", prior="drafter")[0] == pytest.approx(math.log((4.0 + 0.7 * (THIN - 1)) / THIN))
+    for _ in range(2 * WINDOW):  # a load comes: the copy index is timed under it, then the load stops
+        model.add("lookup", 8, 3.0 * QUIET(8))
+        model.add("drafter", 8, 3.0 * QUIET(8))
+    for _ in range(WINDOW):
+        model.add("drafter", 8, QUIET(8))
+    assert model.stale("lookup") == -1  # faster: the load stopped
+    assert model.level("lookup", prior="drafter")[0] == pytest.approx(0.0)  # the drafter's, not 3x
+    model.add("lookup", 8, 0.7 * QUIET(8))  # timed afresh: its older cycles are of another machine
+    assert model.level("lookup", prior="drafter")[0] == pytest.approx(0.0)  # (one cycle is not THIN)
+    for _ in range(THIN - 1):
+        model.add("lookup", 8, 0.7 * QUIET(8))
+    assert model.level("lookup", prior="drafter")[0] == pytest.approx(math.log(0.7))
+    assert model.level("lookup")[0] == pytest.approx(math.log(0.7))  # (with no prior: its own, always)
 
 
 def test_blocks_that_are_very_slow_now_and_then_cost_what_they_cost_on_average():

@@ -66,9 +66,9 @@ SOFTEN = 0.5  # weight a source's acceptance counts keep after a probe that paid
 class Source:
     """One source as the policy sees it. `estimate` (an `estimate.AcceptanceEstimate`, or anything with
     its `expected_tokens`, `observe` and `soften`; None: plain decoding, one token a cycle); `prior`: the
-    source whose level its cost takes until its own cycles are timed (a span source verifies without a
-    drafter forward: its drafter's cycle is an upper bound); `settles`: its first cycle after another
-    source's is not its cost. `idle`, `due`, `probing`: its probe state."""
+    source whose level its cost takes until its own rests on THIN cycles timed since the machine changed (a
+    span source verifies without a drafter forward: its drafter's cycle is an upper bound); `settles`: its
+    first cycle after another source's is not its cost. `idle`, `due`, `probing`: its probe state."""
 
     name: str
     estimate: object | None = None

@@ -145,9 +145,12 @@ class CostModel:
         newest WINDOW cycles' seconds over the table's (`_mean_level`), and that mean's standard error: the
         spread of those cycles' costs (a lone slow cycle widens it as much as it raises the mean: a level one
         hiccup raised is not sure) and at least the robust spread of its cycles (`_noise`: the machine's usual
-        noise, which two or three alike cycles do not disprove). A source with no timed cycles takes
-        `prior`'s level (a span source: its drafter's, an upper bound), else 0 (the table as calibrated), with
-        no error."""
+        noise, which two or three alike cycles do not disprove). A source with a `prior` (a span source: its
+        drafter's cost, an upper bound) takes the prior's level until its own rests on THIN cycles timed since the
+        machine last changed (a span runs only where the context matches, so it cannot be measured again at
+        once as plain decoding and the drafter are: one slow cycle, or cycles of a load that has stopped, would
+        keep it from running for good); a source with neither takes 0 (the table as calibrated); both with no
+        error."""
         with self._lock:
             read = self._read.get((rows, source, prior))
             if read is None:
@@ -157,7 +160,7 @@ class CostModel:
     def _level(self, source: str, rows: int, prior: str | None) -> tuple[float, float, int]:
         """`level`, computed (under the lock; kept until the next timed cycle: a choice reads it several times)."""
         summary = self._summary.get((rows, source))
-        if summary is None:
+        if summary is None or (prior is not None and (summary[2] < THIN or (rows, source) in self._stale)):
             summary = self._summary.get((rows, prior)) if prior is not None else None
             return (summary[0] if summary else 0.0), 0.0, 0
         level, spread, n = summary
