@@ -152,10 +152,14 @@ class CostModel:
         keep it from running for good); a source with neither takes 0 (the table as calibrated); both with no
         error."""
         with self._lock:
-            read = self._read.get((rows, source, prior))
-            if read is None:
-                read = self._read[rows, source, prior] = self._level(source, rows, prior)
-            return read
+            return self._read_level(rows, source, prior)
+
+    def _read_level(self, rows: int, source: str, prior: str | None) -> tuple[float, float, int]:
+        """`level` from what was read since the last timed cycle, else computed and kept (under the lock)."""
+        read = self._read.get((rows, source, prior))
+        if read is None:
+            read = self._read[rows, source, prior] = self._level(source, rows, prior)
+        return read
 
     def _level(self, source: str, rows: int, prior: str | None) -> tuple[float, float, int]:
         """`level`, computed (under the lock; kept until the next timed cycle: a choice reads it several times)."""
@@ -189,10 +193,7 @@ class CostModel:
         with self._lock:
             scale = self._scales.get(key)
             if scale is None:
-                read = self._read.get(key)
-                if read is None:
-                    read = self._read[key] = self._level(source, rows, prior)
-                scale = self._scales[key] = math.exp(read[0])
+                scale = self._scales[key] = math.exp(self._read_level(rows, source, prior)[0])
             return scale
 
     def seconds(self, source: str, b: int, rows: int = 1, prior: str | None = None) -> float:
@@ -257,7 +258,7 @@ class CostModel:
                 while len(levels) > WINDOW:
                     levels.popleft()
                 deviations.clear()
-                self._mad.pop(key, None)
+                self._mad.pop(key, None)  # (`_change` may have asked for it: of the deviations just cleared)
                 self._stale.update({k: change for k in self._levels if k[0] == rows and k != key})
                 self.changes += 1
             newest = list(costs)
