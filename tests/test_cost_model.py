@@ -348,6 +348,13 @@ def test_a_level_that_jumps_drops_the_older_cycles_and_makes_the_others_stale():
         model.add("target", 1, QUIET(1))
     policy = AdaptiveBlock(model, 8)
     assert model.stale("drafter") == -1 and policy.choice.wants_timing(policy.drafter)
+    model.add("drafter", 8, QUIET(8))
+    for _ in range(2 * WINDOW - 1):  # the drafter runs; the job starts again, then stops
+        model.add("drafter", 8, 3.0 * QUIET(8))
+    for _ in range(WINDOW):
+        model.add("drafter", 8, QUIET(8))
+    # faster: plain decoding's level, timed under the load, wants timing too (every rate is judged against it)
+    assert model.stale("target") == -1 and policy.choice.wants_timing(policy.plain)
 
 
 def test_a_span_source_takes_its_drafters_cost_until_its_own_is_timed_thin_times_since_the_machine_changed():
@@ -377,6 +384,59 @@ def test_a_span_source_takes_its_drafters_cost_until_its_own_is_timed_thin_times
         model.add("lookup", 8, 0.7 * QUIET(8))
     assert model.level("lookup", prior="drafter")[0] == pytest.approx(math.log(0.7))
     assert model.level("lookup")[0] == pytest.approx(math.log(0.7))  # (with no prior: its own, always)
+
+
+def test_a_level_timed_at_a_slow_moment_is_timed_afresh_when_it_resumes_faster():
+    """A source's level is the mean of its newest WINDOW cycles; one timed at a slow moment (plain steps at 9 ms
+    against 4.4 for a while, traced under sampling) is not corrected by running, since it keeps the source
+    from running, and one probe's cycle moved it by an eighth. Its first cycle after other sources' that is
+    faster than its level by SURE of its cycles' deviations drops the older ones; a faster cycle in a run of
+    its own, a slower one, or one within its noise does not."""
+    model = CostModel(QUIET)
+    for i in range(2 * WINDOW):  # (a machine's noise: 5%)
+        model.add("target", 1, 1.8 * (1.05 if i % 2 else 0.95) * QUIET(1))
+        model.add("drafter", 8, QUIET(8))
+    for _ in range(WINDOW):
+        model.add("drafter", 8, QUIET(8))
+    assert model.age("target") == WINDOW + 1 and model.age("drafter") == 0
+    model.add("target", 1, 1.02 * QUIET(1))  # resumed at the machine's speed
+    assert model.level("target") == (pytest.approx(math.log(1.02)), pytest.approx(0.0), 1)
+    assert model.stale("target") == 0 and model.age("target") == 0  # one cycle: it wants timing at once
+    steady = CostModel(QUIET)
+    for i in range(2 * WINDOW):
+        steady.add("target", 1, 1.8 * (1.05 if i % 2 else 0.95) * QUIET(1))
+    steady.add("target", 1, QUIET(1))  # in a run of its own: one of the window
+    assert steady.level("target")[2] == WINDOW
+    for seconds in (1.7 * QUIET(1), 3.0 * QUIET(1)):  # within its noise, or slower: kept
+        steady.add("drafter", 8, QUIET(8))
+        steady.add("target", 1, seconds)
+        assert steady.level("target")[2] == WINDOW
+
+
+def test_a_plain_level_priced_dear_is_timed_again_across_short_generations():
+    """Plain decoding's level raised by a slow moment (1.8x, not a change of the machine) makes a drafter that
+    loses by a quarter look better. A probe of plain decoding is priced at that level and waited for: counted
+    per generation, a wait longer than a reply never ended (traced under sampling: the drafter ran as the best
+    through 7 replies, 283 cycles, with no plain step timed). The wait counts the cycles timed since its level
+    was (`CostModel.age`), and the probe's faster cycle times it afresh."""
+
+    class Drafter:
+        pass
+
+    sampled = CostTable.curve(GRID, [0.0029, 0.0059, 0.0062, 0.0066, 0.0072, 0.0079])  # the demo pair at T > 0
+    for seed in (0, 1, 3):
+        model, machine, drafter = CostModel(sampled), Machine(sampled, seed=seed), Drafter()
+        for g in range(10):
+            policy = adaptive_policy(None, drafter, 8, carry=True, cost=model)
+            run(policy, machine, 30, rates=(0.5,), seed=seed * 100 + g)
+        for _ in range(WINDOW):
+            model.add("target", 1, 1.8 * machine(1))
+        after = []
+        for g in range(20):  # replies of 30 cycles
+            policy = adaptive_policy(None, drafter, 8, carry=True, cost=model)
+            after += run(policy, machine, 30, rates=(0.5,), seed=seed * 100 + 50 + g)
+        assert model.changes == 0 and sum(b > 1 for b in after) < len(after) / 6, seed  # (110 to 580 before)
+        assert abs(model.level("target")[0]) < 0.1
 
 
 def test_blocks_that_are_very_slow_now_and_then_cost_what_they_cost_on_average():

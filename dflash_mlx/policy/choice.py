@@ -21,10 +21,10 @@ and how its cost is timed. `Choice` runs the rule for one request's policy
   taken for RESOLUTION's sake.
 - **Probes.** A source not chosen is run now and then: at once while its
   cost wants measuring (`CostModel.stale`: timed fewer than THIN times in
-  this process, or not since the machine changed the way that may make it
-  the better one) or
-  after a probe of it paid; else once it has
-  waited as many cycles as keep a probe's expected loss (its seconds beyond
+  this process, or not since the machine changed: either way for plain
+  decoding, faster for the others) or after a probe of it paid; else once
+  it has waited (in this generation, or since its level was timed: levels
+  outlive generations) as many cycles as keep a probe's expected loss (its seconds beyond
   the time the chosen source takes for the tokens it is expected to commit,
   at the better of its estimate and its drafter's history, and the switches
   to it and back: `CostModel.switch`) to BUDGET of the time, and at least
@@ -216,11 +216,13 @@ class Choice:
 
     def wants_timing(self, src: Source) -> bool:
         """Whether `src`'s cost wants measuring at once (`CostModel.stale`): timed fewer than THIN times in this
-        process, or not since the machine changed the way that may make it the better source now: slower for plain
-        decoding (drafting suffers from another job at least as much), faster for the others (the job that
-        made their rows dear may have stopped). A span source takes its drafter's cost meanwhile."""
+        process, or not since the machine changed: either way for plain decoding (every other source is judged
+        against its rate, and a probe of it is priced at its level: one timed under a load that has stopped would
+        keep it from running for hundreds of cycles), faster for the others (the job that made their rows dear may
+        have stopped; one timed before the machine got slower looks cheap, so it runs and is timed where it
+        matters). A span source takes its drafter's cost meanwhile."""
         stale = self.cost.stale(src.name, self.rows)
-        return src.prior is None and (stale == 0 or stale == (1 if src is self.plain else -1))
+        return src.prior is None and stale is not None and (src is self.plain or stale != 1)
 
     def probe_width(self, src: Source, widest: int, rate: float) -> tuple[int, bool]:
         """(width, hopeful): the narrowest width whose rate would beat `rate` at a good drafter's acceptance,
@@ -257,17 +259,24 @@ class Choice:
         another's took beyond their level; a drafter's first block takes in the rows that waited)."""
         return sum(self.cost.switch(s.name, self.rows) for s in (src, chosen) if s.settles)
 
+    def _idle(self, src: Source) -> int:
+        """How long `src` has waited: its chances passed since it last ran in this generation, or the cycles
+        timed since its level was (`CostModel.age`: a level is shared by the setup's generations, so one
+        priced dear stays so across generations shorter than its wait), whichever is more."""
+        return max(src.idle, self.cost.age(src.name, self.rows)) if self.cost.learns else src.idle
+
     def _left(self, src: Source, chosen: Source, b: int, loss: float) -> int:
         """The chances `src` waits yet before `_waited` holds (its costs as they are now)."""
         per = BUDGET * self.seconds(chosen, b)
         needed = max(WINDOW, math.ceil(loss / per) if per > 0 else WINDOW)
-        return max(0, needed - src.idle)
+        return max(0, needed - self._idle(src))
 
     def _waited(self, src: Source, chosen: Source, b: int, loss: float) -> bool:
-        """Whether `src` has waited long enough for a probe losing `loss` seconds to cost BUDGET of the time
-        (and at least WINDOW chances: a run's level rests on WINDOW of its cycles, and a switch costs what
-        no timed cycle shows)."""
-        return src.idle >= WINDOW and src.idle * BUDGET * self.seconds(chosen, b) >= loss
+        """Whether `src` has waited (`_idle`) long enough for a probe losing `loss` seconds to cost BUDGET of
+        the time (and at least WINDOW chances: a run's level rests on WINDOW of its cycles, and a switch costs
+        what no timed cycle shows)."""
+        idle = self._idle(src)
+        return idle >= WINDOW and idle * BUDGET * self.seconds(chosen, b) >= loss
 
     def observe(self, src: Source, b: int, committed: float | None, seconds: float | None) -> None:
         """A cycle of `src` at width b committed `committed` tokens (None: a stop token cut it) in `seconds`

@@ -14,7 +14,10 @@ A source's newest WINDOW cycles all CHANGE times slower or faster than the
 median of the ones before them (and SURE standard deviations, where cycle
 times scatter) mean the machine changed: another job started or stopped. Its
 older cycles are dropped and every other source's level goes *stale*, to be
-measured again (`stale`, with the way the machine went). What a source's
+measured again (`stale`, with the way the machine went). A source resuming
+after others' cycles faster than its level by SURE of its cycles' deviations
+was timed at a slow moment: its older cycles are dropped too (a level too
+dear keeps its source from running, so running never corrects it). What a source's
 first cycle after another's takes beyond its level is what a switch to it
 costs (`switch`: the mean of the newest WINDOW, where sure). A model that does
 not learn (`learns=False`: seeded requests, sharded ranks, a curve a test
@@ -130,6 +133,7 @@ class CostModel:
         self._costs: dict[tuple[int, str], deque] = {}
         self._summary: dict[tuple[int, str], tuple[float, float, int]] = {}
         self._mad: dict[tuple[int, str], float | None] = {}  # its robust noise (`_own_noise`), until its next cycle
+        self._at: dict[tuple[int, str], int] = {}  # (rows, source) -> `cycles` at its last timed cycle
 
     def __call__(self, b: int, rows: int = 1) -> float:
         return self.table(b, rows)
@@ -200,6 +204,11 @@ class CostModel:
         """`source`'s seconds per cycle at width b: the table's, scaled by its level."""
         return self.table(b, rows) * self.scale(source, rows, prior)
 
+    def age(self, source: str, rows: int = 1) -> int:
+        """Timed cycles this process added since `source`'s last at `rows` (all of them: never timed)."""
+        with self._lock:
+            return self.cycles - self._at.get((rows, source), 0)
+
     def add_switch(self, source: str, b: int, seconds: float, rows: int = 1) -> None:
         """The first cycle of `source` after another source's took `seconds` (not timed into its level: a
         drafter's first block takes in the rows that waited, plain decoding's first step is not pipelined):
@@ -230,6 +239,15 @@ class CostModel:
                 return None
             return 0 if len(self._levels.get(key, ())) < THIN else self._stale.get(key)
 
+    def _below(self, key: tuple[int, str], y: float) -> bool:
+        """Whether a cycle of log cost `y` lies below `key`'s level by more than SURE of its cycles' standard
+        deviations (their spread about the mean, at least their robust noise; under the lock)."""
+        summary = self._summary.get(key)
+        if summary is None or summary[2] < THIN:
+            return False
+        level, spread, _ = summary
+        return level - y > SURE * max(spread, self._noise(*key))
+
     def add(self, source: str, b: int, seconds: float, rows: int = 1) -> None:
         """A timed cycle of `source` at width b with `rows` rows (nothing where the model does not learn)."""
         if not self.learns or not seconds > 0 or rows not in self.table.rows:
@@ -243,11 +261,16 @@ class CostModel:
                 self._levels[key], self._deviations[key] = deque(maxlen=4 * WINDOW), deque(maxlen=4 * WINDOW)
                 self._costs[key] = deque(maxlen=WINDOW)
             levels, deviations, costs = self._levels[key], self._deviations[key], self._costs[key]
-            if self._stale.pop(key, None) is not None:  # measured afresh since the machine changed: its older
-                levels.clear()  # cycles are of another machine
+            y = math.log(seconds / self.table(b, rows))
+            resumed = self._at.get(key, self.cycles - 1) != self.cycles - 1  # others were timed since its last
+            self._at[key] = self.cycles
+            # measured afresh since the machine changed, or resumed faster than its level by SURE of its cycles'
+            # deviations (a level timed at a slow moment is not corrected by running: it keeps the source from
+            # running): its older cycles are of another moment
+            if self._stale.pop(key, None) is not None or (resumed and self._below(key, y)):
+                levels.clear()
                 deviations.clear()
                 costs.clear()
-            y = math.log(seconds / self.table(b, rows))
             if levels:
                 deviations.append(abs(y - statistics.median(list(levels)[-WINDOW:])))
             levels.append(y)
