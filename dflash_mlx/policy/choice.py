@@ -109,6 +109,7 @@ class Choice:
     def __init__(self, cost: CostModel, plain: Source, rows: int = 1):
         self.cost, self.plain, self.rows = cost, plain, rows
         self.last: tuple[int, str] | None = None  # (rows, source) of the last observed cycle
+        self._timed = False  # whether a cycle of the last one's run (its cycles in a row) was timed
         self.running: Source = plain  # the source the rule chose last (a probe is not a choice)
         self._stretch: list[tuple[Source, int]] = []  # a probe's cycles still to run
         self._quiet: tuple | None = None  # (offers, width, cycles, the machine's changes): a settled run's rest
@@ -284,8 +285,11 @@ class Choice:
         key, self.last = self.last, (self.rows, src.name)
         if src is not self.plain:
             self._quiet = None
+        if key != self.last:
+            self._timed = False
         if seconds is not None and (key == self.last or not src.settles):
-            self.cost.add(src.name, b, seconds, self.rows)
+            self.cost.add(src.name, b, seconds, self.rows, resumed=not self._timed)
+            self._timed = True
         elif seconds is not None and key is not None:  # its first cycle after another source's: a switch
             self.cost.add_switch(src.name, b, seconds, self.rows)
         if src is self.plain or committed is None:

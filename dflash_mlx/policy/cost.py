@@ -15,8 +15,8 @@ median of the ones before them (and SURE standard deviations, where cycle
 times scatter) mean the machine changed: another job started or stopped. Its
 older cycles are dropped and every other source's level goes *stale*, to be
 measured again (`stale`, with the way the machine went). A source resuming
-after others' cycles faster than its level by SURE of its cycles' deviations
-was timed at a slow moment: its older cycles are dropped too (a level too
+after others' cycles faster than its level by SURE of its cycles' robust
+deviations was timed at a slow moment: its level starts afresh (a level too
 dear keeps its source from running, so running never corrects it). What a source's
 first cycle after another's takes beyond its level is what a switch to it
 costs (`switch`: the mean of the newest WINDOW, where sure). A model that does
@@ -237,19 +237,18 @@ class CostModel:
         with self._lock:
             if not self.learns:
                 return None
-            return 0 if len(self._levels.get(key, ())) < THIN else self._stale.get(key)
+            return 0 if len(self._costs.get(key, ())) < THIN else self._stale.get(key)
 
     def _below(self, key: tuple[int, str], y: float) -> bool:
-        """Whether a cycle of log cost `y` lies below `key`'s level by more than SURE of its cycles' standard
-        deviations (their spread about the mean, at least their robust noise; under the lock)."""
+        """Whether a cycle of log cost `y` lies below `key`'s level (of at least THIN cycles) by more than SURE
+        of its cycles' robust standard deviations (`_noise`: the spread about the mean would count a stall that
+        raised the level as noise; under the lock)."""
         summary = self._summary.get(key)
-        if summary is None or summary[2] < THIN:
-            return False
-        level, spread, _ = summary
-        return level - y > SURE * max(spread, self._noise(*key))
+        return summary is not None and summary[2] >= THIN and summary[0] - y > SURE * self._noise(*key)
 
-    def add(self, source: str, b: int, seconds: float, rows: int = 1) -> None:
-        """A timed cycle of `source` at width b with `rows` rows (nothing where the model does not learn)."""
+    def add(self, source: str, b: int, seconds: float, rows: int = 1, resumed: bool = False) -> None:
+        """A timed cycle of `source` at width b with `rows` rows (nothing where the model does not learn);
+        `resumed`: its first timed cycle since other sources' cycles (a probe's, a run's first, a generation's)."""
         if not self.learns or not seconds > 0 or rows not in self.table.rows:
             return
         with self._lock:
@@ -262,26 +261,25 @@ class CostModel:
                 self._costs[key] = deque(maxlen=WINDOW)
             levels, deviations, costs = self._levels[key], self._deviations[key], self._costs[key]
             y = math.log(seconds / self.table(b, rows))
-            resumed = self._at.get(key, self.cycles - 1) != self.cycles - 1  # others were timed since its last
             self._at[key] = self.cycles
-            # measured afresh since the machine changed, or resumed faster than its level by SURE of its cycles'
-            # deviations (a level timed at a slow moment is not corrected by running: it keeps the source from
-            # running): its older cycles are of another moment
-            if self._stale.pop(key, None) is not None or (resumed and self._below(key, y)):
-                levels.clear()
+            if self._stale.pop(key, None) is not None:  # measured afresh since the machine changed: its older
+                levels.clear()  # cycles are of another machine
                 deviations.clear()
+                costs.clear()
+            elif resumed and self._below(key, y):  # resumed faster than its level by SURE of its robust
+                # deviations: a level timed at a slow moment (not corrected by running: it keeps the source from
+                # running) starts afresh; its older cycles stay in `levels`, where a change of the machine shows
                 costs.clear()
             if levels:
                 deviations.append(abs(y - statistics.median(list(levels)[-WINDOW:])))
             levels.append(y)
             costs.append(math.exp(y))
             self._mad.pop(key, None)
-            change = _change(levels, lambda: self._noise(rows, source))
+            change = _change(levels)
             if change:
                 while len(levels) > WINDOW:
                     levels.popleft()
                 deviations.clear()
-                self._mad.pop(key, None)  # (`_change` may have asked for it: of the deviations just cleared)
                 self._stale.update({k: change for k in self._levels if k[0] == rows and k != key})
                 self.changes += 1
             newest = list(costs)
@@ -316,12 +314,13 @@ def _sure_mean(values) -> float:
     return mean if mean > SURE * error else 0.0
 
 
-def _change(levels, spread) -> int:
+def _change(levels) -> int:
     """+1 (slower) or -1 (faster) where the newest WINDOW cycles lie all above, or all below, the median of
-    the (at least WINDOW) cycles before them by more than CHANGE times and SURE of the cycles' standard
-    deviations (`spread()`, asked only where the cycles are beyond CHANGE): noise, and a burst of a few slow
+    the (at least WINDOW) cycles before them by more than CHANGE times: noise, and a burst of a few slow
     cycles (another job's time slice), put a few on either side; another job starting or stopping puts them
-    all on one. Else 0."""
+    all on one. (Even where cycle times scatter by a factor of 2.5, a standard deviation of 0.9 in their log,
+    WINDOW cycles all beyond CHANGE come once in 1e5 cycles, and a false change costs a few cycles timed
+    again; asking SURE standard deviations too hid a load stopping where it had made cycles scatter.) Else 0."""
     if len(levels) < 2 * WINDOW:
         return 0
     values = list(levels)
@@ -330,8 +329,4 @@ def _change(levels, spread) -> int:
     if lowest - min(before) <= limit and max(before) - highest <= limit:  # (within CHANGE of the median, surely)
         return 0
     older = statistics.median(before)
-    low, high = lowest - older, older - highest
-    if max(low, high) <= limit:
-        return 0
-    jump = max(math.log(CHANGE), SURE * spread())
-    return 1 if low > jump else -1 if high > jump else 0
+    return 1 if lowest - older > limit else -1 if older - highest > limit else 0
