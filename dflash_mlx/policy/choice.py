@@ -24,8 +24,8 @@ and how its cost is timed. `Choice` runs the rule for one request's policy
   this process, or not since the machine changed: either way for plain
   decoding, faster for the others) or after a probe of it paid; else once
   it has waited (in this generation, or since its level was timed: levels
-  outlive generations) as many cycles as keep a probe's expected loss (its seconds beyond
-  the time the chosen source takes for the tokens it is expected to commit,
+  outlive generations) as many cycles as keep a probe's expected loss (its
+  seconds beyond the time the chosen source takes for the tokens it is expected to commit,
   at the better of its estimate and its drafter's history, and the switches
   to it and back: `CostModel.switch`) to BUDGET of the time, and at least
   WINDOW. A

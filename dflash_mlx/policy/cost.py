@@ -11,8 +11,8 @@ verify slows far more than a one-row step). The level's standard error (the
 spread of the same cycles' costs over the root of their count, a lone slow
 one included, and at least the machine's usual spread) says how sure it is.
 A source's newest WINDOW cycles all CHANGE times slower or faster than the
-median of the ones before them (and SURE standard deviations, where cycle
-times scatter) mean the machine changed: another job started or stopped. Its
+median of the ones before them mean the machine changed: another job
+started or stopped. Its
 older cycles are dropped and every other source's level goes *stale*, to be
 measured again (`stale`, with the way the machine went). A source resuming
 after others' cycles faster than its level by SURE of its cycles' robust
@@ -230,9 +230,9 @@ class CostModel:
 
     def stale(self, source: str, rows: int = 1) -> int | None:
         """Whether `source`'s level wants measuring: None where it is fresh, 0 where it rests on fewer than
-        THIN timed cycles in this process (one slow moment does not decide), else the way the machine
-        changed since its last timed cycle (+1: a source that ran got slower, -1: faster). A model that does
-        not learn: always None."""
+        THIN timed cycles (in this process, or since it started afresh: one slow moment does not decide), else
+        the way the machine changed since its last timed cycle (+1: a source that ran got slower, -1: faster).
+        A model that does not learn: always None."""
         key = (rows, source)
         with self._lock:
             if not self.learns:
