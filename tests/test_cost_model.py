@@ -62,6 +62,19 @@ def timed(policy, machine, cycles: int, rates=(0.85,), seed: int = 1) -> tuple[l
     return chosen, tokens / seconds
 
 
+class Drafter:  # any weakly referenceable drafter: the key of its generations' history
+    pass
+
+
+def replies(model: CostModel, drafter, machine, count: int, cycles: int, rates, seed: int) -> list[int]:
+    """The blocks `count` carried generations of `cycles` cycles each chose, sharing `model` and the history."""
+    chosen = []
+    for g in range(count):
+        policy = adaptive_policy(None, drafter, 8, carry=True, cost=model)
+        chosen += run(policy, machine, cycles, rates=rates, seed=seed + g)
+    return chosen
+
+
 def ratio(model: CostModel, b: int = 8, rows: int = 1) -> float:
     """The model's T(b) / T(1): the drafter's cost over plain decoding's."""
     return model.seconds("drafter", b, rows) / model.seconds("target", 1, rows)
@@ -279,9 +292,6 @@ def test_a_frozen_model_never_changes_and_seeded_requests_keep_the_table():
 
 
 def test_generations_at_once_share_the_model_and_the_drafters_history_under_their_locks():
-    class Drafter:  # any weakly referenceable drafter
-        pass
-
     model, drafter, errors = CostModel(BUSY), Drafter(), []
 
     def generations(seed):
@@ -423,22 +433,13 @@ def test_a_plain_level_priced_dear_is_timed_again_across_short_generations():
     per generation, a wait longer than a reply never ended (traced under sampling: the drafter ran as the best
     through 7 replies, 283 cycles, with no plain step timed). The wait counts the cycles timed since its level
     was (`CostModel.age`), and the probe's faster cycle times it afresh."""
-
-    class Drafter:
-        pass
-
     sampled = CostTable.curve(GRID, [0.0029, 0.0059, 0.0062, 0.0066, 0.0072, 0.0079])  # the demo pair at T > 0
     for seed in (0, 1, 3):
         model, machine, drafter = CostModel(sampled), Machine(sampled, seed=seed), Drafter()
-        for g in range(10):
-            policy = adaptive_policy(None, drafter, 8, carry=True, cost=model)
-            run(policy, machine, 30, rates=(0.5,), seed=seed * 100 + g)
+        replies(model, drafter, machine, 10, 30, (0.5,), seed * 100)
         for _ in range(WINDOW):
             model.add("target", 1, 1.8 * machine(1))
-        after = []
-        for g in range(20):  # replies of 30 cycles
-            policy = adaptive_policy(None, drafter, 8, carry=True, cost=model)
-            after += run(policy, machine, 30, rates=(0.5,), seed=seed * 100 + 50 + g)
+        after = replies(model, drafter, machine, 20, 30, (0.5,), seed * 100 + 50)  # replies of 30 cycles
         assert model.changes == 0 and sum(b > 1 for b in after) < len(after) / 6, seed  # (110 to 580 before)
         assert abs(model.level("target")[0]) < 0.1
 
@@ -454,16 +455,6 @@ def test_a_drafter_priced_out_under_a_load_drafts_again_once_it_stops():
     table = CostTable.curve(GRID, [0.0040, 0.0047, 0.0048, 0.0050, 0.0052, 0.0055])  # blocks look cheap here
     true = CostTable.curve(GRID, [0.0040, 0.0070, 0.0073, 0.0075, 0.0080, 0.0084])
 
-    class Drafter:
-        pass
-
-    def replies(model, drafter, machine, count, seed):
-        chosen = []
-        for g in range(count):
-            policy = adaptive_policy(None, drafter, 8, carry=True, cost=model)
-            chosen += run(policy, machine, 35, rates=(0.8,), seed=seed + g)
-        return chosen
-
     for seed in (8, 12, 17):  # (each ran plain decoding through every cycle after the load, with the code before)
         rng = random.Random(seed)
 
@@ -473,9 +464,9 @@ def test_a_drafter_priced_out_under_a_load_drafts_again_once_it_stops():
             return true(b) * (60 if rng.random() < 0.1 else 1.6) * math.exp(rng.gauss(0, 0.5))
 
         model, drafter = CostModel(table), Drafter()
-        replies(model, drafter, Machine(true, seed=seed), 10, seed * 1000)
-        replies(model, drafter, loaded, 20, seed * 1000 + 100)
-        after = replies(model, drafter, Machine(true, seed=seed + 1), 20, seed * 1000 + 200)
+        replies(model, drafter, Machine(true, seed=seed), 10, 35, (0.8,), seed * 1000)
+        replies(model, drafter, loaded, 20, 35, (0.8,), seed * 1000 + 100)
+        after = replies(model, drafter, Machine(true, seed=seed + 1), 20, 35, (0.8,), seed * 1000 + 200)
         assert after.count(1) < 0.1 * len(after), seed
         assert model.level("drafter")[0] < 0.6  # (e^0.42: the machine's blocks against the table's)
 

@@ -25,10 +25,10 @@ and how its cost is timed. `Choice` runs the rule for one request's policy
   decoding, faster for the others) or after a probe of it paid; else once
   it has waited (in this generation, or since its level was timed: levels
   outlive generations) as many cycles as keep a probe's expected loss (its
-  seconds beyond the time the chosen source takes for the tokens it is expected to commit,
-  at the better of its estimate and its drafter's history, and the switches
-  to it and back: `CostModel.switch`) to BUDGET of the time, and at least
-  WINDOW. A
+  seconds beyond the time the chosen source takes for the tokens it is
+  expected to commit, at the better of its estimate and its drafter's
+  history, and the switches to it and back: `CostModel.switch`) to BUDGET of
+  the time, and at least WINDOW. A
   probe is the narrowest width that would beat the chosen source were its
   drafts accepted as a good drafter's are (`PRIOR_RATE`), else (a probe for
   its time alone: never where the model does not learn) its narrowest.

@@ -11,17 +11,17 @@ verify slows far more than a one-row step). The level's standard error (the
 spread of the same cycles' costs over the root of their count, a lone slow
 one included, and at least the machine's usual spread) says how sure it is.
 A source's newest WINDOW cycles all CHANGE times slower or faster than the
-median of the ones before them mean the machine changed: another job
-started or stopped. Its
-older cycles are dropped and every other source's level goes *stale*, to be
-measured again (`stale`, with the way the machine went). A source resuming
-after others' cycles faster than its level by SURE of its cycles' robust
-deviations was timed at a slow moment: its level starts afresh (a level too
-dear keeps its source from running, so running never corrects it). What a source's
-first cycle after another's takes beyond its level is what a switch to it
-costs (`switch`: the mean of the newest WINDOW, where sure). A model that does
-not learn (`learns=False`: seeded requests, sharded ranks, a curve a test
-injects) is the table alone, whatever the timings. Why: docs/adaptive.md.
+median of the ones before them mean the machine changed: another job started
+or stopped. Its older cycles are dropped and every other source's level goes
+*stale*, to be measured again (`stale`, with the way the machine went). A
+source resuming after others' cycles faster than its level by SURE of its
+cycles' robust deviations was timed at a slow moment: its level starts afresh
+(a level too dear keeps its source from running, so running never corrects
+it). What a source's first cycle after another's takes beyond its level is
+what a switch to it costs (`switch`: the mean of the newest WINDOW, where
+sure). A model that does not learn (`learns=False`: seeded requests, sharded
+ranks, a curve a test injects) is the table alone, whatever the timings.
+Why: docs/adaptive.md.
 """
 
 from __future__ import annotations
