@@ -245,7 +245,7 @@ class SpeculativeLoop:
         acceptor, planner, total = self.acceptor, self.planner, self.prompt.size
         row = acceptor.process(self.prefill()[0, -1:])
         logprobs = log_softmax(row)
-        anchor = acceptor.next_token(row)
+        anchor = acceptor.next_token(row, total - 1)
         self.committed, self.position = 1, total
         self.chains = acceptor.raw_logits and all(undoes_single_row(c) for c in self.cache)
         early = self.chainable()  # (asked once: a span source counts the matches it passes by)
@@ -285,7 +285,10 @@ class SpeculativeLoop:
             self.kv.convert(self.cache)
         logits, features, record = self.target.verify(verify_ids[None], self.cache)
         rows = acceptor.process(logits[0], drafts)
-        verdict = acceptor.verdict(rows, drafts, draft_probs) if plan.width > 1 else acceptor.next_token(rows)
+        if plan.width > 1:
+            verdict = acceptor.verdict(rows, drafts, draft_probs, position)
+        else:
+            verdict = acceptor.next_token(rows, position)
         mx.async_eval(verdict)
         return _Pending(plan, verdict, rows, features, record, time.perf_counter() - began)
 

@@ -125,9 +125,8 @@ def stream_generate(
     with a drafter, not under a `response_format`). The output does not change.
     `suffix_index` (a `dflash_mlx.SuffixIndex`; None: the session's, if any) keeps what generations
     produced: this one drafts spans from it where an earlier generation produced what followed the
-    same tokens (source "suffix"; a seeded sampled call records in it but does not draft from it),
-    and records its own tokens. Pass the same object to every call (or session) that should share
-    it: an agent loop's calls, its threads. The output does not change.
+    same tokens (source "suffix"), and records its own tokens. Pass the same object to every call (or
+    session) that should share it: an agent loop's calls, its threads. The output does not change.
     """
     if not isinstance(lookup, bool):
         raise ValueError(f"lookup must be True or False, got {lookup!r}.")
@@ -186,19 +185,10 @@ def stream_generate(
             block_size = 1
         else:
             largest = max_block_size or default_block_size(model, draft)
-            # greedy and unseeded sampled runs carry the drafter's acceptance history of their kind from one
-            # call to the next (their output, or its distribution, cannot change); a seeded sampled run starts
-            # from the prior and keeps to the curve this process started with, so that nothing before it and
-            # no timing changes its blocks, and the seed reproduces it
-            block_size = adaptive_policy(
-                target,
-                proposer,
-                largest,
-                carry=not acceptor.seeded,
-                kv=kv,
-                sampled=not settings.greedy,
-                frozen=acceptor.seeded,
-            )
+            # every run carries the drafter's acceptance history of its kind from one call to the next and
+            # follows this machine's timing: no block choice changes greedy text, an unseeded run's
+            # distribution or a seeded run's draws (keyed by position)
+            block_size = adaptive_policy(target, proposer, largest, carry=True, kv=kv, sampled=not settings.greedy)
     elif max_block_size is not None:
         raise ValueError("max_block_size is for the adaptive block (block_size=None), not a fixed one.")
     elif isinstance(block_size, str) or (not hasattr(block_size, "choose") and not isinstance(block_size, int)):

@@ -224,10 +224,11 @@ class CyclePlanner:
         self.context.flush()
         return self.acceptor.propose(plan.source, anchor, position, count)
 
-    def drafts_from_logits(self, logits: mx.array) -> Proposal:
-        """The drafts for this row's drafter logits [count, V] computed with other rows' (`batch.drafting`):
-        chosen as its own `propose` would (argmax, a sample of q, or under its grammar)."""
-        return self.acceptor.choose_drafts(logits)
+    def drafts_from_logits(self, logits: mx.array, position: int) -> Proposal:
+        """The drafts for this row's drafter logits [count, V] computed with other rows' (`batch.drafting`),
+        its anchor at `position`: chosen as its own `propose` would (argmax, a sample of q, or under its
+        grammar)."""
+        return self.acceptor.choose_drafts(logits, position)
 
     # -- what a cycle committed -------------------------------------------------------------------
 

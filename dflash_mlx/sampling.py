@@ -14,6 +14,12 @@ then emit a sample of norm(max(p - q, 0)) at the rejected row, or of the
 target's next row when every draft was accepted. The emitted tokens follow the
 target's distribution exactly. It is batched over a leading axis of independent
 runs, so tests can check that statistically with many runs at once.
+
+A seeded call draws instead by position (`position_keys`, `draw_at`): the token
+at each absolute position is the Gumbel-max of the target's row with noise
+keyed by the seed and that position only, and a draft drawn with the same key
+is accepted exactly where it equals it. Its text is then that of the seeded
+plain path whatever the blocks, drafter or timing (`dflash_mlx.acceptance`).
 """
 
 from __future__ import annotations
@@ -106,6 +112,64 @@ def draw(logits: mx.array, settings: SamplingSettings, key: mx.array) -> tuple[m
     mlx-lm's `categorical(logprobs * (1 / T))`, the key split as `mx.random.split(key)` splits it (the
     second half drawn with, the first kept)."""
     return _categorical(sampler_logits(logits, settings), mx.array(1.0 / settings.temperature), key)
+
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser (a bijection of 64-bit words)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def position_keys(seed: int, first: int, count: int) -> mx.array:
+    """Random keys [count, 2] of a seeded call's draws at absolute positions first..first+count-1: each a
+    hash of the seed and its position alone, so a position's draw is the same in whichever cycle makes it."""
+    words = []
+    for position in range(first, first + count):
+        mixed = _mix(((seed & 0xFFFFFFFF) << 32 | position & 0xFFFFFFFF) ^ (seed >> 32) * 0x9E3779B97F4A7C15)
+        words.append((mixed >> 32, mixed & 0xFFFFFFFF))
+    return mx.array(words, dtype=mx.uint32)
+
+
+def row_noise(keys: mx.array, width: int) -> mx.array:
+    """Gumbel noise [rows, width], row i drawn with keys[i] (as `mx.random.categorical` draws a [width] row)."""
+    return mx.vmap(lambda key: mx.random.gumbel((width,), key=key))(keys)
+
+
+@mx.compile
+def _gumbel_max(logits: mx.array, scale: mx.array, keys: mx.array) -> mx.array:
+    z = logits.astype(mx.float32) * scale
+    return mx.argmax(z + row_noise(keys, z.shape[-1]), axis=-1).astype(mx.int32)
+
+
+def draw_at(logits: mx.array, settings: SamplingSettings, keys: mx.array) -> mx.array:
+    """A token per row of `logits` [rows, V] from `distribution(logits, settings)`, row i drawn with keys[i]
+    (`position_keys`): the Gumbel-max `mx.random.categorical` computes with that key, in one compiled call."""
+    return _gumbel_max(sampler_logits(logits, settings), mx.array(1.0 / settings.temperature), keys)
+
+
+def gumbel_rows(key: mx.array, shape: tuple[int, int]) -> mx.array:
+    """Gumbel noise of `shape` [rows, V] for draft rows: row i's from a seeded call's per-row keys, else
+    drawn with `key`."""
+    return row_noise(key, shape[-1]) if key.ndim == 2 else mx.random.gumbel(shape, key=key)
+
+
+def row_keys(key: mx.array | None, count: int) -> list:
+    """One key per draft row: a seeded call's own (`key` [count, 2], keyed by position), or `key` split."""
+    if key is None:
+        return [None] * count
+    if key.ndim == 2:
+        return [key[i] for i in range(count)]
+    return list(mx.random.split(key, count))
+
+
+def draw_rows(logits: mx.array, settings: SamplingSettings, key: mx.array) -> mx.array:
+    """Draft tokens for rows [count, V]: `draw_at` with a seeded call's per-row keys, else `draw`."""
+    return draw_at(logits, settings, key) if key.ndim == 2 else draw(logits, settings, key)[0]
 
 
 def dense_from_candidates(candidates: mx.array, probs: mx.array, vocab_size: int) -> mx.array:

@@ -232,15 +232,14 @@ class Session:
 
     def span_sources(self, prompt: list[int], acceptor, *, lookup: bool, suffix: SuffixIndex | None) -> list:
         """A generation's span sources from `prompt` on (none without a drafter, nor under a grammar): the
-        copy index (`lookup`) and the suffix index `suffix` (a seeded sampled generation records in it but
-        drafts only from its own conversation: its random draws may not depend on other conversations)."""
+        copy index (`lookup`) and the suffix index `suffix`."""
         if self.proposer is None or acceptor.constraint is not None:
             return []
         sources = [self.lookup_source(prompt)] if lookup else []
         if suffix is not None and suffix is self.suffix_index and suffix.private:
             suffix = self._conversation_index(prompt)
         if suffix is not None:
-            source = SuffixProposer(suffix, drafts=not acceptor.seeded)
+            source = SuffixProposer(suffix)
             source.start(self.target, prompt)
             sources.append(source)
         return sources

@@ -83,7 +83,8 @@ def test_sampled_rows_with_different_settings_follow_the_target(tiny_pair):
     prompt = prompt_ids(6, seed=5)
     settings = [dict(temperature=1.5), dict(temperature=1.0, top_k=20, top_p=0.95)]
     runs = 800
-    rows = [dict(settings[i % 2], seed=i) for i in range(2 * runs)]
+    mx.random.seed(0)  # (an unseeded row's seed comes from MLX's generator)
+    rows = [dict(settings[i % 2], seed=i if i % 4 < 2 else None) for i in range(2 * runs)]  # keyed and rejection
     with without_eos(tokenizer) as tok:
         out = [[] for _ in rows]
         for i, r in dflash_mlx.stream_batch_generate(

@@ -38,6 +38,7 @@ from dflash_mlx.targets.adapter import TargetAdapter
 from helpers import (
     ALL_FAMILIES,
     TINY_VOCAB,
+    check_a_seed_fixes_the_text,
     check_first_two_sampled_tokens,
     chi_square_p,
     load_pair,
@@ -250,6 +251,12 @@ def test_sampled_output_follows_the_target_with_the_markov_bias_active(markov_pa
     draft = load_draft(draft_dir, model)
     settings = {"temperature": 1.0, "draft_sampling": draft_sampling}
     check_first_two_sampled_tokens(model, draft, tokenizer, MARKOV_PROMPTS[0], settings)
+
+
+def test_a_seed_fixes_the_text_and_the_markov_heads_keyed_drafts_are_accepted(markov_pair):
+    model, tokenizer, draft_dir = markov_pair
+    draft = load_draft(draft_dir, model)
+    assert check_a_seed_fixes_the_text(model, draft, tokenizer, MARKOV_PROMPTS[1], {"temperature": 0.5}) > 10
 
 
 def test_sampled_drafts_are_drawn_from_their_q_with_the_markov_bias(qwen3_target, tmp_path):

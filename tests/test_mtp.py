@@ -32,6 +32,7 @@ from helpers import (
     MTP_FAMILIES,
     assert_cycle_accounting,
     assert_same_stream,
+    check_a_seed_fixes_the_text,
     mtp_stage_reference,
     ours,
     prompt_ids,
@@ -104,6 +105,11 @@ def test_greedy_with_random_heads_equals_mlx_lm(mtp_pair, family, block_size):
     cycles = assert_cycle_accounting(got, block_size)
     assert block_size in [r.cycle_block_size for r in got if r.cycle_block_size]  # the heads drafted
     assert len(cycles) >= 1
+
+
+def test_a_seed_fixes_the_text_with_the_heads(mtp_pair):
+    _, model, tokenizer, mtp = mtp_pair("qwen3_5")
+    check_a_seed_fixes_the_text(model, mtp, tokenizer, prompt_ids(7), {"temperature": 0.8, "top_k": 20})
 
 
 def _nexts(head, target, features, anchor):

@@ -52,6 +52,34 @@ def test_seed_makes_sampling_reproducible(tiny_pair):
     assert run(1) != run(2)
 
 
+def test_a_seed_fixes_the_text_whatever_the_blocks_and_the_drafter(tiny_pair):
+    """A seeded call's text is its seed's plain-path text (draft=None) at every block, fixed or adaptive,
+    alone or batched, under filters and processors (draws keyed by position, `dflash_mlx.acceptance`)."""
+    import dflash_mlx
+
+    model, tokenizer, draft = tiny_pair("qwen3")
+    prompts = [prompt_ids(9, seed=4), prompt_ids(14, seed=5)]
+    filtered = dict(temperature=0.7, top_k=6, top_p=0.95)
+    with without_eos(tokenizer) as tok:
+        for kw in (dict(temperature=1.5), filtered):
+            processors = make_logits_processors(repetition_penalty=1.3) if kw is filtered else None
+            plain = []
+            for seed, prompt in enumerate(prompts):
+                go = dict(max_tokens=40, seed=seed, logits_processors=processors, **kw)
+                plain.append([r.token for r in stream_generate(model, None, tok, prompt, **go)])
+                for block in (1, 3, 6, None, None):
+                    got = [r.token for r in stream_generate(model, draft, tok, prompt, block_size=block, **go)]
+                    assert got == plain[-1], (kw, seed, block)
+            assert plain[0] != [r.token for r in stream_generate(model, None, tok, prompts[0], **{**go, "seed": 9})]
+            rows = [dict(kw, seed=seed, logits_processors=processors) for seed in range(len(prompts))]
+            batched = [[] for _ in prompts]
+            for i, r in dflash_mlx.stream_batch_generate(
+                model, draft, tok, prompts, max_tokens=40, block_size=4, max_batch=2, row_settings=rows
+            ):
+                batched[i].append(r.token)
+            assert batched == plain, kw
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "settings",

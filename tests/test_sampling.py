@@ -1,4 +1,4 @@
-"""Sampling distributions match mlx-lm's sampler; rejection acceptance is lossless.
+"""Sampling distributions match mlx-lm's sampler; rejection acceptance and draws keyed by position are lossless.
 
 Statistical checks use a chi-square test at p > 0.001 with fixed seeds, and a
 deliberately broken rule shows each test has the power to fail.
@@ -11,15 +11,19 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
+from dflash_mlx.acceptance import Acceptor
 from dflash_mlx.sampling import (
     SamplingSettings,
     dense_from_candidates,
     distribution,
     draw,
+    draw_at,
     filtered_logprobs,
+    position_keys,
     rejection_accept,
+    sampler_logits,
 )
-from helpers import chi_square_p
+from helpers import check_follows, chi_square_p
 
 V = 24
 SETTINGS = {
@@ -126,6 +130,65 @@ def test_three_drafts_emit_the_target_sequence_distribution():
     # not depend on the first token, as a context-free target would).
     second = np.where(accepted >= 2, drafts[:, 1], token)[accepted >= 1]
     assert chi_square_p(np.bincount(second, minlength=V), p_rows[1] / p_rows[1].sum()) > 1e-3
+
+
+def test_position_keys_depend_on_the_seed_and_the_position_alone():
+    for seed in (7, 2**40 + 7, -3):
+        keys = np.array(position_keys(seed, 10, 6))
+        assert keys.dtype == np.uint32 and keys.shape == (6, 2)
+        assert (keys[2:] == np.array(position_keys(seed, 12, 4))).all()  # whichever cycle draws a position
+        assert len({tuple(k) for k in keys}) == 6
+        assert not (np.array(position_keys(seed + 1, 10, 6)) == keys).all(axis=1).any()
+
+
+def test_draws_at_positions_are_mlx_categorical_with_each_rows_key():
+    rows = mx.stack([logits_row(s) for s in range(4)])
+    for settings in (SamplingSettings(temperature=0.7), SamplingSettings(temperature=1.3, top_k=8, top_p=0.9)):
+        keys = position_keys(3, 0, 4)
+        z = sampler_logits(rows, settings) * (1 / settings.temperature)
+        want = [mx.random.categorical(z[i], key=keys[i]).item() for i in range(4)]
+        assert draw_at(rows, settings, keys).tolist() == want
+        assert draw_at(rows[2:], settings, keys[2:]).tolist() == want[2:]
+
+
+def keyed_runs(p_rows: np.ndarray, q_rows: np.ndarray, runs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(drafts [runs, g], target draws [runs, g+1], accepted [runs]) of `runs` seeded verifies of rows that do
+    not depend on the drafts (a context-free target), each through an `Acceptor` as the engine calls it:
+    drafts chosen from q's logits with the positions' keys, then the verdict."""
+    g = q_rows.shape[0]
+    p_logits, q_logits = mx.array(np.log(p_rows), mx.float32), mx.array(np.log(q_rows), mx.float32)
+    drafts, draws, accepted = [], [], []
+    for run in range(runs):
+        acceptor = Acceptor(SamplingSettings(temperature=1.0), mx.array([1, 2, 3]), seed=run)
+        proposal = acceptor.choose_drafts(q_logits, 9)
+        verdict = acceptor.verdict(p_logits, proposal.tokens, proposal.probs, 9)
+        drafts.append(proposal.tokens)
+        draws.append(draw_at(p_logits, SamplingSettings(temperature=1.0), position_keys(run, 10, g + 1)))
+        accepted.append(verdict)
+    verdicts = np.array(mx.stack(accepted))
+    draws = np.array(mx.stack(draws))
+    assert (verdicts[:, 1:] == draws).all()  # the verdict's tokens are the positions' draws, whatever the drafts
+    return np.array(mx.stack(drafts)), draws, verdicts[:, 0]
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_keyed_verdicts_follow_the_target_and_couple_drafts_drawn_with_the_same_keys(seed):
+    """A seeded verify commits the target's draws (chi-square per position) and accepts the drafts that equal
+    them; drafts drawn with the same keys are accepted at least (1 - TV) / (1 + TV) of the time, far above
+    independent samples' sum(p * q)."""
+    rows = [two_dists(s) for s in (seed, seed + 10, seed + 20)]
+    p_rows = np.stack([r[0] for r in rows])
+    q_rows = np.stack([0.7 * p + 0.3 * q for p, q in rows[:2]])  # a drafter close to the target
+    drafts, draws, accepted = keyed_runs(p_rows, q_rows, 3000)
+    for j in range(3):
+        check_follows(draws[:, j].tolist(), p_rows[j])
+    match = np.cumprod(drafts == draws[:, :2], axis=1).sum(axis=1)
+    assert (accepted == match).all()
+    p, q = p_rows[0], q_rows[0]
+    tv = 0.5 * np.abs(p - q).sum()
+    rate = (drafts[:, 0] == draws[:, 0]).mean()
+    assert rate > (1 - tv) / (1 + tv) - 0.03 and rate > (p * q).sum() + 0.2
+    check_follows(drafts[:, 0].tolist(), q)  # the drafts still follow q
 
 
 def test_sparse_draft_rows_become_dense():

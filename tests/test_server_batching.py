@@ -49,27 +49,28 @@ def _requests() -> list[tuple[str, dict]]:
         ("chat", {"messages": [chat[2]], "logprobs": True, "top_logprobs": 2}),
         ("text", {"prompt": TEXT, "stop": ["."]}),
         ("text", {"prompt": TEXT, "extra_body": {"num_draft_tokens": 2}}),
+        ("chat", {"messages": [chat[1]], "temperature": 0.8, "seed": 7}),  # its draws keyed by position
     ]
 
 
 def _ask(client, kind: str, args: dict) -> dict:
-    common = {"model": "demo", "max_tokens": MAX_TOKENS, "temperature": 0.0}
+    args = {"model": "demo", "max_tokens": MAX_TOKENS, "temperature": 0.0, **args}
     if kind == "chat_stream":
         text, finish, dflash = "", None, {}
-        for chunk in client.chat.completions.create(**common, **args, stream=True):
+        for chunk in client.chat.completions.create(**args, stream=True):
             if chunk.choices:
                 text += chunk.choices[0].delta.content or ""
                 finish = chunk.choices[0].finish_reason or finish
             dflash = (chunk.model_extra or {}).get("dflash", dflash)
         return {"text": text, "finish": finish, "dflash": dflash}
     if kind == "chat":
-        reply = client.chat.completions.create(**common, **args)
+        reply = client.chat.completions.create(**args)
         choice = reply.choices[0]
         out = {"text": choice.message.content, "finish": choice.finish_reason}
         if choice.logprobs is not None:
             out["logprobs"] = [(t.token, round(t.logprob, 3)) for t in choice.logprobs.content]
     else:
-        reply = client.completions.create(**common, **args)
+        reply = client.completions.create(**args)
         out = {"text": reply.choices[0].text, "finish": reply.choices[0].finish_reason}
     out["dflash"] = (reply.model_extra or {}).get("dflash", {})
     return out

@@ -298,6 +298,7 @@ def test_the_draft_sampling_choice_belongs_to_its_call(tiny_pair):
                 max_tokens=12,
                 temperature=0.8,
                 seed=1,
+                block_size=4,  # (drafting every cycle, whatever the sampled history has learnt)
                 draft_sampling=choice,
                 session=session,
             )

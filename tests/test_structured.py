@@ -26,7 +26,7 @@ from dflash_mlx import batch_generate, load, stream_generate
 from dflash_mlx.proposers.oracle import OracleProposer
 from dflash_mlx.sampling import SamplingSettings, distribution
 from dflash_mlx.structured import Grammar, GrammarError, GrammarFault, GrammarLogitsProcessor, grammar_text
-from helpers import TINY_VOCAB, chi_square_p, make_draft2, prompt_ids, without_eos
+from helpers import TINY_VOCAB, check_a_seed_fixes_the_text, chi_square_p, make_draft2, prompt_ids, without_eos
 from helpers.formats import Answer, Order, schema_format
 
 
@@ -243,11 +243,26 @@ DSPARK_REUSING_THE_TARGETS_HEAD = dict(
 )
 
 
+@pytest.mark.parametrize("drafter", ["dflash", "dspark"])
+def test_a_seed_fixes_the_text_under_a_grammar(tiny_pair, qwen3_target, tmp_path, drafter):
+    """Drafts chosen under the grammar with the positions' keys (row by row for DSpark): the seed's
+    plain-path text at every block."""
+    model, tokenizer, draft = tiny_pair("qwen3")
+    if drafter == "dspark":
+        from dflash_mlx import load_draft
+        from helpers.dspark import make_dspark
+
+        draft = load_draft(make_dspark(tmp_path / "dspark", qwen3_target, **DSPARK_REUSING_THE_TARGETS_HEAD), model)
+    grammar = Grammar(tokenizer, llguidance.grammar_from("regex", "[a-z ]{1,30}"))
+    settings = {"temperature": 1.5, "response_format": grammar}
+    check_a_seed_fixes_the_text(model, draft, tokenizer, prompt_ids(6, seed=5), settings, max_tokens=16)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["dflash", "dspark"])
 @pytest.mark.parametrize("draft_sampling", ["sample", "argmax"])
 def test_sampled_tokens_follow_the_constrained_target(tiny_pair, qwen3_target, tmp_path, draft_sampling, drafter):
-    """Over seeded runs, the first two tokens under a grammar follow the target's distribution masked by
+    """Over seeded and unseeded runs, the first two tokens under a grammar follow the target's distribution masked by
     the grammar (enumerated with the target); the second comes from a cycle verifying a draft. A DSpark
     drafter (the target's head, a Markov bias) has its rows chosen one by one under the grammar, q with the
     bias of the draft before."""
@@ -274,7 +289,8 @@ def test_sampled_tokens_follow_the_constrained_target(tiny_pair, qwen3_target, t
         state.follow([])
     firsts, seconds, drafted = [], [], 0
     with without_eos(tokenizer) as tok:
-        for seed in range(RUNS):
+        for run in range(RUNS):
+            mx.random.seed(run)  # every other call unseeded (rejection sampling), its seed from MLX's generator
             out = list(
                 stream_generate(
                     model,
@@ -283,7 +299,7 @@ def test_sampled_tokens_follow_the_constrained_target(tiny_pair, qwen3_target, t
                     prompt,
                     max_tokens=3,
                     block_size=3,
-                    seed=seed,
+                    seed=run if run % 2 else None,
                     temperature=1.5,
                     draft_sampling=draft_sampling,
                     response_format=grammar,

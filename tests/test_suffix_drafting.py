@@ -279,7 +279,8 @@ def test_batched_sampled_rows_with_suffix_spans_follow_the_target(tiny_pair):
     check_follows([out[1].token for out in got.values()], p2)
 
 
-def test_a_seeded_sampled_call_records_but_drafts_only_from_its_own_conversation(tiny_pair):
+def test_a_seeded_sampled_call_drafts_from_the_index_and_keeps_the_text_of_its_seed(tiny_pair):
+    """Other conversations' tokens draft for a seeded call, and its text is the seed's plain-path text."""
     model, tokenizer, draft = tiny_pair("qwen3")
     prompt, settings = prompt_ids(12, seed=4), SamplingSettings(**SAMPLED)
     _, picks = _first_token_picks(model, prompt, settings)
@@ -291,9 +292,12 @@ def test_a_seeded_sampled_call_records_but_drafts_only_from_its_own_conversation
     with without_eos(tokenizer) as tok:
         for seed in range(30):
             kw = dict(max_tokens=3, block_size=3, suffix_index=index, lookup=False, **SAMPLED)
-            seeded.update(r.source for r in stream_generate(model, draft, tok, prompt, seed=seed, **kw))
+            out = list(stream_generate(model, draft, tok, prompt, seed=seed, **kw))
+            seeded.update(r.source for r in out)
+            plain = stream_generate(model, None, tok, prompt, seed=seed, max_tokens=3, **SAMPLED)
+            assert [r.token for r in out] == [r.token for r in plain], seed
             unseeded.update(r.source for r in stream_generate(model, draft, tok, prompt, **kw))
-    assert seeded["suffix"] == 0 and unseeded["suffix"] > 0
+    assert seeded["suffix"] > 0 and unseeded["suffix"] > 0
     assert index.tokens > held  # the seeded calls' replies are recorded too
 
 

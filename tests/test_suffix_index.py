@@ -14,8 +14,8 @@ from dflash_mlx.proposers import suffix as sx
 from dflash_mlx.proposers.suffix import SuffixProposer
 
 
-def _generation(index: SuffixIndex, prompt: list[int], reply: list[int], *, drafts: bool = True) -> SuffixProposer:
-    source = SuffixProposer(index, drafts=drafts)
+def _generation(index: SuffixIndex, prompt: list[int], reply: list[int]) -> SuffixProposer:
+    source = SuffixProposer(index)
     source.start(None, prompt)
     if reply:
         source.commit(reply)
@@ -224,14 +224,6 @@ def test_a_copy_is_independent():
     _generation(other, list(range(40)), list(range(200, 500)))  # (a tie with the first: the most recent wins)
     assert other.lookup(list(range(40)), 6).tokens == list(range(200, 206)) and other.tokens == 404
     assert index.lookup(list(range(40)), 6).tokens == list(range(100, 106)) and index.tokens == 72
-
-
-def test_a_seeded_generation_records_without_drafting():
-    index = SuffixIndex()
-    _generation(index, list(range(40)), list(range(100, 120)), drafts=False)
-    assert index.tokens == sx.MAX_MATCH + 20
-    assert _generation(index, list(range(40)), [], drafts=False).offer(8) == 0
-    assert _generation(index, list(range(40)), []).offer(8) == 8
 
 
 def test_bad_arguments_are_refused_with_the_reason():

@@ -52,7 +52,7 @@ def _together(rows: list, count: int) -> list[Proposal]:
             r.acceptor.next_key()  # (the keys a row draws stay those of its own proposer calls)
         best = mx.argmax(logits, axis=-1).astype(mx.int32)
         return [Proposal(tokens=best[i]) for i in range(len(rows))]
-    return [faulted(r, r.planner.drafts_from_logits, logits[i]) for i, r in enumerate(rows)]
+    return [faulted(r, r.planner.drafts_from_logits, logits[i], r.position) for i, r in enumerate(rows)]
 
 
 def faulted(row, stage, *args):

@@ -251,7 +251,7 @@ class BatchDecoder:
             cap = 1
         fixed = max_block is not None or self.choice is None
         policy = None
-        if not fixed and cap > 1:  # alone, a row chooses as `stream_generate` does (carrying history unless seeded)
+        if not fixed and cap > 1:  # alone, a row chooses as `stream_generate` does (carrying history)
             sampled = not acceptor.settings.greedy
             cap = choose_source(self.target, session.proposer, cap, sampled=sampled)  # (a RatedChoice: its member)
             key = (cap, sampled, id(getattr(session.proposer, "drafter", None)))
@@ -261,10 +261,9 @@ class BatchDecoder:
                 self.target,
                 session.proposer,
                 cap,
-                carry=not acceptor.seeded,
+                carry=True,
                 cost=self._costs[key],
                 sampled=sampled,
-                frozen=acceptor.seeded,
             )
         row = BatchRow(
             self._next_uid,
@@ -467,7 +466,7 @@ class BatchDecoder:
             if r.fault is not None:
                 judged[i] = mx.zeros((rows[i].shape[0] + 1,), mx.int32)
             elif not plain[i]:
-                judged[i] = r.acceptor.verdict(rows[i], drafts[i], probs[i])
+                judged[i] = r.acceptor.verdict(rows[i], drafts[i], probs[i], r.position)
         mx.eval(list(judged.values()))
         values = judged["together"].tolist() if together else []
         verdicts = [None] * len(self.rows)

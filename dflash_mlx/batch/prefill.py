@@ -62,7 +62,7 @@ def prefill_together(target, sessions: list, prompts: list[list[int]], acceptors
         if feeds[i]:
             session.proposer.add_context(features[i : i + 1, :1])
         row = acceptor.process(logits[i, -1:])
-        firsts.append((acceptor.next_token(row), log_softmax(row)))
+        firsts.append((acceptor.next_token(row, len(prompts[i]) - 1), log_softmax(row)))
     mx.eval([f for f, _ in firsts], [c.state for c in cache if c is not None])
     out = []
     for i, (session, prompt, acceptor) in enumerate(zip(sessions, prompts, acceptors)):

@@ -15,6 +15,7 @@ import mlx.nn as nn
 
 from .config import DraftConfig
 from .fused_ops import HeadProjection, rms_norm
+from ..sampling import row_keys
 from .model import DFlashDraftModel, DraftContextCache, DraftLayer
 
 
@@ -92,14 +93,19 @@ class CandidateSelector(nn.Module):
         successors = self.successor_codebook(candidates)  # [..., g, k, R]
         predecessor = mx.array(anchor).reshape(hidden.shape[:-2])
         steps = hidden.shape[-2]
-        keys = mx.random.split(key, steps) if key is not None else [None] * steps
+        by_position = key is not None and key.ndim == 2  # a seeded call's per-row keys (`sampling.row_keys`)
+        keys = row_keys(key, steps)
         path, q_rows = [], []
         for t in range(steps):
             pair = self.predecessor_codebook(predecessor) * projected[..., t, :]
             scores = unary[..., t, :] + mx.sum(successors[..., t, :, :] * pair[..., None, :], axis=-1)
             if temperature > 0:
                 q = mx.softmax(scores.astype(mx.float32) / temperature, axis=-1)
-                choice = mx.random.categorical(mx.log(q), axis=-1, key=keys[t])
+                if by_position:  # the noise the target draws this position with, at the candidates
+                    noise = mx.random.gumbel(logits.shape[-1:], key=keys[t])[candidates[..., t, :]]
+                    choice = mx.argmax(scores.astype(mx.float32) / temperature + noise, axis=-1)
+                else:
+                    choice = mx.random.categorical(mx.log(q), axis=-1, key=keys[t])
                 q_rows.append(q)
             else:
                 choice = mx.argmax(scores, axis=-1)

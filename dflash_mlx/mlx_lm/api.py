@@ -304,7 +304,7 @@ def _dflash(
         # mlx-lm's processors see the tokens of this call only, not the cached ones.
         logits_processors = [_skipping(p, len(earlier)) for p in logits_processors]
     # mlx-lm's sampling draws from MLX's global generator, which a script seeds for reproducible output:
-    # the seed is taken from it here, so the run counts as seeded (its blocks follow no timing)
+    # the seed is taken from it here, so the run counts as seeded (its draws keyed by position)
     seed = None if settings.greedy else seed_from_mlx()
     responses = dflash_stream_generate(
         model,

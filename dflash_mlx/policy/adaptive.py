@@ -6,7 +6,7 @@ choice among more (`choose_from`, `observe_source`): each span source joins
 as one more entry (`span_source(name)`). The rule and the one probe schedule
 are `choice.Choice`'s; the costs the setup's `CostModel`'s (`calibration`).
 A drafter's generations carry its history (`DrafterHistory`, one for
-greedy generations and one for unseeded sampled ones): its long-run
+greedy generations and one for sampled ones): its long-run
 acceptance as the next generation's prior, its probe wait, and whether
 drafting paid lately; each span source of its generations carries its own
 long-run acceptance the same way. Why: docs/adaptive.md.
@@ -186,27 +186,22 @@ def adaptive_policy(
     cost: CostModel | CostTable | None = None,
     kv=None,
     sampled: bool = False,
-    frozen: bool = False,
 ) -> AdaptiveBlock:
     """An adaptive policy for one generation, on this machine's cost model (`calibration.cost_model`).
 
     `carry`: the generation continues the drafter's history of its kind (`DrafterHistory`, greedy or
     `sampled`): its estimate starts from the drafter's long-run acceptance instead of the fixed prior and
     adds its own cycles to it, so a poor drafter starts at b = 1 and a good one at a large block, and its
-    probe wait goes on. The library carries for greedy decoding, whose output no block choice can change,
-    and for unseeded sampling, whose distribution none changes; a seeded one starts from the prior, as
-    its draws must not depend on the calls before it. `cost`: the setup's model
-    (or a table) when the caller has it, else the one for `kv` and greedy or `sampled` cycles. `frozen`:
-    the table alone, whatever this process times (a seeded sampled request: its blocks decide its random
-    draws).
+    probe wait goes on. The library always carries: no block choice changes greedy text, an unseeded
+    sampled call's distribution or a seeded one's draws (keyed by position, `dflash_mlx.acceptance`).
+    `cost`: the setup's model (or a table) when the caller has it, else the one for `kv` and greedy or
+    `sampled` cycles.
     """
     if cost is None:
         from .calibration import cost_model
 
         max_block = choose_source(target, proposer, max_block, kv=kv, sampled=sampled)
         cost = cost_model(target, proposer, max_block, kv=kv, sampled=sampled)
-    if frozen and isinstance(cost, CostModel):
-        cost = cost.frozen()
     drafter = getattr(proposer, "drafter", proposer)
     history = drafter_history(drafter, max_block - 1, sampled=sampled) if carry else None
     if history is None:

@@ -19,8 +19,8 @@ cycles' robust deviations was timed at a slow moment: its level starts afresh
 (a level too dear keeps its source from running, so running never corrects
 it). What a source's first cycle after another's takes beyond its level is
 what a switch to it costs (`switch`: the mean of the newest WINDOW, where
-sure). A model that does not learn (`learns=False`: seeded requests, sharded
-ranks, a curve a test injects) is the table alone, whatever the timings.
+sure). A model that does not learn (`learns=False`: sharded ranks, a curve a
+test injects) is the table alone, whatever the timings.
 Why: docs/adaptive.md.
 """
 
@@ -137,12 +137,6 @@ class CostModel:
 
     def __call__(self, b: int, rows: int = 1) -> float:
         return self.table(b, rows)
-
-    def frozen(self) -> CostModel:
-        """The table alone, whatever this process times (seeded requests: their blocks decide their draws)."""
-        frozen = CostModel(self.table, learns=False)
-        frozen.notes = self.notes
-        return frozen
 
     def level(self, source: str, rows: int = 1, prior: str | None = None) -> tuple[float, float, int]:
         """(level, its standard error, the cycles it rests on) of `source` at `rows`: the log of the mean of its

@@ -17,7 +17,8 @@ follows:
   anchor at an absolute position. Whether drafts are sampled is the call's
   choice (`sampling`), never the proposer's state. `Proposal.probs` is the
   distribution each draft was drawn from; None means a point mass (one-hot q),
-  which keeps rejection sampling exact whatever the drafts are.
+  which keeps rejection sampling exact whatever the drafts are. `key` is an
+  MLX random key.
 
 Optional methods, looked up with `getattr`:
 
@@ -40,6 +41,13 @@ Optional methods, looked up with `getattr`:
   row its own proposer through `fork()` (a user proposer without it is refused
   there, since one object would serve every row); the block-size calibration
   times a fork on private state.
+- `keys_per_row`: True where `propose` draws row i with
+  `sampling.row_keys(key, count)[i]` (`sampling.draw_rows` for rows drawn at
+  once). A seeded call then passes one key per row ([count, 2], the keys the
+  target draws those positions with), so drafts and the target's draws share
+  their noise and a draft close to the target is accepted (a seeded verify
+  accepts a draft only where it equals the target's draw). Without it a
+  seeded call passes one key: exact all the same, its drafts accepted less.
 - `draft_logits(anchor, position, count)`: the drafter's logits of the block's
   rows, so a grammar can choose the drafts itself (`structured.constraint`).
 - `draft_stepwise(anchor, position, count)`: for a drafter whose row i depends

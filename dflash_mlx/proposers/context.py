@@ -23,6 +23,8 @@ from ..draft.model import DraftContextCache
 class ContextProposer:
     """A drafter's context, in step with the target's caches (see the module docstring)."""
 
+    keys_per_row = True  # its proposers draw row i with key i (`proposers.base`)
+
     def __init__(self, drafter, max_context: int | None = None):
         self.drafter = drafter
         self.layer_ids = tuple(drafter.config.target_layer_ids)

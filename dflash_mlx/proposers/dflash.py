@@ -15,7 +15,7 @@ from ..draft.batch_context import BatchContext
 from ..draft.dspark import DSparkDraftModel
 from ..draft.model import DFlashDraftModel
 from ..draft.pairing import check_pair
-from ..sampling import dense_from_candidates, distribution, draw
+from ..sampling import dense_from_candidates, distribution, draw_rows
 from .base import Proposal, Proposer
 from .context import ContextProposer
 from .dspark import DSparkProposer
@@ -57,8 +57,7 @@ class DFlashProposer(ContextProposer):
         logits = self.drafter(block, self._cache, self.target, features)[0]
         if sampling is None:
             return Proposal(tokens=mx.argmax(logits, axis=-1).astype(mx.int32))
-        tokens, _ = draw(logits, sampling, key)
-        return Proposal(tokens=tokens, probs=distribution(logits, sampling))
+        return Proposal(tokens=draw_rows(logits, sampling, key), probs=distribution(logits, sampling))
 
 
 class DFlash2Proposer(DFlashProposer):

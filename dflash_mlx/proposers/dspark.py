@@ -20,7 +20,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from ..draft.dspark import DSparkDraftModel
-from ..sampling import distribution
+from ..sampling import distribution, row_keys
 from .base import Proposal
 from .context import ContextProposer
 
@@ -34,19 +34,18 @@ class DSparkProposer(ContextProposer):
 
     def propose(self, anchor: mx.array, position: int, count: int, *, sampling=None, key=None) -> Proposal:
         base = self._base_logits(anchor, position, count)
-        keys = [None] * count if key is None or sampling is None else list(mx.random.split(key, count))
+        keys = row_keys(None if sampling is None else key, count)
         drafter = self.drafter
         previous = anchor.reshape(1).astype(mx.int32)
         tokens, probs = [], []
         for i in range(count):
             row = base[i : i + 1] + drafter.markov_bias(previous)
             if sampling is None:
-                draft = mx.argmax(row, axis=-1)
-            else:
-                q = distribution(row, sampling)
-                draft = mx.random.categorical(mx.log(q), axis=-1, key=keys[i])
-                probs.append(drafter.widen(q, 0.0))
-            previous = drafter.to_target(draft).astype(mx.int32)
+                previous = drafter.to_target(mx.argmax(row, axis=-1)).astype(mx.int32)
+            else:  # drawn over the target's vocabulary: with a seeded call's key, the target's noise there
+                q = drafter.widen(distribution(row, sampling), 0.0)
+                previous = mx.random.categorical(mx.log(q), axis=-1, key=keys[i]).astype(mx.int32)
+                probs.append(q)
             tokens.append(previous)
         return Proposal(mx.concatenate(tokens), mx.concatenate(probs) if probs else None)
 

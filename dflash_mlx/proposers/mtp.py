@@ -27,7 +27,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..mtp.checkpoint import load_mtp_head
 from ..mtp.head import MTPHead
-from ..sampling import distribution
+from ..sampling import distribution, row_keys
 from .base import Proposal
 
 MTP_BLOCK = 4  # the widest block: the anchor and up to 3 chained drafts
@@ -38,6 +38,7 @@ class MTPProposer:
 
     name = "mtp"
     source = "mtp"  # how commands name the drafter
+    keys_per_row = True  # draws row i with key i (`proposers.base`)
     layer_ids: tuple[int, ...] = ()
     reads_final = True
 
@@ -117,7 +118,7 @@ class MTPProposer:
             raise RuntimeError(f"MTP context: no hidden state for position {position - 1} (drafted there already).")
         head, target = self.drafter, self.target
         stages = len(head.stages)
-        keys = mx.random.split(key, count) if key is not None else [None] * count
+        keys = row_keys(key, count)
         out = self._ingest(self.target.embed(anchor.reshape(1, 1)))[:, -1:]
         tokens, probs, chained = [], [], [0] * stages
         stage = 0

@@ -28,9 +28,9 @@ withheld, so it is tried again.
 
 Drafts are point masses (q one-hot): exact under sampling too. A draft from
 another conversation is accepted only where the target would produce the same
-token, so greedy text cannot leak; a seeded sampled generation records but
-does not draft (`drafts=False`): its random draws would depend on what other
-conversations produced. One lock guards the index (the batched server's rows,
+token, so greedy text cannot leak, nor sampled text: an unseeded call's
+distribution, and a seeded call's draws (keyed by position, `acceptance`), are
+the target's whatever is drafted. One lock guards the index (the batched server's rows,
 threads of a library user). `nbytes` counts what it holds; `oldest` and
 `evict_oldest` let a memory budget take sequences back.
 """
@@ -342,7 +342,7 @@ class SuffixProposer:
     `start(target, prompt)` begins the generation's sequence in the index,
     `commit(tokens)` records each cycle's tokens (and, after a cycle that
     verified its span, how much of it was accepted); `offer(count)` is the
-    index's span after the sequence's end (0: none, or `drafts=False`), asked
+    index's span after the sequence's end (0: none), asked
     once per length of the sequence; `propose` gives it as point masses.
     """
 
@@ -350,8 +350,8 @@ class SuffixProposer:
     layer_ids: tuple[int, ...] = ()  # it reads none of the target's hidden states
     block_size = MAX_MATCH + 1  # (a hint only: its spans are as long as the verify allows)
 
-    def __init__(self, index: SuffixIndex, *, drafts: bool = True):
-        self.index, self.drafts = index, drafts
+    def __init__(self, index: SuffixIndex):
+        self.index = index
         self._sequence = -1
         self._tail: list[int] = []  # the sequence's last MAX_MATCH tokens
         self._length = 0  # the sequence's length (prompt included)
@@ -390,7 +390,7 @@ class SuffixProposer:
         return self._span[2]
 
     def offer(self, count: int) -> int:
-        if not self.drafts or count < 1:
+        if count < 1:
             return 0
         found = self._continuation(count)
         return min(count, len(found.tokens)) if found is not None else 0
@@ -399,13 +399,13 @@ class SuffixProposer:
         """[E(1), ..., E(widest)]: what a cycle verifying the anchor and w - 1 tokens of its span is expected
         to commit, by the index's probabilities (its entry's estimate in `policy.adaptive`,
         `estimate.SpanOdds`)."""
-        found = self._continuation(widest - 1) if self.drafts and widest > 1 else None
+        found = self._continuation(widest - 1) if widest > 1 else None
         reach = found.reach if found is not None else []
         return [1.0 + sum(reach[: w - 1]) for w in range(1, widest + 1)]
 
     def propose(self, anchor, position: int, count: int, *, sampling=None, key=None) -> Proposal:
         """The span after the anchor (the sequence's last token, committed): point masses."""
-        found = self._continuation(count) if self.drafts else None
+        found = self._continuation(count)
         span = found.tokens[:count] if found is not None else []
         if span:
             self._proposed = (found.depth, span)

@@ -14,8 +14,8 @@ first), so a request that produces what an earlier one produced drafts it:
   before (`session.Session.span_sources`).
 
 A draft is accepted only where the target would produce the same token, so
-greedy text cannot leak; timing can (docs/serving.md), and a seeded sampled
-request drafts only from its own conversation (`session.Session.span_sources`).
+no text can leak (a seeded request's draws are keyed by position,
+`dflash_mlx.acceptance`); timing can (docs/serving.md).
 `nbytes`, `oldest` and `evict_oldest` are the shared indexes' together: one
 part of the server's byte budget (`budget`, "suffix_index" in ``/health``),
 which takes their least recently used sequences back as it takes the prompt

@@ -34,6 +34,7 @@ import numpy as np
 from llguidance.numpy import fill_next_token_bitmask
 
 from ..proposers.base import Proposal
+from ..sampling import gumbel_rows, row_keys
 
 CANDIDATES = 16  # drafter candidates per row brought to the host (a row none of them fits costs one more sync)
 
@@ -177,7 +178,7 @@ class Constraint:
         draft_logits = getattr(proposer, "draft_logits", None)
         if draft_logits is not None:
             return self.choose(draft_logits(anchor, position, count), sampling, key)
-        proposed = proposer.propose(anchor, position, count, sampling=None, key=key).tokens.tolist()
+        proposed = proposer.propose(anchor, position, count, sampling=None).tokens.tolist()
         return self._walk_rows(count, lambda i, words, _: proposed[i] if self.allows(words, proposed[i]) else None)
 
     def choose(self, logits: mx.array, sampling, key) -> Proposal:
@@ -186,7 +187,7 @@ class Constraint:
         count, width = logits.shape
         z = logits.astype(mx.float32)
         if sampling is not None:
-            z = z / sampling.temperature + mx.random.gumbel(z.shape, key=key)
+            z = z / sampling.temperature + gumbel_rows(key, z.shape)
         ranked = _ranked(z)
         forced: list[int] = []
         proposal = self._walk_rows(count, lambda i, words, _: self._best(z[i], ranked[i], words), forced)
@@ -196,7 +197,7 @@ class Constraint:
         """The drafts for a drafter whose row i depends on the draft chosen at row i - 1 (`row(i, previous)`,
         `proposers.base`): each row's logits asked with the token before it, its draft chosen as `choose`
         chooses; when sampled, q is each row's distribution given the draft before it."""
-        keys = [None] * count if sampling is None or key is None else list(mx.random.split(key, count))
+        keys = row_keys(None if sampling is None else key, count)
         rows: dict[int, mx.array] = {}
 
         def pick(i: int, words: np.ndarray, previous: int | None) -> int:

@@ -20,6 +20,7 @@ from .drafts2 import draft2_weight_shapes, make_draft2
 from .checks import (
     assert_cycle_accounting,
     assert_same_stream,
+    check_a_seed_fixes_the_text,
     check_first_two_sampled_tokens,
     check_follows,
     check_lossless,
@@ -91,6 +92,7 @@ __all__ = [
     "TINY_VOCAB",
     "assert_cycle_accounting",
     "assert_same_stream",
+    "check_a_seed_fixes_the_text",
     "check_first_two_sampled_tokens",
     "check_follows",
     "check_lossless",

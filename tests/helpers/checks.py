@@ -161,8 +161,9 @@ def check_follows(tokens: list[int], probs: np.ndarray) -> None:
 
 
 def check_first_two_sampled_tokens(model, draft, tokenizer, prompt, settings: dict, runs: int = 1000) -> None:
-    """Over `runs` seeds, the first two tokens of `stream_generate(..., **settings)` follow the target's exact
-    distributions (enumerated with the target; the second comes from a cycle that verified one draft)."""
+    """Over `runs` calls, the first two tokens of `stream_generate(..., **settings)` follow the target's exact
+    distributions (enumerated with the target; the second comes from a cycle that verified one draft); every
+    other call is seeded (draws keyed by position), the rest unseeded (rejection sampling)."""
     from dflash_mlx import stream_generate
     from dflash_mlx.sampling import SamplingSettings
 
@@ -170,7 +171,9 @@ def check_first_two_sampled_tokens(model, draft, tokenizer, prompt, settings: di
     p1, p2 = two_token_distributions(model, prompt, s)
     firsts, seconds = [], []
     with without_eos(tokenizer) as tok:
-        for seed in range(runs):
+        for run in range(runs):
+            mx.random.seed(run)  # (an unseeded call's seed comes from MLX's generator)
+            seed = run if run % 2 else None
             out = list(stream_generate(model, draft, tok, prompt, max_tokens=3, block_size=3, seed=seed, **settings))
             assert out[2].cycle_tokens is not None and (out[1].cycle_tokens is None or out[1].cycle_tokens == 1)
             firsts.append(out[0].token)
@@ -178,3 +181,23 @@ def check_first_two_sampled_tokens(model, draft, tokenizer, prompt, settings: di
     check_follows(firsts, p1)
     check_follows(seconds, p2)
     assert not math.isnan(p2.sum())
+
+
+def check_a_seed_fixes_the_text(
+    model, draft, tokenizer, prompt, settings: dict, blocks=(2, 4, None), max_tokens=24
+) -> int:
+    """A seeded call's text with `draft` at each of `blocks` (None: adaptive) is the seed's plain-path text
+    (draft=None), for seeds 0..2; returns how many drafts were accepted (drafts coupled with the target's
+    draws are accepted where the drafter is good)."""
+    from dflash_mlx import stream_generate
+
+    accepted = 0
+    with without_eos(tokenizer) as tok:
+        for seed in range(3):
+            kw = dict(max_tokens=max_tokens, seed=seed, **settings)
+            plain = [r.token for r in stream_generate(model, None, tok, prompt, **kw)]
+            for block in blocks:
+                out = list(stream_generate(model, draft, tok, prompt, block_size=block, lookup=False, **kw))
+                assert [r.token for r in out] == plain, (seed, block)
+                accepted += sum(r.from_draft for r in out)
+    return accepted
