@@ -308,7 +308,9 @@ def test_sampled_tokens_follow_the_constrained_target(tiny_pair, qwen3_target, t
             firsts.append(out[0].token)
             seconds.append(out[1].token)
             drafted += out[1].from_draft
-    assert drafted > RUNS * 0.01, drafted  # the second token was an accepted draft in some runs
+    # the second token was an accepted draft in some runs (argmax drafts: about 1 run in 100, 14-19 of 1500
+    # here over seeded or unseeded runs)
+    assert drafted >= 5, drafted
     for tokens, probs in ((firsts, p1), (seconds, p2)):
         counts = np.bincount(tokens, minlength=probs.size)
         assert counts[probs <= 1e-9].sum() == 0  # never outside the grammar
