@@ -136,7 +136,8 @@ def position_keys(seed: int, first: int, count: int) -> mx.array:
 
 
 def row_noise(keys: mx.array, width: int) -> mx.array:
-    """Gumbel noise [rows, width], row i drawn with keys[i] (as `mx.random.categorical` draws a [width] row)."""
+    """Gumbel noise [rows, width], row i drawn with keys[i] (as `mx.random.categorical` draws a [width] row;
+    for a [1, width] input it draws other noise: keyed draws go through `draw_keyed` or `draw_at`)."""
     return mx.vmap(lambda key: mx.random.gumbel((width,), key=key))(keys)
 
 
@@ -156,6 +157,13 @@ def gumbel_rows(key: mx.array, shape: tuple[int, int]) -> mx.array:
     """Gumbel noise of `shape` [rows, V] for draft rows: row i's from a seeded call's per-row keys, else
     drawn with `key`."""
     return row_noise(key, shape[-1]) if key.ndim == 2 else mx.random.gumbel(shape, key=key)
+
+
+def draw_keyed(z: mx.array, key: mx.array | None) -> mx.array:
+    """A draw from softmax(z) over the last axis of `z` ([V] or [1, V]): the Gumbel-max with the [V] noise
+    row `key` gives (`row_noise`), so a draft drawn with a seeded call's key for a position shares the
+    target's noise there."""
+    return mx.argmax(z + mx.random.gumbel(z.shape[-1:], key=key), axis=-1)
 
 
 def row_keys(key: mx.array | None, count: int) -> list:

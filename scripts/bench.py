@@ -44,8 +44,8 @@ chat-templated GSM8K / MT-Bench first turns: in and off distribution), untrained
 with a random drafter of the same shape), 4bit (the bundled target quantized to 4 bits, group 64),
 long (the bundled pair on multi-turn GSM8K conversations of at least 1,600 tokens), synthetic (a pair
 `scripts/train_synthetic.py` trained, in --synthetic DIR, on its own prompts). --temperature T > 0
-samples (seeded per unit; `--unseeded`: no seed, as a user's call without one); greedy runs check every
-leg's tokens against mlx-lm's.
+samples (seeded per unit, mlx-lm drawing each position with dflash-mlx's key for it; `--unseeded`: no seed,
+as a user's call without one); greedy and seeded runs count every leg's replies that differ from mlx-lm's.
 
 It runs as the `dflash-mlx` command does: on Linux it re-executes itself with the system OpenBLAS
 preloaded, on one thread (`dflash_mlx.cli.openblas`; an OPENBLAS_NUM_THREADS already set is kept, e.g.
@@ -328,7 +328,9 @@ def make_legs(
     seeded: bool = True,
 ) -> dict:
     """mlx-lm's leg and the named dflash-mlx legs, each `leg(prompt, seed)` -> `timed(...)`; `seeded`: the
-    seed is passed (mlx-lm's global generator seeded with it), else every leg runs unseeded."""
+    seed is passed, and mlx-lm's sampler draws each position with the key a seeded dflash-mlx call draws it
+    with (`keyed_sampler`), so every leg's text is the seed's (replies of one length: their end-to-end
+    speeds weigh the prefill alike); else every leg runs unseeded."""
     from mlx_lm import stream_generate as mlx_lm_stream_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -338,8 +340,9 @@ def make_legs(
     grammar = Grammar.of(tokenizer, response_format)  # compiled once: each call follows it afresh
 
     def mlx_lm_leg(prompt, seed):
-        if seeded:
-            mx.random.seed(seed)
+        sampler = make_sampler(temperature)
+        if seeded and temperature > 0:
+            sampler = keyed_sampler(temperature, seed, prompt.size, max_tokens)
         processors = [GrammarLogitsProcessor(tokenizer, grammar)] if grammar else None
         return timed(
             mlx_lm_stream_generate(
@@ -347,7 +350,7 @@ def make_legs(
                 tokenizer,
                 prompt,
                 max_tokens=max_tokens,
-                sampler=make_sampler(temperature),
+                sampler=sampler,
                 logits_processors=processors,
             )
         )
@@ -378,6 +381,23 @@ def make_legs(
         else:
             raise SystemExit(f"--legs: unknown leg {name!r} (plain, adaptive, b1, b2, ...)")
     return legs
+
+
+def keyed_sampler(temperature: float, seed: int, prompt_length: int, max_tokens: int):
+    """An mlx-lm sampler at `temperature` (mlx-lm's `categorical(logprobs * (1 / T))`: a Gumbel-max, compiled)
+    that draws the token at each position with the noise a seeded dflash-mlx call draws it with
+    (`sampling.position_keys`, `draw_keyed`)."""
+    from dflash_mlx.sampling import draw_keyed, position_keys
+
+    # (mlx-lm's loop draws one step past its last token, queued before it stops)
+    keys, drawn = position_keys(seed, prompt_length, max_tokens + 1), iter(range(max_tokens + 1))
+    scale = mx.array(1.0 / temperature)
+
+    @mx.compile
+    def draw(logprobs, key):
+        return draw_keyed(logprobs * scale, key)
+
+    return lambda logprobs: draw(logprobs, keys[next(drawn)])
 
 
 class Units:
@@ -463,12 +483,13 @@ def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
     units = Units([k for k in compared if k[1:].isdigit()])
     mismatches, blocks, parsed = Counter(), {k: Counter() for k in compared}, Counter()
     order, shuffle = list(legs), random.Random(1).shuffle
+    same_text = args.temperature == 0 or not args.unseeded  # greedy, or seeded: every leg draws the seed's text
     for r in range(args.rounds):
         for i, p in enumerate(prompts):
             shuffle(order)  # every leg runs prompt i before any runs prompt i + 1, in a new order each time
             unit = {k: legs[k](p, r * len(prompts) + i) for k in order}
             for k in compared:
-                mismatches[k] += args.temperature == 0 and unit[k][0] != unit["mlx-lm"][0]
+                mismatches[k] += same_text and unit[k][0] != unit["mlx-lm"][0]
                 blocks[k].update(unit[k][4])
             for k in unit if args.response_format else ():
                 parsed[k] += parses_as_json(tokenizer, unit[k][0])
@@ -501,7 +522,7 @@ def run_setting(name, model, tokenizer, draft, prompts, args) -> dict:
                 "vs_mlx_lm": units.ratio(k, "mlx-lm"),
                 "vs_mlx_lm_decode": units.ratio(k, "mlx-lm", end_to_end=False),
                 "first_token_ms_paired_median": first_token_ms(k),
-                "greedy_mismatches": mismatches[k] if args.temperature == 0 else None,
+                "mismatches": mismatches[k] if same_text else None,
                 "blocks": {str(b): n for b, n in sorted(blocks[k].items())},
             }
             for k in compared
@@ -517,7 +538,7 @@ def legs_table(report: dict) -> str:
 
     lines = [
         "| setting | leg | units | mlx-lm tok/s | leg tok/s | leg / mlx-lm | decode window | first token, ms "
-        "| blocks | greedy mismatches |",
+        "| blocks | mismatches |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for st in report["settings"]:
@@ -530,7 +551,7 @@ def legs_table(report: dict) -> str:
                 f"| {title} | {leg} | {st['prompts'] * st['rounds']} | {st['tps']['mlx-lm']:.1f} "
                 f"| {st['tps'][leg]:.1f} | {r(x['vs_mlx_lm'])} | {r(x['vs_mlx_lm_decode'])} "
                 f"| {x['first_token_ms_paired_median']:+.2f} | {blocks} "
-                f"| {'-' if x['greedy_mismatches'] is None else x['greedy_mismatches']} |"
+                f"| {'-' if x['mismatches'] is None else x['mismatches']} |"
             )
     lines += ["", "| setting | calibrated T(b) / T(1) at b = | took |", "|---|---|---:|"]
     for st in report["settings"]:

@@ -17,7 +17,8 @@ from dflash_mlx.draft.dflash2 import DFlash2DraftModel
 from dflash_mlx.draft.load import DraftWeightsError
 from dflash_mlx.targets.adapter import TargetAdapter
 from test_reference_parity import REFERENCE_PREAMBLE, REPO_ID, fake_hub_cache, hub_env, make_inputs
-from helpers import check_a_seed_fixes_the_text, check_lossless, load_pair, make_draft2, prompt_ids
+from dflash_mlx.proposers.dflash import proposer_for
+from helpers import check_a_seed_fixes_the_text, check_keyed_drafts, check_lossless, load_pair, make_draft2, prompt_ids
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,8 @@ def test_sampled_generation_runs_through_the_selector(tiny_target, draft2_factor
     assert first == run(3) and len(first) >= 1
     cycles = [c for _, c in first if c is not None]
     assert sum(cycles) == len(first) - 1
-    check_a_seed_fixes_the_text(model, draft, tokenizer, prompt, {"temperature": 1.0})  # the selector's keyed draws
+    check_a_seed_fixes_the_text(model, draft, tokenizer, prompt, {"temperature": 1.0})
+    assert check_keyed_drafts(model, proposer_for(draft), tokenizer, prompt, {"temperature": 1.0}) > 20
 
 
 def test_a_dflash2_block_ingests_the_newest_context_rows_in_its_own_forward(tiny_target, draft2_factory):

@@ -32,6 +32,7 @@ from dflash_mlx.draft.dspark_config import parse_dspark_config
 from dflash_mlx.draft.load import DraftWeightsError
 from dflash_mlx.models.block_size import capped_block_size, widest_block
 from dflash_mlx.proposers import as_proposer
+from dflash_mlx.proposers.dflash import proposer_for
 from dflash_mlx.sampling import SamplingSettings
 from dflash_mlx.structured import GrammarLogitsProcessor
 from dflash_mlx.targets.adapter import TargetAdapter
@@ -40,6 +41,7 @@ from helpers import (
     TINY_VOCAB,
     check_a_seed_fixes_the_text,
     check_first_two_sampled_tokens,
+    check_keyed_drafts,
     chi_square_p,
     load_pair,
     prompt_ids,
@@ -253,10 +255,15 @@ def test_sampled_output_follows_the_target_with_the_markov_bias_active(markov_pa
     check_first_two_sampled_tokens(model, draft, tokenizer, MARKOV_PROMPTS[0], settings)
 
 
-def test_a_seed_fixes_the_text_and_the_markov_heads_keyed_drafts_are_accepted(markov_pair):
+def test_a_seed_fixes_the_text_and_drafts_share_the_targets_noise(markov_pair, qwen3_target, tmp_path):
+    """The Markov-dominated drafter keeps a seed's text; a reduced vocabulary's drafts (drawn over the target's
+    vocabulary, row by row) are the Gumbel-max of their q with each position's noise."""
     model, tokenizer, draft_dir = markov_pair
-    draft = load_draft(draft_dir, model)
-    assert check_a_seed_fixes_the_text(model, draft, tokenizer, MARKOV_PROMPTS[1], {"temperature": 0.5}) > 10
+    check_a_seed_fixes_the_text(model, load_draft(draft_dir, model), tokenizer, MARKOV_PROMPTS[1], {"temperature": 0.5})
+    reduced = load_draft(_checkpoint(tmp_path, qwen3_target, "r", packaging="speculators", draft_vocab_size=300), model)
+    proposer = proposer_for(reduced)
+    check_a_seed_fixes_the_text(model, proposer, tokenizer, MARKOV_PROMPTS[1], {"temperature": 1.0}, blocks=(3,))
+    assert check_keyed_drafts(model, proposer, tokenizer, MARKOV_PROMPTS[1], {"temperature": 1.0}) > 20
 
 
 def test_sampled_drafts_are_drawn_from_their_q_with_the_markov_bias(qwen3_target, tmp_path):

@@ -33,6 +33,7 @@ from helpers import (
     assert_cycle_accounting,
     assert_same_stream,
     check_a_seed_fixes_the_text,
+    check_keyed_drafts,
     mtp_stage_reference,
     ours,
     prompt_ids,
@@ -110,6 +111,7 @@ def test_greedy_with_random_heads_equals_mlx_lm(mtp_pair, family, block_size):
 def test_a_seed_fixes_the_text_with_the_heads(mtp_pair):
     _, model, tokenizer, mtp = mtp_pair("qwen3_5")
     check_a_seed_fixes_the_text(model, mtp, tokenizer, prompt_ids(7), {"temperature": 0.8, "top_k": 20})
+    assert check_keyed_drafts(model, mtp, tokenizer, prompt_ids(7), {"temperature": 0.8, "top_k": 20}) > 20
 
 
 def _nexts(head, target, features, anchor):

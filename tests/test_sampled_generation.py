@@ -14,7 +14,15 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from dflash_mlx import stream_generate
 from dflash_mlx.proposers.oracle import OracleProposer
-from helpers import TINY_VOCAB, assert_same_stream, check_first_two_sampled_tokens, prompt_ids, without_eos
+from dflash_mlx.proposers.dflash import proposer_for
+from helpers import (
+    TINY_VOCAB,
+    assert_same_stream,
+    check_first_two_sampled_tokens,
+    check_keyed_drafts,
+    prompt_ids,
+    without_eos,
+)
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 16])
@@ -78,6 +86,7 @@ def test_a_seed_fixes_the_text_whatever_the_blocks_and_the_drafter(tiny_pair):
             ):
                 batched[i].append(r.token)
             assert batched == plain, kw
+        assert check_keyed_drafts(model, proposer_for(draft), tok, prompts[0], dict(temperature=1.5)) > 20
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from dflash_mlx.sampling import (
     distribution,
     draw,
     draw_at,
+    draw_keyed,
     filtered_logprobs,
     position_keys,
     rejection_accept,
@@ -149,6 +150,7 @@ def test_draws_at_positions_are_mlx_categorical_with_each_rows_key():
         want = [mx.random.categorical(z[i], key=keys[i]).item() for i in range(4)]
         assert draw_at(rows, settings, keys).tolist() == want
         assert draw_at(rows[2:], settings, keys[2:]).tolist() == want[2:]
+        assert [draw_keyed(z[i : i + 1], keys[i]).item() for i in range(4)] == want  # a [1, V] row: the same
 
 
 def keyed_runs(p_rows: np.ndarray, q_rows: np.ndarray, runs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -5,7 +5,9 @@ continuation to draft only from `start(prompt)` (a table of continuations
 keyed by prompt). One request at a time and batched, it must commit what it
 knows (every block accepted whole) with mlx-lm's greedy tokens: batched rows
 each get their own `fork()`, and a proposer without one is refused there
-before anything runs. The example proposer of docs/usage.md runs as written.
+before anything runs. A user's proposer that samples its drafts with the one
+key it is given keeps a seed's text. The example proposer of docs/usage.md runs
+as written.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 
 from dflash_mlx import batch_generate, stream_batch_generate, stream_generate
 from dflash_mlx.proposers import Proposal
-from helpers import prompt_ids, reference, without_eos
+from helpers import TINY_VOCAB, prompt_ids, reference, without_eos
 
 BLOCK, MAX_TOKENS = 8, 48
 PROMPTS = [prompt_ids(n, seed=40 + n) for n in (3, 7, 12, 18, 25, 33)]  # six lengths
@@ -57,6 +59,19 @@ class ForkingTableProposer(TableProposer):
         return ForkingTableProposer(self.table)
 
 
+class SamplingTableProposer(ForkingTableProposer):
+    """Samples each draft near the table's token with the key it is given (one MLX key: it does not declare
+    `keys_per_row`, so a seeded call passes one key, not one per row)."""
+
+    def propose(self, anchor, position, count, *, sampling=None, key=None):
+        table = super().propose(anchor, position, count).tokens
+        if sampling is None:
+            return Proposal(tokens=table)
+        logits = mx.where(mx.arange(TINY_VOCAB)[None] == table[:, None], 4.0, 0.0)
+        drafts = mx.random.categorical(logits, key=key).astype(mx.int32)
+        return Proposal(tokens=drafts, probs=mx.softmax(logits, axis=-1))
+
+
 @pytest.fixture(scope="module")
 def pair_and_truth(tiny_pair):
     model, tokenizer, _ = tiny_pair("qwen3")
@@ -78,6 +93,20 @@ def test_a_users_proposer_commits_what_it_knows_one_request_at_a_time(pair_and_t
         assert [r.token for r in got] == truth[tuple(prompt)]
         assert per_cycle(got) >= 6, per_cycle(got)
         assert {r.source for r in got if r.from_draft} == {"draft"}  # (no `name`: the default)
+
+
+def test_a_users_sampling_proposer_keeps_the_text_of_a_seed(pair_and_truth):
+    model, tok, truth = pair_and_truth
+    accepted = 0
+    for prompt in PROMPTS[:3]:
+        for seed in (0, 1):
+            kw = dict(max_tokens=MAX_TOKENS, temperature=0.5, seed=seed)
+            plain = [r.token for r in stream_generate(model, None, tok, prompt, **kw)]
+            proposer = SamplingTableProposer(truth)
+            got = list(stream_generate(model, proposer, tok, prompt, block_size=BLOCK, lookup=False, **kw))
+            assert [r.token for r in got] == plain, (prompt, seed)
+            accepted += sum(r.from_draft for r in got)
+    assert accepted > 0
 
 
 def test_a_users_proposer_commits_what_it_knows_in_a_batch(pair_and_truth):

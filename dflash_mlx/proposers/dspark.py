@@ -20,7 +20,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from ..draft.dspark import DSparkDraftModel
-from ..sampling import distribution, row_keys
+from ..sampling import distribution, draw_keyed, row_keys
 from .base import Proposal
 from .context import ContextProposer
 
@@ -44,7 +44,7 @@ class DSparkProposer(ContextProposer):
                 previous = drafter.to_target(mx.argmax(row, axis=-1)).astype(mx.int32)
             else:  # drawn over the target's vocabulary: with a seeded call's key, the target's noise there
                 q = drafter.widen(distribution(row, sampling), 0.0)
-                previous = mx.random.categorical(mx.log(q), axis=-1, key=keys[i]).astype(mx.int32)
+                previous = draw_keyed(mx.log(q), keys[i]).astype(mx.int32)
                 probs.append(q)
             tokens.append(previous)
         return Proposal(mx.concatenate(tokens), mx.concatenate(probs) if probs else None)

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..mtp.checkpoint import load_mtp_head
 from ..mtp.head import MTPHead
-from ..sampling import distribution, row_keys
+from ..sampling import distribution, draw_keyed, row_keys
 from .base import Proposal
 
 MTP_BLOCK = 4  # the widest block: the anchor and up to 3 chained drafts
@@ -170,7 +170,7 @@ def _choose(logits: mx.array, sampling, key) -> tuple[mx.array, mx.array | None]
     if sampling is None:
         return mx.argmax(logits, axis=-1), None
     q = distribution(logits, sampling)
-    return mx.random.categorical(mx.log(q), axis=-1, key=key), q
+    return draw_keyed(mx.log(q), key), q
 
 
 def load_mtp(directory, model, dtype=None, block_size: int = MTP_BLOCK) -> MTPProposer:

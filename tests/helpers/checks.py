@@ -183,21 +183,47 @@ def check_first_two_sampled_tokens(model, draft, tokenizer, prompt, settings: di
     assert not math.isnan(p2.sum())
 
 
-def check_a_seed_fixes_the_text(
-    model, draft, tokenizer, prompt, settings: dict, blocks=(2, 4, None), max_tokens=24
-) -> int:
+def check_a_seed_fixes_the_text(model, draft, tokenizer, prompt, settings: dict, blocks=(2, 4, None), max_tokens=24):
     """A seeded call's text with `draft` at each of `blocks` (None: adaptive) is the seed's plain-path text
-    (draft=None), for seeds 0..2; returns how many drafts were accepted (drafts coupled with the target's
-    draws are accepted where the drafter is good)."""
+    (draft=None), for seeds 0..2."""
     from dflash_mlx import stream_generate
 
-    accepted = 0
     with without_eos(tokenizer) as tok:
         for seed in range(3):
             kw = dict(max_tokens=max_tokens, seed=seed, **settings)
             plain = [r.token for r in stream_generate(model, None, tok, prompt, **kw)]
             for block in blocks:
-                out = list(stream_generate(model, draft, tok, prompt, block_size=block, lookup=False, **kw))
+                out = stream_generate(model, draft, tok, prompt, block_size=block, lookup=False, **kw)
                 assert [r.token for r in out] == plain, (seed, block)
-                accepted += sum(r.from_draft for r in out)
-    return accepted
+
+
+def check_keyed_drafts(model, proposer, tokenizer, prompt, settings: dict, max_tokens=24) -> int:
+    """Through seeded generations, each sampled draft `proposer` proposes is the Gumbel-max of its own q row
+    with the noise of the position it stands for (`sampling.row_noise` of the keys it was given): the noise
+    the target draws that position with. Returns how many drafts were checked."""
+    from dflash_mlx import stream_generate
+    from dflash_mlx.sampling import row_noise
+
+    seen, propose = [], proposer.propose
+
+    def spy(anchor, position, count, *, sampling=None, key=None):
+        proposal = propose(anchor, position, count, sampling=sampling, key=key)
+        seen.append((proposal, key))
+        return proposal
+
+    proposer.propose = spy  # (this instance only, taken back below)
+    try:
+        with without_eos(tokenizer) as tok:
+            for seed in range(3):
+                kw = dict(max_tokens=max_tokens, seed=seed, block_size=4, lookup=False, **settings)
+                list(stream_generate(model, proposer, tok, prompt, **kw))
+    finally:
+        del proposer.propose
+    checked = 0
+    for proposal, keys in seen:
+        assert keys is not None and keys.shape == (proposal.tokens.size, 2)
+        q = proposal.probs.astype(mx.float32)
+        want = mx.argmax(mx.log(q) + row_noise(keys, q.shape[-1]), axis=-1)
+        assert proposal.tokens.tolist() == want.tolist()
+        checked += proposal.tokens.size
+    return checked
