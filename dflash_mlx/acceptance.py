@@ -27,6 +27,7 @@ from mlx_lm.sample_utils import make_sampler
 from .proposers.base import Proposal
 from .sampling import (
     SamplingSettings,
+    check_seed,
     distribution,
     draw,
     draw_at,
@@ -60,6 +61,7 @@ class Acceptor:
         `constraint`: a grammar's `structured.constraint.Constraint` the output must follow.
         `seed`: a sampled call's draws keyed by position (see above); None: rejection sampling, its keys
         from a seed drawn from MLX's generator."""
+        check_seed(seed)
         self.settings = settings
         self.constraint = constraint
         self.sample_drafts = sample_drafts

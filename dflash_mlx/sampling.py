@@ -114,7 +114,13 @@ def draw(logits: mx.array, settings: SamplingSettings, key: mx.array) -> tuple[m
     return _categorical(sampler_logits(logits, settings), mx.array(1.0 / settings.temperature), key)
 
 
-_MASK = (1 << 64) - 1
+_MASK = (1 << 64) - 1  # (a seed is an unsigned 64-bit word: `mx.random.key`'s)
+
+
+def check_seed(seed) -> None:
+    """A ValueError naming `seed` unless it is None or an integer in [0, 2**64)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MASK):
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}.")
 
 
 def _mix(x: int) -> int:

@@ -147,6 +147,13 @@ def test_every_registry_family_resolves_without_a_family_whitelist():
         assert choice.entry is entry and choice.draft == entry.draft_path()
 
 
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_a_seed_out_of_range_is_refused_naming_the_flag(command):
+    r = invoke(command, *(["hi"] if command == "generate" else []), "--temperature", "0.7", "--seed", "-5")
+    said = " ".join(r.stderr.split())
+    assert r.exit_code == 2 and "'--seed': Input should be greater than or equal to 0" in said
+
+
 def test_reasoning_without_a_template_key_is_refused(pair_dirs):
     target, draft = pair_dirs
     r = invoke("generate", "hi", "--model", target, "--draft", draft, "--reasoning", "high")

@@ -109,6 +109,11 @@ def test_generate_returns_the_text(bos_pair):
         (dict(top_p=0.0), "top_p"),
         (dict(top_k=-2), "top_k"),
         (dict(min_p=1.5), "min_p"),
+        (dict(temperature=0.7, seed=-5), "seed must be an integer in"),
+        (dict(temperature=0.7, seed=2**64), "seed must be an integer in"),
+        (dict(temperature=0.7, seed=1.5), "seed must be an integer in"),
+        (dict(temperature=0.7, seed="7"), "seed must be an integer in"),
+        (dict(temperature=0.7, seed=True), "seed must be an integer in"),
     ],
 )
 def test_invalid_sampling_options_name_the_field(bos_pair, option, field):

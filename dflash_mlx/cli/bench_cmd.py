@@ -62,7 +62,7 @@ def bench(
         ),
     ] = None,
     temperature: Annotated[float, typer.Option("--temperature", "--temp", min=0.0, help="0: greedy.")] = 0.0,
-    seed: Annotated[int, typer.Option("--seed", help="Seed for sampled runs.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0, max=2**64 - 1, help="Seed for sampled runs.")] = 0,
     baseline: Annotated[
         str, typer.Option("--baseline", help="mlx-lm (plain decoding) or mlx-lm-draft (adds a third leg).")
     ] = "mlx-lm",

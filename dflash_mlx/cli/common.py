@@ -85,7 +85,7 @@ TemperatureOpt = Annotated[float, typer.Option("--temperature", "--temp", min=0.
 TopPOpt = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)]
 TopKOpt = Annotated[int, typer.Option("--top-k", min=0)]
 SystemOpt = Annotated[str | None, typer.Option("--system", help="System prompt.")]
-SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for sampled runs.")]
+SeedOpt = Annotated[int | None, typer.Option("--seed", min=0, max=2**64 - 1, help="Seed for sampled runs.")]
 ReasoningOpt = Annotated[
     str | None,
     typer.Option(
