@@ -383,21 +383,23 @@ def make_legs(
     return legs
 
 
+@mx.compile
+def _keyed_draw(logprobs: mx.array, scale: mx.array, key: mx.array) -> mx.array:
+    from dflash_mlx.sampling import draw_keyed
+
+    return draw_keyed(logprobs * scale, key)
+
+
 def keyed_sampler(temperature: float, seed: int, prompt_length: int, max_tokens: int):
-    """An mlx-lm sampler at `temperature` (mlx-lm's `categorical(logprobs * (1 / T))`: a Gumbel-max, compiled)
-    that draws the token at each position with the noise a seeded dflash-mlx call draws it with
+    """An mlx-lm sampler at `temperature` (mlx-lm's `categorical(logprobs * (1 / T))`: a Gumbel-max, compiled
+    once) that draws the token at each position with the noise a seeded dflash-mlx call draws it with
     (`sampling.position_keys`, `draw_keyed`)."""
-    from dflash_mlx.sampling import draw_keyed, position_keys
+    from dflash_mlx.sampling import position_keys
 
     # (mlx-lm's loop draws one step past its last token, queued before it stops)
     keys, drawn = position_keys(seed, prompt_length, max_tokens + 1), iter(range(max_tokens + 1))
     scale = mx.array(1.0 / temperature)
-
-    @mx.compile
-    def draw(logprobs, key):
-        return draw_keyed(logprobs * scale, key)
-
-    return lambda logprobs: draw(logprobs, keys[next(drawn)])
+    return lambda logprobs: _keyed_draw(logprobs, scale, keys[next(drawn)])
 
 
 class Units:
