@@ -61,7 +61,7 @@ class Acceptor:
         `constraint`: a grammar's `structured.constraint.Constraint` the output must follow.
         `seed`: a sampled call's draws keyed by position (see above); None: rejection sampling, its keys
         from a seed drawn from MLX's generator."""
-        check_seed(seed)
+        seed = check_seed(seed)
         self.settings = settings
         self.constraint = constraint
         self.sample_drafts = sample_drafts

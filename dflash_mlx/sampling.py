@@ -25,6 +25,7 @@ plain path whatever the blocks, drafter or timing (`dflash_mlx.acceptance`).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -117,10 +118,14 @@ def draw(logits: mx.array, settings: SamplingSettings, key: mx.array) -> tuple[m
 _MASK = (1 << 64) - 1  # (a seed is an unsigned 64-bit word: `mx.random.key`'s)
 
 
-def check_seed(seed) -> None:
-    """A ValueError naming `seed` unless it is None or an integer in [0, 2**64)."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MASK):
+def check_seed(seed) -> int | None:
+    """`seed` as an int (NumPy's integers too), or a ValueError naming it unless it is None or an integer in
+    [0, 2**64)."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= _MASK:
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}.")
+    return int(seed)
 
 
 def _mix(x: int) -> int:
@@ -155,7 +160,8 @@ def _gumbel_max(logits: mx.array, scale: mx.array, keys: mx.array) -> mx.array:
 
 def draw_at(logits: mx.array, settings: SamplingSettings, keys: mx.array) -> mx.array:
     """A token per row of `logits` [rows, V] from `distribution(logits, settings)`, row i drawn with keys[i]
-    (`position_keys`): the Gumbel-max `mx.random.categorical` computes with that key, in one compiled call."""
+    (`position_keys`): the Gumbel-max `mx.random.categorical` computes for a [V] row with that key, in one
+    compiled call."""
     return _gumbel_max(sampler_logits(logits, settings), mx.array(1.0 / settings.temperature), keys)
 
 

@@ -6,6 +6,7 @@ import inspect
 import sys
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm import generate as mlx_lm_generate
 from mlx_lm import load as mlx_lm_load
@@ -114,6 +115,7 @@ def test_generate_returns_the_text(bos_pair):
         (dict(temperature=0.7, seed=1.5), "seed must be an integer in"),
         (dict(temperature=0.7, seed="7"), "seed must be an integer in"),
         (dict(temperature=0.7, seed=True), "seed must be an integer in"),
+        (dict(temperature=0.7, seed=np.int64(-1)), "seed must be an integer in"),
     ],
 )
 def test_invalid_sampling_options_name_the_field(bos_pair, option, field):
