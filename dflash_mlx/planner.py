@@ -116,8 +116,10 @@ class CyclePlanner:
             policy.span_source(source_name(s), getattr(s, "expected_tokens", None)) if adaptive else None
             for s in self.spans
         ]
+        self._rests = getattr(policy, "resting", None)
         self.drafter_name = source_name(drafter)
         self.sources = [s for s in [drafter, *self.spans] if s is not None]
+        self._committers = [c for c in (getattr(s, "commit", None) for s in self.sources) if c is not None]
         # a drafter that follows the text (`commit`, `offer`) plans on the committed tokens: its anchor is read
         # first; so are span sources', where a span may follow
         self.follows_text = hasattr(drafter, "commit") or hasattr(drafter, "offer")
@@ -144,7 +146,9 @@ class CyclePlanner:
         if not self.spans:
             return self.plan_unread(committed, position)
         room = self.room(committed, position)
-        offers = [offered(s, room - 1) if room > 1 else 0 for s in self.spans]
+        offers = [
+            offered(s, room - 1) if room > 1 and not self._resting(e) else 0 for s, e in zip(self.spans, self.entries)
+        ]
         if self.entries[0] is None:  # a fixed block (or a policy of the caller's): the first span fills it
             b = self.policy.choose(room)
             i = next((i for i, n in enumerate(offers) if n), None)
@@ -164,10 +168,14 @@ class CyclePlanner:
             return True
         widest = self.policy.max_block
         for source, entry in zip(self.spans, self.entries):
-            n = offered(source, widest - 1) if widest > 1 else 0
+            n = offered(source, widest - 1) if widest > 1 and not self._resting(entry) else 0
             if n and (entry is None or self.policy.wants(entry, n + 1)):
                 return True
         return False
+
+    def _resting(self, entry) -> bool:
+        """Whether the policy rests this span source's entry (its offer is not asked: a span it could not run)."""
+        return entry is not None and self._rests is not None and self._rests(entry)
 
     def plan_at(self, width: int, cap: int, drafter_tokens: float | None = None) -> Plan:
         """This row's cycle in a batch verifying `width` rows (its own block `cap`): a span source's span
@@ -239,10 +247,8 @@ class CyclePlanner:
     def commit(self, tokens: list[int]) -> None:
         """Committed tokens: to the acceptor (processors' history, the grammar) and the sources that read them."""
         self.acceptor.commit(tokens)
-        for source in self.sources:
-            commit = getattr(source, "commit", None)
-            if commit is not None:
-                commit(tokens)
+        for commit in self._committers:
+            commit(tokens)
 
     def observe(self, plan: Plan, accepted: int | None, seconds: float | None) -> None:
         """A cycle of `plan` accepted `accepted` drafts (None: a stop token cut it) in `seconds` on the

@@ -7,6 +7,7 @@ how long it took (a cost table, or none: the policy's own curve frozen).
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -465,3 +466,82 @@ def test_a_source_chosen_is_no_longer_due_for_a_probe():
     span.estimate.accepted = [100.0] * 7  # a span always accepted: the best source when offered
     src, width = policy.choose_from(8, [(span, 8)])
     assert src is span and width == 8
+
+
+class _Drafter:
+    """A drafter the planner only plans for (its drafts are never asked here)."""
+
+    layer_ids = ()
+
+
+class _Copies:
+    """A span source that offers a span of every width asked, counting how often it is asked."""
+
+    name = "copies"
+    layer_ids = ()
+
+    def __init__(self):
+        self.asked = 0
+
+    def offer(self, count: int) -> int:
+        self.asked += 1
+        return count
+
+
+def _span_run(cost, cycles: int, seed: int = 0, slower_after: int | None = None) -> tuple[list[str], list[bool], int]:
+    """A generation whose drafter and span source both lose (each draft rejected) on a quiet machine, run
+    through the planner as the engine runs it (whether the anchor is read first, then the plan): the sources
+    planned, whether each cycle read its anchor first, and how often the span source was asked for its offer.
+    `slower_after`: from that cycle on, every cycle takes twice as long (another job started)."""
+    import mlx.core as mx
+
+    from dflash_mlx.acceptance import Acceptor
+    from dflash_mlx.planner import CyclePlanner
+    from dflash_mlx.sampling import SamplingSettings
+
+    rng = random.Random(seed)
+    policy = AdaptiveBlock(cost, 8, AcceptanceEstimate(7, priors=[0.02] * 7))
+    copies = _Copies()
+    planner = CyclePlanner(policy, _Drafter(), Acceptor(SamplingSettings(), mx.array([1])), spans=[copies])
+    names, reads = [], []
+    for i in range(cycles):
+        reads.append(planner.reads_anchor())
+        plan = planner.plan(i, i)
+        slow = 2.0 if slower_after is not None and i >= slower_after else 1.0
+        planner.observe(plan, 0, DRAFTING_COSTS(plan.width) * slow * math.exp(rng.gauss(0, 0.03)))
+        names.append(plan.name)
+    return names, reads, copies.asked
+
+
+def test_a_span_source_that_cannot_run_rests_until_its_probe_is_due():
+    """A span source whose spans lose (each rejected) is not asked for an offer while it could not run: not at
+    any width, its probe not due (each offer asked is Python on a small model's step, every cycle, under
+    sampling say). It is still probed (its wait counts every cycle), and a frozen curve (sharded ranks) asks
+    every cycle, as before."""
+    names, reads, asked = _span_run(CostModel(DRAFTING_COSTS), 3000)
+    probes = sum(1 for a, b in zip(names, names[1:]) if b == "copies" and a != "copies")
+    widths = {"target": 1, "copies": 2, "draft": 2}  # (each probe's width here)
+    spent = sum(DRAFTING_COSTS(widths[n]) for n in names)
+    lost = sum(DRAFTING_COSTS(widths[n]) - DRAFTING_COSTS(1) for n in names if n != "target")
+    # the span source's and the drafter's probes each keep to BUDGET of the time (and their switches)
+    assert asked < 3000 / 4 and probes >= 2 and lost <= 2.5 * BUDGET * spent
+    _, _, asked_frozen = _span_run(DRAFTING_COSTS, 600)
+    assert asked_frozen >= 2 * 600  # (asked before the anchor is read, and again when planned)
+
+
+def test_a_change_of_the_machine_ends_a_span_sources_rest():
+    """A rest was judged at the machine's old speed: where the machine changes, the span source is asked again
+    at once (plain decoding, twice as dear, may now lose to it)."""
+    quiet_asked = _span_run(CostModel(DRAFTING_COSTS), 1200)[2]
+    _, _, asked = _span_run(CostModel(DRAFTING_COSTS), 1200, slower_after=600)
+    assert asked > quiet_asked
+
+
+def test_a_span_offered_when_its_anchor_is_read_for_it_runs():
+    """The loop reads a cycle's anchor first (no pipelining) only where a span offered would run (`wants`): a
+    span source offering every cycle is then planned, not passed over for plain decoding (`due` and the probe
+    agree on when its probe is due, its cycles timed included)."""
+    names, reads, _ = _span_run(CostModel(DRAFTING_COSTS), 3000)
+    assert sum(reads[50:]) >= 2  # (past the first cycles, which time plain decoding and the drafter)
+    # (a read cycle may run the drafter's probe instead, which comes first; never plain decoding)
+    assert all(name != "target" for name, read in zip(names[50:], reads[50:]) if read)

@@ -516,3 +516,38 @@ def test_a_lone_slow_plain_step_does_not_prove_a_worse_drafter():
     chosen, tps = timed(AdaptiveBlock(CostModel(table), 8), machine, 3000, rates=(0.6,))
     assert chosen[-2000:].count(1) > 0.95 * 2000, chosen[-2000:].count(1)
     assert tps > 0.95 / 0.0044  # (plain decoding's mean step, the hiccups included)
+
+
+def test_cycles_added_together_are_the_cycles_added_one_by_one():
+    """`add_many` (a settled plain run's timings, added once per WINDOW) leaves the model as adding each cycle
+    would: levels, their errors, staleness, changes of the machine and the resumed-faster rule."""
+    rng = random.Random(3)
+    cycles = [
+        (1, QUIET(1) * math.exp(rng.gauss(0, 0.05)) * (3.0 if 40 <= i < 70 else 1.0), i % 17 == 0) for i in range(120)
+    ]
+    one, many = CostModel(QUIET), CostModel(QUIET)
+    one.add("drafter", 4, QUIET(4))
+    many.add("drafter", 4, QUIET(4))
+    for b, seconds, resumed in cycles:
+        one.add("target", b, seconds, resumed=resumed)
+    for i in range(0, len(cycles), WINDOW - 1):
+        many.add_many("target", cycles[i : i + WINDOW - 1])
+    assert one.changes == many.changes >= 2
+    for source in ("target", "drafter"):
+        assert one.level(source) == pytest.approx(many.level(source))
+        assert one.stale(source) == many.stale(source) and one.age(source) == many.age(source)
+
+
+def test_a_settled_plain_runs_timings_reach_the_model_each_window():
+    """A settled run of plain steps (the rule runs once per WINDOW of them) adds their timings together, at the
+    rule's next run or once WINDOW wait: the model sees a machine that got slower within a window or so."""
+    model = CostModel(QUIET)
+    policy = AdaptiveBlock(model, 8, AcceptanceEstimate(7, priors=[0.02] * 7))
+    for _ in range(200):
+        b = policy.choose(8)
+        policy.observe(b, 0, QUIET(b))
+    assert model.level("target")[0] == pytest.approx(0.0, abs=0.01)
+    for _ in range(3 * WINDOW):  # the machine twice as slow (a change of it: the drafter is timed again too)
+        b = policy.choose(8)
+        policy.observe(b, 0, 2 * QUIET(b))
+    assert model.level("target")[0] == pytest.approx(math.log(2), abs=0.05)

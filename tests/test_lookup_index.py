@@ -133,3 +133,22 @@ def test_a_sessions_bytes_count_its_lookup_index(tiny_pair):
         tracemalloc.stop()
     assert abs((session.nbytes - bare) - allocated) <= 0.2 * allocated, (session.nbytes - bare, allocated)
     assert session.copy().nbytes - bare > 0.8 * allocated  # a copied conversation keeps (and counts) its index
+
+
+def test_tokens_appended_are_indexed_when_the_index_is_next_read():
+    """`extend` only queues its tokens (a rested span source is not read for many cycles: their indexing then
+    runs in one call); every read sees them: spans, the tokens, a copy, a cut, the bytes."""
+    rng = random.Random(5)
+    tokens = [rng.randrange(6) for _ in range(400)]
+    eager = LookupIndex(tokens)
+    lazy = LookupIndex(tokens[:50])
+    for i in range(50, 400, 7):
+        lazy.extend(tokens[i : i + 7])
+        assert len(lazy) == min(i + 7, 400)
+    assert lazy._waiting and lazy.nbytes == eager.nbytes and not lazy._waiting
+    lazy.extend(tokens[:30])
+    copied = lazy.copy()
+    assert copied.tokens == lazy.tokens == tokens + tokens[:30]
+    lazy.extend([1, 2, 3])
+    lazy.truncate(400)  # (cut back past what waited)
+    assert lazy.tokens == tokens and lazy._ends == eager._ends and lazy.propose(8) == eager.propose(8)

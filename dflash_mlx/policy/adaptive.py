@@ -33,12 +33,12 @@ class DrafterHistory:
     def __init__(self, positions: int):
         self._lock = threading.Lock()
         self.learnt = learnt_estimate(positions)
-        self.idle = 0  # the drafter's chances passed since it last ran (its probe wait)
-        self.unrun = False  # a probe was chosen and observed nothing (the reply ended first)
         self.generations = 0
         self.unpaid = 0  # generations in a row, before the latest, in which drafting did not pay
-        # whether drafting paid in each generation that kept its state since the latest began
-        self._paid_by: dict[Source, bool] = {}
+        # the drafter entry of each generation that kept its state since the latest began (read when asked: a
+        # generation's every cycle keeps it, so keeping is two stores), and of the one that kept it last
+        self._kept: dict[Source, None] = {}
+        self._latest: Source | None = None
 
     def learnt_rates(self, positions: int) -> tuple[list[float], bool]:
         """The long-run rates a generation starts from, and whether they rest on observations (else they are
@@ -60,9 +60,9 @@ class DrafterHistory:
             if self.generations:
                 self.unpaid = 0 if self._paid() else self.unpaid + 1
             self.generations += 1
-            self._paid_by.clear()
-            due = self.unrun or self.unpaid < RECENT_GENERATIONS
-            return rates, observed, self.idle, due
+            latest, self._kept = self._latest, {}
+            idle, unrun = (latest.idle, latest.probing) if latest is not None else (0, False)
+            return rates, observed, idle, unrun or self.unpaid < RECENT_GENERATIONS
 
     @property
     def paid(self) -> bool:
@@ -72,17 +72,17 @@ class DrafterHistory:
             return self._paid()
 
     def _paid(self) -> bool:
-        return any(self._paid_by.values())
+        return any(drafter.paid for drafter in list(self._kept))
 
     def record(self, drafted: int, accepted: int) -> None:
         with self._lock:
             self.learnt.observe(drafted, accepted)
 
     def keep(self, drafter: Source) -> None:
-        """The generation's probe state of the drafter (and whether drafting paid in it so far), for the next."""
-        with self._lock:
-            self.idle, self.unrun = drafter.idle, drafter.probing
-            self._paid_by[drafter] = drafter.paid
+        """The generation's drafter entry, whose probe state (its wait, a probe unrun) and whether drafting paid in
+        it the next generation reads when it begins. (Every cycle: two stores, atomic under the GIL, no lock.)"""
+        self._latest = drafter
+        self._kept[drafter] = None
 
 
 class AdaptiveBlock:
@@ -149,6 +149,10 @@ class AdaptiveBlock:
         """Whether a span of `widest` rows offered next would run (`choice.Choice.due`): worth reading the
         token it follows before building the cycle."""
         return min(widest, self.max_block) > 1 and self.choice.due(span, widest, self.offers(self.max_block))
+
+    def resting(self, span: Source) -> bool:
+        """Whether a span source need not be asked for its offer this cycle (`choice.Choice.resting`)."""
+        return self.choice.resting(span)
 
     def best(self, limit: int) -> int:
         """The width the rule takes among plain decoding and the drafter (no probe)."""

@@ -38,8 +38,15 @@ and how its cost is timed. `Choice` runs the rule for one request's policy
 - **A settled plain run.** Where plain decoding is the clear choice (every
   other rate more than RESOLUTION below it) the rule runs once per WINDOW
   cycles or at the first probe due (its own Python is a share of a small
-  model's step); another source's cycle, another offer or a change of the
+  model's step), and the run's timings are added to the cost model then,
+  together; another source's cycle, another offer or a change of the
   machine runs it at once.
+- **A resting span source.** A span offered that could not have won at any
+  width, its probe not due, rests: it is not asked for offers until the
+  cycles timed since reach its probe's wait or the machine changes (an offer
+  asked is Python on every cycle; its wait counts every cycle). Whether a
+  span's probe is due is decided alike where the loop asks whether to read
+  the anchor for it (`due`) and where the rule runs it (`probe`).
 - **Timing.** A cycle's seconds go to its source's level unless it is the
   first after another source's and the source `settles` (plain decoding's
   first step after a block is not pipelined; a drafter's first block takes
@@ -77,6 +84,7 @@ class Source:
     idle: int = 0  # chances to run it passed since it last ran
     due: bool = False  # run at its next chance where it could pay (a probe that paid; a generation's start)
     probing: bool = False  # a probe of it was chosen and has observed no acceptance yet
+    rest: tuple[int, int] = (0, 0)  # a span source resting: (the cost model's timed cycles, changes) it rests until
     gain: float = field(default=0.0, repr=False)  # tokens its cycles committed beyond plain decoding's in their time
     spread: float = field(default=0.0, repr=False)  # the variance of those tokens at its estimate's odds
 
@@ -114,6 +122,9 @@ class Choice:
         self._stretch: list[tuple[Source, int]] = []  # a probe's cycles still to run
         self._quiet: tuple | None = None  # (offers, width, cycles, the machine's changes): a settled run's rest
         self._wait = 0  # chances left before the first probe of the last choice's others is due
+        self._pending: list[
+            tuple[int, float, bool]
+        ] = []  # a settled plain run's timed cycles, added at the rule's next run
 
     def seconds(self, src: Source, b: int) -> float:
         return self.cost.seconds(src.name, b, self.rows, src.prior)
@@ -172,6 +183,7 @@ class Choice:
             for other, _ in offers:
                 other.idle += other is not self.plain
             return self.plain, quiet[1]
+        self.flush()
         src, b, rate = self.best(offers)
         src.idle, src.due, self.running, self._wait = 0, False, src, WINDOW  # (chosen, it runs: no probe due)
         for other, widest in offers:
@@ -192,18 +204,26 @@ class Choice:
 
     def probe(self, src: Source, widest: int, chosen: Source, b: int, rate: float) -> tuple[Source, int] | None:
         """`src`'s probe (its first cycle; the rest wait in the stretch) if one is due, else None."""
-        width, hopeful = self.probe_width(src, widest, rate)
-        timing = self.wants_timing(src)
-        if not (hopeful or self.cost.learns):
-            return None  # (a probe for its time alone, where no time is learnt)
-        cycles = self.cycles(src, timing or not hopeful)
-        loss = cycles * self.loss(src, width, rate, hopeful) + self.switches(src, chosen)
-        if not (timing or (src.due and hopeful) or self._waited(src, chosen, b, loss)):
-            self._wait = min(self._wait, self._left(src, chosen, b, loss))
+        due, width, cycles, loss = self.probe_due(src, widest, chosen, b, rate)
+        if not due:
+            if cycles:
+                self._wait = min(self._wait, self._left(src, chosen, b, loss))
             return None
         src.idle, src.due, src.probing = 0, False, True
         self._stretch = [(src, width)] * (cycles - 1)
         return src, width
+
+    def probe_due(self, src: Source, widest: int, chosen: Source, b: int, rate: float) -> tuple[bool, int, int, float]:
+        """(whether `src`'s probe is due, its width, its cycles (0: none where no time is learnt), the seconds it
+        is expected to lose): at once where its cost wants timing or a probe of it paid, else once it has
+        waited (`_waited`)."""
+        width, hopeful = self.probe_width(src, widest, rate)
+        timing = self.wants_timing(src)
+        if not (hopeful or self.cost.learns):
+            return False, width, 0, 0.0  # (a probe for its time alone, where no time is learnt)
+        cycles = self.cycles(src, timing or not hopeful)
+        loss = cycles * self.loss(src, width, rate, hopeful) + self.switches(src, chosen)
+        return timing or (src.due and hopeful) or self._waited(src, chosen, b, loss), width, cycles, loss
 
     def cycles(self, src: Source, timing: bool) -> int:
         """A probe's cycles where the model learns: its first after a switch, not timed where it `settles`,
@@ -237,13 +257,27 @@ class Choice:
         """Whether `src` would run next were it offered (the best, or its probe due), without choosing; a
         chance passed by counts towards its probe."""
         # where src is not the best, this is the best of the others (of equals the first is kept; src is last)
+        self.flush()
         chosen, b, rate = self.best(others + [(src, widest)])
         if chosen is src:
             return True
         src.idle += 1
-        width, hopeful = self.probe_width(src, widest, rate)
-        loss = self.loss(src, width, rate, hopeful) + self.switches(src, chosen)
-        return (hopeful and src.due) or self._waited(src, chosen, b, loss)
+        due, _, _, loss = self.probe_due(src, widest, chosen, b, rate)  # (as `probe` will decide it)
+        if due:
+            return True
+        widest_any = max(w for _, w in others)  # (a longer span offered later may beat what this one did not)
+        if self.cost.learns and not src.due and self.best_width(src, widest_any)[1] / self.margin(src) < rate:
+            src.rest = (self.cost.cycles + self._left(src, chosen, b, loss), self.cost.changes)
+        return False
+
+    def resting(self, src: Source) -> bool:
+        """Whether span source `src` rests: the last time it was offered it could not have won at any width, nor
+        was its probe due, and the cycles timed since are fewer than its probe's wait (`_left`: `_idle` counts
+        them) and the machine has not changed. Its offers are not asked meanwhile (each is Python on a small
+        model's step: a copy index that loses, under sampling say, would cost every cycle, not just its
+        probes)."""
+        until, changes = src.rest
+        return until > self.cost.cycles and changes == self.cost.changes
 
     def loss(self, src: Source, width: int, rate: float, hopeful: bool = True) -> float:
         """Seconds a cycle of `src` at `width` is expected to lose against the chosen source's `rate`: its
@@ -279,6 +313,14 @@ class Choice:
         idle = self._idle(src)
         return idle >= WINDOW and idle * BUDGET * self.seconds(chosen, b) >= loss
 
+    def flush(self) -> None:
+        """Add a settled plain run's waiting timings to the cost model (`CostModel.add_many`): at the rule's next
+        run, or once WINDOW of them wait (a settled run's cycles are timed as any others, in one call: a small
+        model's step is short, and its Python is a share of it)."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self.cost.add_many(self.plain.name, pending, self.rows)
+
     def observe(self, src: Source, b: int, committed: float | None, seconds: float | None) -> None:
         """A cycle of `src` at width b committed `committed` tokens (None: a stop token cut it) in `seconds`
         (None: not its own cost); its acceptance is its owner's to observe."""
@@ -288,7 +330,13 @@ class Choice:
         if key != self.last:
             self._timed = False
         if seconds is not None and (key == self.last or not src.settles):
-            self.cost.add(src.name, b, seconds, self.rows, resumed=not self._timed)
+            if src is self.plain and self._quiet is not None:  # a settled plain run: its timings wait for the rule
+                self._pending.append((b, seconds, not self._timed))
+                if len(self._pending) >= WINDOW:
+                    self.flush()
+            else:
+                self.flush()
+                self.cost.add(src.name, b, seconds, self.rows, resumed=not self._timed)
             self._timed = True
         elif seconds is not None and key is not None:  # its first cycle after another source's: a switch
             self.cost.add_switch(src.name, b, seconds, self.rows)

@@ -243,41 +243,57 @@ class CostModel:
     def add(self, source: str, b: int, seconds: float, rows: int = 1, resumed: bool = False) -> None:
         """A timed cycle of `source` at width b with `rows` rows (nothing where the model does not learn);
         `resumed`: its first timed cycle since other sources' cycles (a probe's, a run's first, a generation's)."""
-        if not self.learns or not seconds > 0 or rows not in self.table.rows:
+        self.add_many(source, [(b, seconds, resumed)], rows)
+
+    def add_many(self, source: str, cycles: list[tuple[int, float, bool]], rows: int = 1) -> None:
+        """Timed cycles of `source` in a row, each (b, seconds, resumed) as for `add`, in order: one call for a
+        settled run's cycles (`choice.Choice` adds a plain run's once per WINDOW: the per-cycle Python of a
+        small model's step is a share of its time)."""
+        cycles = [(b, t, r) for b, t, r in cycles if t > 0] if self.learns and rows in self.table.rows else []
+        if not cycles:
             return
+        key = (rows, source)
         with self._lock:
-            self.cycles += 1
             self._read.clear()
             self._scales.clear()
-            key = (rows, source)
             if key not in self._levels:
                 self._levels[key], self._deviations[key] = deque(maxlen=4 * WINDOW), deque(maxlen=4 * WINDOW)
                 self._costs[key] = deque(maxlen=WINDOW)
-            levels, deviations, costs = self._levels[key], self._deviations[key], self._costs[key]
-            y = math.log(seconds / self.table(b, rows))
-            self._at[key] = self.cycles
-            if self._stale.pop(key, None) is not None:  # measured afresh since the machine changed: its older
-                levels.clear()  # cycles are of another machine
-                deviations.clear()
-                costs.clear()
-            elif resumed and self._below(key, y):  # resumed faster than its level by SURE of its robust
-                # deviations: a level timed at a slow moment (not corrected by running: it keeps the source from
-                # running) starts afresh; its older cycles stay in `levels`, where a change of the machine shows
-                costs.clear()
-            if levels:
-                deviations.append(abs(y - statistics.median(list(levels)[-WINDOW:])))
-            levels.append(y)
-            costs.append(math.exp(y))
-            self._mad.pop(key, None)
-            change = _change(levels)
-            if change:
-                while len(levels) > WINDOW:
-                    levels.popleft()
-                deviations.clear()
-                self._stale.update({k: change for k in self._levels if k[0] == rows and k != key})
-                self.changes += 1
-            newest = list(costs)
-            self._summary[key] = (_mean_level(newest), _mean_spread(newest), len(newest))
+            for i, (b, seconds, resumed) in enumerate(cycles):
+                if resumed and i:  # (`_below` reads the summary as of the cycle before)
+                    self._summarize(key)
+                self._add(key, math.log(seconds / self.table(b, rows)), resumed)
+            self._summarize(key)
+
+    def _summarize(self, key: tuple[int, str]) -> None:
+        newest = list(self._costs[key])
+        self._summary[key] = (_mean_level(newest), _mean_spread(newest), len(newest))
+
+    def _add(self, key: tuple[int, str], y: float, resumed: bool) -> None:
+        """One timed cycle of log cost `y` into `key`'s cycles (under the lock; its summary is the caller's)."""
+        levels, deviations, costs = self._levels[key], self._deviations[key], self._costs[key]
+        self.cycles += 1
+        self._at[key] = self.cycles
+        if self._stale.pop(key, None) is not None:  # measured afresh since the machine changed: its older
+            levels.clear()  # cycles are of another machine
+            deviations.clear()
+            costs.clear()
+        elif resumed and self._below(key, y):  # resumed faster than its level by SURE of its robust
+            # deviations: a level timed at a slow moment (not corrected by running: it keeps the source from
+            # running) starts afresh; its older cycles stay in `levels`, where a change of the machine shows
+            costs.clear()
+        if levels:
+            deviations.append(abs(y - statistics.median(list(levels)[-WINDOW:])))
+        levels.append(y)
+        costs.append(math.exp(y))
+        self._mad.pop(key, None)
+        change = _change(levels)
+        if change:
+            while len(levels) > WINDOW:
+                levels.popleft()
+            deviations.clear()
+            self._stale.update({k: change for k in self._levels if k[0] == key[0] and k != key})
+            self.changes += 1
 
 
 def _mean_level(newest: list[float]) -> float:

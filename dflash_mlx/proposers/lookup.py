@@ -9,7 +9,9 @@ first, cut at `limit` tokens; a continuation that reaches the end of the
 sequence goes on copying what it has just proposed (a repeating span repeats,
 as LZ77 copies overlap). It is incremental: each token appended indexes
 the n-grams ending just before it (`min_match`..`max_match` tokens), so a
-proposal costs a few dictionary lookups and nothing is rescanned. Each indexed
+proposal costs a few dictionary lookups and nothing is rescanned; tokens
+appended wait until the index is next read (a span source the policy rests
+is not asked for many cycles: their indexing then runs in one call). Each indexed
 occurrence remembers the one before it, so cutting the sequence back (a
 conversation's re-rendered turn) trims the index in place: an n-gram whose
 latest occurrence was cut falls back to its latest one before the cut, or goes
@@ -40,7 +42,8 @@ class LookupIndex:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match} and {max_match}.")
         self.min_match, self.max_match = min_match, max_match
-        self.tokens: list[int] = []
+        self._seq: list[int] = []  # the tokens indexed
+        self._waiting: list[int] = []  # tokens appended after them, indexed when the index is next read
         self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest indexed occurrence ends
         # per n-gram length n: entry e - (n - 1) is where the occurrence before the one ending at e ends (-1: none)
         self._before = [array("q") for _ in range(min_match, max_match + 1)]
@@ -49,19 +52,34 @@ class LookupIndex:
         self.extend(tokens or [])
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self._seq) + len(self._waiting)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token sequence (every token appended, indexed)."""
+        self._catch_up()
+        return self._seq
+
+    def _catch_up(self) -> None:
+        if self._waiting:
+            waiting, self._waiting = self._waiting, []
+            self._index(waiting)
 
     def _lengths(self):
         """(n, its `_before` array, the bytes of an n-gram's tuple) for every indexed n-gram length."""
         return zip(range(self.min_match, self.max_match + 1), self._before, self._tuple_bytes)
 
     def extend(self, tokens: list[int]) -> None:
-        """Append tokens: each one indexes the n-grams that end right before it (so the sequence's own
-        suffix stays unindexed, and a lookup of it finds an earlier occurrence). (Called with each
-        committed token: per end, one slice of the longest n-gram, the shorter ones its tails.)"""
-        seq, ends, lowest = self.tokens, self._ends, self.min_match
+        """Append tokens (indexed when the index is next read)."""
+        self._waiting.extend(map(int, tokens))
+
+    def _index(self, tokens: list[int]) -> None:
+        """Index appended tokens: each one indexes the n-grams that end right before it (so the sequence's own
+        suffix stays unindexed, and a lookup of it finds an earlier occurrence). (Per end, one slice of the
+        longest n-gram, the shorter ones its tails.)"""
+        seq, ends, lowest = self._seq, self._ends, self.min_match
         first = len(seq) - 1  # the first end not indexed yet: the last token before these
-        seq.extend(map(int, tokens))
+        seq.extend(tokens)
         for end in range(max(first, lowest - 1), len(seq) - 1):
             top = min(self.max_match, end + 1)
             longest = tuple(seq[end - top + 1 : end + 1])
@@ -76,7 +94,8 @@ class LookupIndex:
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens (a session cut back to a common prefix), trimmed in place: each
         occurrence cut goes, its n-gram falling back to the occurrence before it (or leaving the table)."""
-        seq, ends = self.tokens, self._ends
+        self._catch_up()
+        seq, ends = self._seq, self._ends
         length = max(length, 0)
         if length >= len(seq):
             return
@@ -104,11 +123,13 @@ class LookupIndex:
             shared += 1
         self.truncate(shared)
         self.extend(tokens[len(self.tokens) :])
+        self._catch_up()  # (a prompt is read at once: its first cycle asks for a span)
 
     def copy(self) -> LookupIndex:
         """An independent index of the same tokens (a copied conversation's): copied, not rebuilt."""
+        self._catch_up()
         other = LookupIndex(min_match=self.min_match, max_match=self.max_match)
-        other.tokens, other._ends = list(self.tokens), dict(self._ends)
+        other._seq, other._ends = list(self._seq), dict(self._ends)
         other._before = [array("q", b) for b in self._before]
         other._key_bytes = self._key_bytes
         return other
@@ -118,9 +139,10 @@ class LookupIndex:
         """Bytes of what the index holds: its table (the hash table, n-gram tuples, positions: one per end,
         shared by the n-grams ending there), the tokens and the occurrence chains. Token ids are counted as its
         own (a copy counts them again)."""
-        positions = min(len(self._ends), len(self.tokens))
+        self._catch_up()
+        positions = min(len(self._ends), len(self._seq))
         table = sys.getsizeof(self._ends) + self._key_bytes + INT_BYTES * positions
-        tokens = sys.getsizeof(self.tokens) + INT_BYTES * len(self.tokens)
+        tokens = sys.getsizeof(self._seq) + INT_BYTES * len(self._seq)
         return table + tokens + sum(sys.getsizeof(b) for b in self._before)
 
     def match(self) -> tuple[int, int]:
