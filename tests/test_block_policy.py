@@ -301,6 +301,19 @@ def test_a_lucky_probe_at_odds_that_lose_is_not_pay():
     assert policy.drafter.paid
 
 
+def test_a_lucky_probe_is_not_followed_by_another_at_once():
+    """A probe that paid makes its source due again at once (its acceptance may have recovered): paid by more
+    than its odds explain, as a generation's drafting is. At odds that lose (about half its drafts accepted),
+    a probe at b = 3 that commits all three tokens is luck, and the next probe waits; a drafter that recovered
+    (every draft of a wide probe accepted where its estimate expected almost none) is probed again at once."""
+    for rate, width, accepted, due in ((45.0, 3, 2, False), (2.0, 8, 7, True)):
+        policy = AdaptiveBlock(CostModel(DRAFTING_COSTS), 8, estimate=AcceptanceEstimate(7, weight=0.0))
+        policy.estimate.seen, policy.estimate.accepted = [100.0] * 7, [rate] * 7
+        policy.drafter.probing = True  # (a probe of it was chosen)
+        policy.observe(width, accepted, None)
+        assert policy.drafter.due is due and (policy.drafter.gain > 0)
+
+
 def test_generations_at_once_each_count_with_their_own_sum():
     """Generations may run at once (a server's rows): drafting paid if it paid, in sum, in any generation that
     ran since the latest began, whichever kept its state last; a lead taken early and lost later is no pay."""

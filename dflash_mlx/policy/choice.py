@@ -345,9 +345,13 @@ class Choice:
         # beyond what plain decoding would have committed, by the margin that proves a source (a hiccup that
         # made plain decoding's level look dear does not make every probe look paid)
         gain = committed - self.rate(self.plain, 1) * self.margin(src) * self.seconds(src, b)
+        odds = src.variance(b)  # (the odds before this cycle: its owner observes its acceptance after)
         src.gain += gain
-        src.spread += src.variance(b)  # (the odds before this cycle: its owner observes its acceptance after)
-        if src.probing:  # a probe that paid: its acceptance may have recovered, so the next cycles count more,
-            src.probing, src.due = False, gain >= 0  # and another probe comes at once while the estimate catches up
-            if gain >= 0 and src.estimate is not None:
+        src.spread += odds
+        if src.probing:  # a probe that paid, by more than its odds explain (a sampled draft is accepted with odds: a
+            # lucky cycle of a drafter that loses is not pay): its acceptance may have recovered, so the next cycles
+            # count more, and another probe comes at once while the estimate catches up
+            paid = gain > SURE * math.sqrt(odds)
+            src.probing, src.due = False, paid
+            if paid and src.estimate is not None:
                 src.estimate.soften(SOFTEN)
