@@ -501,11 +501,14 @@ class _Copies:
         return count
 
 
-def _span_run(cost, cycles: int, seed: int = 0, slower_after: int | None = None) -> tuple[list[str], list[bool], int]:
+def _span_run(
+    cost, cycles: int, seed: int = 0, slower_after: int | None = None, odds=None
+) -> tuple[list[str], list[bool], int]:
     """A generation whose drafter and span source both lose (each draft rejected) on a quiet machine, run
     through the planner as the engine runs it (whether the anchor is read first, then the plan): the sources
     planned, whether each cycle read its anchor first, and how often the span source was asked for its offer.
-    `slower_after`: from that cycle on, every cycle takes twice as long (another job started)."""
+    `slower_after`: from that cycle on, every cycle takes twice as long (another job started); `odds`: the span
+    source's own `expected_tokens` (each offer's odds, as the suffix index gives them)."""
     import mlx.core as mx
 
     from dflash_mlx.acceptance import Acceptor
@@ -515,6 +518,8 @@ def _span_run(cost, cycles: int, seed: int = 0, slower_after: int | None = None)
     rng = random.Random(seed)
     policy = AdaptiveBlock(cost, 8, AcceptanceEstimate(7, priors=[0.02] * 7))
     copies = _Copies()
+    if odds is not None:
+        copies.expected_tokens = odds
     planner = CyclePlanner(policy, _Drafter(), Acceptor(SamplingSettings(), mx.array([1])), spans=[copies])
     names, reads = [], []
     for i in range(cycles):
@@ -540,6 +545,11 @@ def test_a_span_source_that_cannot_run_rests_until_its_probe_is_due():
     assert asked < 3000 / 4 and probes >= 2 and lost <= 2.5 * BUDGET * spent
     _, _, asked_frozen = _span_run(DRAFTING_COSTS, 600)
     assert asked_frozen >= 2 * 600  # (asked before the anchor is read, and again when planned)
+    # a source with each offer's own odds (the suffix index: a deeper match is likelier) is asked every time
+    _, _, asked_with_odds = _span_run(
+        CostModel(DRAFTING_COSTS), 600, odds=lambda widest: [1.0 + 0.1 * w for w in range(widest)]
+    )
+    assert asked_with_odds >= 2 * 600 - 100
 
 
 def test_a_change_of_the_machine_ends_a_span_sources_rest():

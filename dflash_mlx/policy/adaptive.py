@@ -125,7 +125,7 @@ class AdaptiveBlock:
             priors, observed = history.learnt_rates(positions)
             learnt = priors if observed else None  # (a history with nothing observed: the bare prior)
             estimate = AcceptanceEstimate(positions, priors=learnt, record=history.record, hopes=learnt)
-        src = Source(name, estimate, prior=self.drafter.name, settles=False)
+        src = Source(name, estimate, prior=self.drafter.name, settles=False, rests=odds is None)
         self.spans.append(src)
         return src
 

@@ -84,6 +84,7 @@ class Source:
     idle: int = 0  # chances to run it passed since it last ran
     due: bool = False  # run at its next chance where it could pay (a probe that paid; a generation's start)
     probing: bool = False  # a probe of it was chosen and has observed no acceptance yet
+    rests: bool = False  # a span source whose odds are its entry's own, not each offer's: it may rest
     rest: tuple[int, int] = (0, 0)  # a span source resting: (the cost model's timed cycles, changes) it rests until
     gain: float = field(default=0.0, repr=False)  # tokens its cycles committed beyond plain decoding's in their time
     spread: float = field(default=0.0, repr=False)  # the variance of those tokens at its estimate's odds
@@ -266,7 +267,12 @@ class Choice:
         if due:
             return True
         widest_any = max(w for _, w in others)  # (a longer span offered later may beat what this one did not)
-        if self.cost.learns and not src.due and self.best_width(src, widest_any)[1] / self.margin(src) < rate:
+        if (
+            src.rests
+            and self.cost.learns
+            and not src.due
+            and self.best_width(src, widest_any)[1] / self.margin(src) < rate
+        ):
             src.rest = (self.cost.cycles + self._left(src, chosen, b, loss), self.cost.changes)
         return False
 
@@ -275,7 +281,8 @@ class Choice:
         was its probe due, and the cycles timed since are fewer than its probe's wait (`_left`: `_idle` counts
         them) and the machine has not changed. Its offers are not asked meanwhile (each is Python on a small
         model's step: a copy index that loses, under sampling say, would cost every cycle, not just its
-        probes)."""
+        probes). Only a source whose acceptance is its entry's rests (`rests`): one with each offer's own odds
+        (the suffix index: a deeper match is likelier) is asked every time."""
         until, changes = src.rest
         return until > self.cost.cycles and changes == self.cost.changes
 
