@@ -37,7 +37,7 @@ class DrafterHistory:
         self.unpaid = 0  # generations in a row, before the latest, in which drafting did not pay
         # the drafter entry of each generation that kept its state since the latest began (read when asked: a
         # generation's every cycle keeps it, so keeping is two stores), and of the one that kept it last
-        self._kept: dict[Source, None] = {}
+        self._kept: set[Source] = set()
         self._latest: Source | None = None
 
     def learnt_rates(self, positions: int) -> tuple[list[float], bool]:
@@ -60,7 +60,7 @@ class DrafterHistory:
             if self.generations:
                 self.unpaid = 0 if self._paid() else self.unpaid + 1
             self.generations += 1
-            latest, self._kept = self._latest, {}
+            latest, self._kept = self._latest, set()
             idle, unrun = (latest.idle, latest.probing) if latest is not None else (0, False)
             return rates, observed, idle, unrun or self.unpaid < RECENT_GENERATIONS
 
@@ -82,7 +82,7 @@ class DrafterHistory:
         """The generation's drafter entry, whose probe state (its wait, a probe unrun) and whether drafting paid in
         it the next generation reads when it begins. (Every cycle: two stores, atomic under the GIL, no lock.)"""
         self._latest = drafter
-        self._kept[drafter] = None
+        self._kept.add(drafter)
 
 
 class AdaptiveBlock:

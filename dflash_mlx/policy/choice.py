@@ -69,6 +69,12 @@ RESOLUTION = 0.05  # a source's widths whose rates are this close are not told a
 SOFTEN = 0.5  # weight a source's acceptance counts keep after a probe that paid (the next ones count more)
 
 
+def beyond_odds(gain: float, variance: float) -> bool:
+    """Whether tokens committed beyond plain decoding's (`gain`) exceed SURE standard deviations of what the
+    cycles commit at their odds (`variance`): pay, not luck (a sampled draft is accepted with odds)."""
+    return gain > SURE * math.sqrt(variance)
+
+
 @dataclass(eq=False)
 class Source:
     """One source as the policy sees it. `estimate` (an `estimate.AcceptanceEstimate`, or anything with
@@ -94,7 +100,7 @@ class Source:
         """Whether its cycles together committed more than plain decoding would have in their time, by SURE
         standard deviations of what they commit at its odds (sampled drafts are accepted with odds: a few
         lucky cycles of a drafter that loses are not pay)."""
-        return self.gain > SURE * math.sqrt(self.spread)
+        return beyond_odds(self.gain, self.spread)
 
     def expected(self, b: int, floor: float = 0.0, hoped: bool = False) -> float:
         """E(b): the tokens a cycle of width b commits (`floor`: at every position's rate at least that;
@@ -123,9 +129,8 @@ class Choice:
         self._stretch: list[tuple[Source, int]] = []  # a probe's cycles still to run
         self._quiet: tuple | None = None  # (offers, width, cycles, the machine's changes): a settled run's rest
         self._wait = 0  # chances left before the first probe of the last choice's others is due
-        self._pending: list[
-            tuple[int, float, bool]
-        ] = []  # a settled plain run's timed cycles, added at the rule's next run
+        # a settled plain run's timed cycles (b, seconds, resumed), added at the rule's next run (`flush`)
+        self._pending: list[tuple[int, float, bool]] = []
 
     def seconds(self, src: Source, b: int) -> float:
         return self.cost.seconds(src.name, b, self.rows, src.prior)
@@ -358,7 +363,7 @@ class Choice:
         if src.probing:  # a probe that paid, by more than its odds explain (a sampled draft is accepted with odds: a
             # lucky cycle of a drafter that loses is not pay): its acceptance may have recovered, so the next cycles
             # count more, and another probe comes at once while the estimate catches up
-            paid = gain > SURE * math.sqrt(odds)
+            paid = beyond_odds(gain, odds)
             src.probing, src.due = False, paid
             if paid and src.estimate is not None:
                 src.estimate.soften(SOFTEN)
