@@ -568,3 +568,21 @@ def test_a_span_offered_when_its_anchor_is_read_for_it_runs():
     assert sum(reads[50:]) >= 2  # (past the first cycles, which time plain decoding and the drafter)
     # (a read cycle may run the drafter's probe instead, which comes first; never plain decoding)
     assert all(name != "target" for name, read in zip(names[50:], reads[50:]) if read)
+
+
+def test_probes_that_lose_more_than_hoped_are_priced_at_what_they_lost():
+    # a drafter its history calls usually right (hopes 0.9) that accepts nothing: each probe is expected to lose
+    # little, loses a block's time, and the probes' time keeps to the budget once they are priced at what they lost
+    def run(learns: bool) -> tuple[float, int]:
+        hopeful = AcceptanceEstimate(7, priors=[0.9] * 7, hopes=[0.9] * 7)
+        policy = AdaptiveBlock(CostModel(DRAFTING_COSTS, learns=learns), 8, hopeful)
+        rng = random.Random(0)
+        chosen = simulate(policy, [0.0], 3000, times=lambda b: DRAFTING_COSTS(b) * math.exp(rng.gauss(0, 0.02)))
+        later = chosen[500:]
+        lost = sum(DRAFTING_COSTS(b) - DRAFTING_COSTS(1) for b in later)
+        return lost / (len(later) * DRAFTING_COSTS(1)), sum(a == 1 and b > 1 for a, b in zip(later, later[1:]))
+
+    share, probes = run(learns=True)
+    assert share <= 1.5 * BUDGET and probes >= 2  # (still probed: it may recover)
+    # where no time is learnt, nothing is measured: a probe is priced at its hopes alone
+    assert run(learns=False)[0] > 3 * BUDGET

@@ -27,8 +27,9 @@ and how its cost is timed. `Choice` runs the rule for one request's policy
   outlive generations) as many cycles as keep a probe's expected loss (its
   seconds beyond the time the chosen source takes for the tokens it is
   expected to commit, at the better of its estimate and its drafter's
-  history, and the switches to it and back: `CostModel.switch`) to BUDGET of
-  the time, and at least WINDOW. A
+  history, the switches to it and back: `CostModel.switch`, and what its
+  recent probes lost beyond all that: `CostModel.overrun`, measured as each
+  probe ends) to BUDGET of the time, and at least WINDOW. A
   probe is the narrowest width that would beat the chosen source were its
   drafts accepted as a good drafter's are (`PRIOR_RATE`), else (a probe for
   its time alone: never where the model does not learn) its narrowest.
@@ -131,6 +132,9 @@ class Choice:
         self._wait = 0  # chances left before the first probe of the last choice's others is due
         # a settled plain run's timed cycles (b, seconds, resumed), added at the rule's next run (`flush`)
         self._pending: list[tuple[int, float, bool]] = []
+        # a probe under way: [source, seconds it was expected to lose, the chosen source's rate, seconds its cycles
+        # took, tokens they committed, other sources' cycles it may wait (the one queued before it, pipelined)]
+        self._measuring: list | None = None
 
     def seconds(self, src: Source, b: int) -> float:
         return self.cost.seconds(src.name, b, self.rows, src.prior)
@@ -217,6 +221,7 @@ class Choice:
             return None
         src.idle, src.due, src.probing = 0, False, True
         self._stretch = [(src, width)] * (cycles - 1)
+        self._measuring = [src, loss - self.cost.overrun(src.name, self.rows), rate, 0.0, 0.0, 1]
         return src, width
 
     def probe_due(self, src: Source, widest: int, chosen: Source, b: int, rate: float) -> tuple[bool, int, int, float]:
@@ -229,6 +234,7 @@ class Choice:
             return False, width, 0, 0.0  # (a probe for its time alone, where no time is learnt)
         cycles = self.cycles(src, timing or not hopeful)
         loss = cycles * self.loss(src, width, rate, hopeful) + self.switches(src, chosen)
+        loss += self.cost.overrun(src.name, self.rows)  # (what its probes lost beyond that lately)
         return timing or (src.due and hopeful) or self._waited(src, chosen, b, loss), width, cycles, loss
 
     def cycles(self, src: Source, timing: bool) -> int:
@@ -325,6 +331,28 @@ class Choice:
         idle = self._idle(src)
         return idle >= WINDOW and idle * BUDGET * self.seconds(chosen, b) >= loss
 
+    def _measure(self, src: Source, b: int, committed: float | None, seconds: float | None) -> None:
+        """What the probe under way lost, to the cost model (`CostModel.add_overrun`) beyond what it was expected
+        to: its cycles' seconds, and what the first cycle of another source after them took beyond its level (the
+        switch back), less what the chosen source would have taken for the tokens they committed. A probe cut by
+        a stop token, or with a cycle not its own cost, is not measured."""
+        run = self._measuring
+        probed, expected, rate, spent, tokens, grace = run
+        if src is probed:
+            if seconds is None or committed is None:
+                self._measuring = None
+            else:
+                run[3], run[4] = spent + seconds, tokens + committed
+        elif not tokens:  # (not run yet: the cycle queued before it, or the probe did not run)
+            run[5] = grace - 1
+            if grace <= 0:
+                self._measuring = None
+        else:
+            self._measuring = None
+            if seconds is not None:
+                lost = spent + seconds - self.seconds(src, b) - tokens / rate
+                self.cost.add_overrun(probed.name, lost - expected, self.rows)
+
     def flush(self) -> None:
         """Add a settled plain run's waiting timings to the cost model (`CostModel.add_many`): at the rule's next
         run, or once WINDOW of them wait (a settled run's cycles are timed as any others, in one call: a small
@@ -336,6 +364,8 @@ class Choice:
     def observe(self, src: Source, b: int, committed: float | None, seconds: float | None) -> None:
         """A cycle of `src` at width b committed `committed` tokens (None: a stop token cut it) in `seconds`
         (None: not its own cost); its acceptance is its owner's to observe."""
+        if self._measuring is not None:
+            self._measure(src, b, committed, seconds)
         key, self.last = self.last, (self.rows, src.name)
         if src is not self.plain:
             self._quiet = None

@@ -19,8 +19,10 @@ cycles' robust deviations was timed at a slow moment: its level starts afresh
 (a level too dear keeps its source from running, so running never corrects
 it). What a source's first cycle after another's takes beyond its level is
 what a switch to it costs (`switch`: the mean of the newest WINDOW, where
-sure). A model that does not learn (`learns=False`: sharded ranks, a curve a
-test injects) is the table alone, whatever the timings.
+sure); what a source's probes lost beyond what the rule expected of them is
+what its next probes are priced beyond that (`overrun`, alike). A model
+that does not learn (`learns=False`: sharded ranks, a curve a test injects)
+is the table alone, whatever the timings.
 Why: docs/adaptive.md.
 """
 
@@ -126,6 +128,10 @@ class CostModel:
         self._stale: dict[tuple[int, str], int] = {}  # levels timed before the machine changed -> which way
         self._switches: dict[tuple[int, str], deque] = {}  # (rows, source) -> newest first cycles' extra seconds
         self._switch: dict[tuple[int, str], float] = {}  # (rows, source) -> what a switch costs (`switch`)
+        self._overruns: dict[
+            tuple[int, str], deque
+        ] = {}  # (rows, source) -> newest probes' seconds lost beyond expected
+        self._overrun: dict[tuple[int, str], float] = {}  # (rows, source) -> what a probe loses beyond it (`overrun`)
         self._read: dict[tuple[int, str, str | None], tuple[float, float, int]] = {}  # levels read since the last add
         self._scales: dict[tuple[int, str, str | None], float] = {}  # e to those levels (`scale`)
         # (rows, source) -> its newest WINDOW cycles' seconds over the table's, and their (level, spread, count), as
@@ -221,6 +227,23 @@ class CostModel:
         cycles' extra seconds where it is SURE standard errors above 0, else 0 (where cycle times scatter, a
         few slow first cycles are not a cost of switching). (Kept as its first cycles come: read every cycle.)"""
         return self._switch.get((rows, source), 0.0)
+
+    def add_overrun(self, source: str, seconds: float, rows: int = 1) -> None:
+        """A probe of `source` lost `seconds` more than the rule expected it to (its cycles at their levels, the
+        switches, the tokens it hoped for; negative: less): what its next probes are priced beyond that (nothing
+        where the model does not learn)."""
+        if not self.learns or not math.isfinite(seconds) or rows not in self.table.rows:
+            return
+        with self._lock:
+            newest = self._overruns.setdefault((rows, source), deque(maxlen=WINDOW))
+            newest.append(seconds)
+            self._overrun[rows, source] = _sure_mean(newest)
+
+    def overrun(self, source: str, rows: int = 1) -> float:
+        """Seconds a probe of `source` loses beyond what the rule expects: the mean of its newest WINDOW probes'
+        overruns where it is SURE standard errors above 0, else 0 (a probe that paid, or a few unlucky ones on a
+        machine whose times scatter, does not shorten or stretch the wait)."""
+        return self._overrun.get((rows, source), 0.0)
 
     def stale(self, source: str, rows: int = 1) -> int | None:
         """Whether `source`'s level wants measuring: None where it is fresh, 0 where it rests on fewer than
