@@ -118,6 +118,19 @@ class Source:
         return max(0.0, sum((2 * k - 1) * r for k, r in enumerate(reach, 1)) - sum(reach) ** 2)
 
 
+@dataclass(eq=False)
+class ProbeRun:
+    """A probe under way, measured as it ends (`Choice._measure`): its source, the seconds the rule expected it
+    to lose, the chosen source's rate, and what its cycles took and committed so far."""
+
+    source: Source
+    expected: float
+    rate: float
+    seconds: float = 0.0
+    tokens: float = 0.0
+    grace: int = 1  # other sources' cycles observed before its first (the one queued before it, pipelined)
+
+
 class Choice:
     """The rule over sources for one policy (see the module docstring). `plain` is plain decoding's entry;
     `rows` the batch rows its cycles verify (1: one request)."""
@@ -132,9 +145,7 @@ class Choice:
         self._wait = 0  # chances left before the first probe of the last choice's others is due
         # a settled plain run's timed cycles (b, seconds, resumed), added at the rule's next run (`flush`)
         self._pending: list[tuple[int, float, bool]] = []
-        # a probe under way: [source, seconds it was expected to lose, the chosen source's rate, seconds its cycles
-        # took, tokens they committed, other sources' cycles it may wait (the one queued before it, pipelined)]
-        self._measuring: list | None = None
+        self._measuring: ProbeRun | None = None  # the probe under way
 
     def seconds(self, src: Source, b: int) -> float:
         return self.cost.seconds(src.name, b, self.rows, src.prior)
@@ -221,7 +232,7 @@ class Choice:
             return None
         src.idle, src.due, src.probing = 0, False, True
         self._stretch = [(src, width)] * (cycles - 1)
-        self._measuring = [src, loss - self.cost.overrun(src.name, self.rows), rate, 0.0, 0.0, 1]
+        self._measuring = ProbeRun(src, loss - self.cost.overrun(src.name, self.rows), rate)
         return src, width
 
     def probe_due(self, src: Source, widest: int, chosen: Source, b: int, rate: float) -> tuple[bool, int, int, float]:
@@ -337,21 +348,20 @@ class Choice:
         switch back), less what the chosen source would have taken for the tokens they committed. A probe cut by
         a stop token, or with a cycle not its own cost, is not measured."""
         run = self._measuring
-        probed, expected, rate, spent, tokens, grace = run
-        if src is probed:
+        if src is run.source:
             if seconds is None or committed is None:
                 self._measuring = None
             else:
-                run[3], run[4] = spent + seconds, tokens + committed
-        elif not tokens:  # (not run yet: the cycle queued before it, or the probe did not run)
-            run[5] = grace - 1
-            if grace <= 0:
+                run.seconds, run.tokens = run.seconds + seconds, run.tokens + committed
+        elif not run.tokens:  # (not run yet: the cycle queued before it, or the probe did not run)
+            run.grace -= 1
+            if run.grace < 0:
                 self._measuring = None
         else:
             self._measuring = None
             if seconds is not None:
-                lost = spent + seconds - self.seconds(src, b) - tokens / rate
-                self.cost.add_overrun(probed.name, lost - expected, self.rows)
+                lost = run.seconds + seconds - self.seconds(src, b) - run.tokens / run.rate
+                self.cost.add_overrun(run.source.name, lost - run.expected, self.rows)
 
     def flush(self) -> None:
         """Add a settled plain run's waiting timings to the cost model (`CostModel.add_many`): at the rule's next

@@ -128,10 +128,9 @@ class CostModel:
         self._stale: dict[tuple[int, str], int] = {}  # levels timed before the machine changed -> which way
         self._switches: dict[tuple[int, str], deque] = {}  # (rows, source) -> newest first cycles' extra seconds
         self._switch: dict[tuple[int, str], float] = {}  # (rows, source) -> what a switch costs (`switch`)
-        self._overruns: dict[
-            tuple[int, str], deque
-        ] = {}  # (rows, source) -> newest probes' seconds lost beyond expected
-        self._overrun: dict[tuple[int, str], float] = {}  # (rows, source) -> what a probe loses beyond it (`overrun`)
+        # (rows, source) -> its newest probes' seconds lost beyond what the rule expected, and their mean (`overrun`)
+        self._overruns: dict[tuple[int, str], deque] = {}
+        self._overrun: dict[tuple[int, str], float] = {}
         self._read: dict[tuple[int, str, str | None], tuple[float, float, int]] = {}  # levels read since the last add
         self._scales: dict[tuple[int, str, str | None], float] = {}  # e to those levels (`scale`)
         # (rows, source) -> its newest WINDOW cycles' seconds over the table's, and their (level, spread, count), as
