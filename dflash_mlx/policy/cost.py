@@ -126,11 +126,8 @@ class CostModel:
         self._levels: dict[tuple[int, str], deque] = {}  # (rows, source) -> newest log(seconds / T(rows, b))
         self._deviations: dict[tuple[int, str], deque] = {}  # (rows, source) -> |one of those - the median before|
         self._stale: dict[tuple[int, str], int] = {}  # levels timed before the machine changed -> which way
-        self._switches: dict[tuple[int, str], deque] = {}  # (rows, source) -> newest first cycles' extra seconds
-        self._switch: dict[tuple[int, str], float] = {}  # (rows, source) -> what a switch costs (`switch`)
-        # (rows, source) -> its newest probes' seconds lost beyond what the rule expected, and their mean (`overrun`)
-        self._overruns: dict[tuple[int, str], deque] = {}
-        self._overrun: dict[tuple[int, str], float] = {}
+        self._switches = _SureMeans()  # (rows, source) -> its first cycles' extra seconds (`switch`)
+        self._overruns = _SureMeans()  # (rows, source) -> its probes' seconds lost beyond expected (`overrun`)
         self._read: dict[tuple[int, str, str | None], tuple[float, float, int]] = {}  # levels read since the last add
         self._scales: dict[tuple[int, str, str | None], float] = {}  # e to those levels (`scale`)
         # (rows, source) -> its newest WINDOW cycles' seconds over the table's, and their (level, spread, count), as
@@ -217,15 +214,13 @@ class CostModel:
             return
         extra = seconds - self.seconds(source, b, rows)
         with self._lock:
-            newest = self._switches.setdefault((rows, source), deque(maxlen=WINDOW))
-            newest.append(extra)
-            self._switch[rows, source] = _sure_mean(newest)
+            self._switches.add((rows, source), extra)
 
     def switch(self, source: str, rows: int = 1) -> float:
         """Seconds a switch to `source` costs beyond its cycle's level: the mean of its newest WINDOW first
         cycles' extra seconds where it is SURE standard errors above 0, else 0 (where cycle times scatter, a
         few slow first cycles are not a cost of switching). (Kept as its first cycles come: read every cycle.)"""
-        return self._switch.get((rows, source), 0.0)
+        return self._switches.mean((rows, source))
 
     def add_overrun(self, source: str, seconds: float, rows: int = 1) -> None:
         """A probe of `source` lost `seconds` more than the rule expected it to (its cycles at their levels, the
@@ -234,15 +229,13 @@ class CostModel:
         if not self.learns or not math.isfinite(seconds) or rows not in self.table.rows:
             return
         with self._lock:
-            newest = self._overruns.setdefault((rows, source), deque(maxlen=WINDOW))
-            newest.append(seconds)
-            self._overrun[rows, source] = _sure_mean(newest)
+            self._overruns.add((rows, source), seconds)
 
     def overrun(self, source: str, rows: int = 1) -> float:
         """Seconds a probe of `source` loses beyond what the rule expects: the mean of its newest WINDOW probes'
         overruns where it is SURE standard errors above 0, else 0 (a probe that paid, or a few unlucky ones on a
         machine whose times scatter, does not shorten or stretch the wait)."""
-        return self._overrun.get((rows, source), 0.0)
+        return self._overruns.mean((rows, source))
 
     def stale(self, source: str, rows: int = 1) -> int | None:
         """Whether `source`'s level wants measuring: None where it is fresh, 0 where it rests on fewer than
@@ -334,6 +327,23 @@ def _mean_spread(newest: list[float]) -> float:
         return 0.0
     mean = sum(newest) / n
     return math.sqrt(sum((x - mean) ** 2 for x in newest) / (n - 1)) / mean
+
+
+class _SureMeans:
+    """Per key, the newest WINDOW values and their mean where sure (`_sure_mean`), kept as they come (read
+    every cycle; added under the model's lock)."""
+
+    def __init__(self):
+        self._newest: dict[tuple[int, str], deque] = {}
+        self._means: dict[tuple[int, str], float] = {}
+
+    def add(self, key: tuple[int, str], value: float) -> None:
+        newest = self._newest.setdefault(key, deque(maxlen=WINDOW))
+        newest.append(value)
+        self._means[key] = _sure_mean(newest)
+
+    def mean(self, key: tuple[int, str]) -> float:
+        return self._means.get(key, 0.0)
 
 
 def _sure_mean(values) -> float:
