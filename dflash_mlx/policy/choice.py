@@ -45,9 +45,12 @@ and how its cost is timed. `Choice` runs the rule for one request's policy
 - **A resting span source.** A span offered that could not have won at any
   width, its probe not due, rests: it is not asked for offers until the
   cycles timed since reach its probe's wait or the machine changes (an offer
-  asked is Python on every cycle; its wait counts every cycle). Whether a
-  span's probe is due is decided alike where the loop asks whether to read
-  the anchor for it (`due`) and where the rule runs it (`probe`).
+  asked is Python on every cycle; its wait counts every cycle). So does one
+  whose probe the loop read the anchor for (giving up that cycle's
+  pipelining) when the anchor did not go on with its span. A rest is the
+  setup's (`CostModel.rest`), as a level is. Whether a span's probe is due
+  is decided alike where the loop asks whether to read the anchor for it
+  (`due`) and where the rule runs it (`probe`).
 - **Timing.** A cycle's seconds go to its source's level unless it is the
   first after another source's and the source `settles` (plain decoding's
   first step after a block is not pipelined; a drafter's first block takes
@@ -92,7 +95,6 @@ class Source:
     due: bool = False  # run at its next chance where it could pay (a probe that paid; a generation's start)
     probing: bool = False  # a probe of it was chosen and has observed no acceptance yet
     rests: bool = False  # a span source whose odds are its entry's own, not each offer's: it may rest
-    rest: tuple[int, int] = (0, 0)  # a span source resting: (the cost model's timed cycles, changes) it rests until
     gain: float = field(default=0.0, repr=False)  # tokens its cycles committed beyond plain decoding's in their time
     spread: float = field(default=0.0, repr=False)  # the variance of those tokens at its estimate's odds
 
@@ -146,6 +148,7 @@ class Choice:
         # a settled plain run's timed cycles (b, seconds, resumed), added at the rule's next run (`flush`)
         self._pending: list[tuple[int, float, bool]] = []
         self._measuring: ProbeRun | None = None  # the probe under way
+        self._read_for: tuple[Source, int] | None = None  # a span source whose probe the anchor was read for, its wait
 
     def seconds(self, src: Source, b: int) -> float:
         return self.cost.seconds(src.name, b, self.rows, src.prior)
@@ -192,7 +195,17 @@ class Choice:
         return src, b, rate
 
     def choose(self, offers: list[tuple[Source, int]]) -> tuple[Source, int]:
-        """The next cycle's (source, width): a probe's next cycle, a probe due, or the best."""
+        """The next cycle's (source, width): a probe's next cycle, a probe due, or the best. Where the loop read
+        the anchor for a span source's probe (`due`) and plain decoding runs all the same (the anchor did not go
+        on with the span), the source rests a probe's wait: the read cost what pipelining saves, and bought
+        nothing."""
+        read_for, self._read_for = self._read_for, None
+        src, b = self._choose(offers)
+        if read_for is not None and src is self.plain:
+            self.cost.rest(read_for[0].name, read_for[1], self.rows)
+        return src, b
+
+    def _choose(self, offers: list[tuple[Source, int]]) -> tuple[Source, int]:
         while self._stretch:
             src, b = self._stretch.pop()
             widest = next((w for s, w in offers if s is src), 0)
@@ -287,6 +300,7 @@ class Choice:
         src.idle += 1
         due, _, _, loss = self.probe_due(src, widest, chosen, b, rate)  # (as `probe` will decide it)
         if due:
+            self._read_for = (src, self._wait_for(chosen, b, loss)) if src.rests else None
             return True
         widest_any = max(w for _, w in others)  # (a longer span offered later may beat what this one did not)
         if (
@@ -295,7 +309,7 @@ class Choice:
             and not src.due
             and self.best_width(src, widest_any)[1] / self.margin(src) < rate
         ):
-            src.rest = (self.cost.cycles + self._left(src, chosen, b, loss), self.cost.changes)
+            self.cost.rest(src.name, self._left(src, chosen, b, loss), self.rows)
         return False
 
     def resting(self, src: Source) -> bool:
@@ -305,8 +319,7 @@ class Choice:
         model's step: a copy index that loses, under sampling say, would cost every cycle, not just its
         probes). Only a source whose acceptance is its entry's rests (`rests`): one with each offer's own odds
         (the suffix index: a deeper match is likelier) is asked every time."""
-        until, changes = src.rest
-        return until > self.cost.cycles and changes == self.cost.changes
+        return self.cost.resting(src.name, self.rows)
 
     def loss(self, src: Source, width: int, rate: float, hopeful: bool = True) -> float:
         """Seconds a cycle of `src` at `width` is expected to lose against the chosen source's `rate`: its
@@ -329,11 +342,15 @@ class Choice:
         priced dear stays so across generations shorter than its wait), whichever is more."""
         return max(src.idle, self.cost.age(src.name, self.rows)) if self.cost.learns else src.idle
 
+    def _wait_for(self, chosen: Source, b: int, loss: float) -> int:
+        """The chances a probe losing `loss` seconds waits for against `chosen` at width b: as many as keep it
+        to BUDGET of the time, and at least WINDOW."""
+        per = BUDGET * self.seconds(chosen, b)
+        return max(WINDOW, math.ceil(loss / per) if per > 0 else WINDOW)
+
     def _left(self, src: Source, chosen: Source, b: int, loss: float) -> int:
         """The chances `src` waits yet before `_waited` holds (its costs as they are now)."""
-        per = BUDGET * self.seconds(chosen, b)
-        needed = max(WINDOW, math.ceil(loss / per) if per > 0 else WINDOW)
-        return max(0, needed - self._idle(src))
+        return max(0, self._wait_for(chosen, b, loss) - self._idle(src))
 
     def _waited(self, src: Source, chosen: Source, b: int, loss: float) -> bool:
         """Whether `src` has waited (`_idle`) long enough for a probe losing `loss` seconds to cost BUDGET of

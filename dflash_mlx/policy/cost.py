@@ -20,7 +20,9 @@ cycles' robust deviations was timed at a slow moment: its level starts afresh
 it). What a source's first cycle after another's takes beyond its level is
 what a switch to it costs (`switch`: the mean of the newest WINDOW, where
 sure); what a source's probes lost beyond what the rule expected of them is
-what its next probes are priced beyond that (`overrun`, alike). A model
+what its next probes are priced beyond that (`overrun`, alike). A span
+source told to rest is not asked for offers for a number of timed cycles
+(`rest`: the setup's, as a level is, so each reply does not start afresh). A model
 that does not learn (`learns=False`: sharded ranks, a curve a test injects)
 is the table alone, whatever the timings.
 Why: docs/adaptive.md.
@@ -136,6 +138,7 @@ class CostModel:
         self._summary: dict[tuple[int, str], tuple[float, float, int]] = {}
         self._mad: dict[tuple[int, str], float | None] = {}  # its robust noise (`_own_noise`), until its next cycle
         self._at: dict[tuple[int, str], int] = {}  # (rows, source) -> `cycles` at its last timed cycle
+        self._rests: dict[tuple[int, str], tuple[int, int]] = {}  # (rows, source) -> (cycles, changes) it rests until
 
     def __call__(self, b: int, rows: int = 1) -> float:
         return self.table(b, rows)
@@ -204,6 +207,19 @@ class CostModel:
         """Timed cycles this process added since `source`'s last at `rows` (all of them: never timed)."""
         with self._lock:
             return self.cycles - self._at.get((rows, source), 0)
+
+    def rest(self, source: str, cycles: int, rows: int = 1) -> None:
+        """`source` (a span source) is not asked for its offers for the next `cycles` timed cycles, or until the
+        machine changes: a rest is the setup's, as its level is (nothing where the model does not learn, which
+        times no cycle)."""
+        if self.learns:
+            with self._lock:
+                self._rests[rows, source] = (self.cycles + cycles, self.changes)
+
+    def resting(self, source: str, rows: int = 1) -> bool:
+        """Whether `source` rests (`rest`)."""
+        until, changes = self._rests.get((rows, source), (0, -1))
+        return until > self.cycles and changes == self.changes
 
     def add_switch(self, source: str, b: int, seconds: float, rows: int = 1) -> None:
         """The first cycle of `source` after another source's took `seconds` (not timed into its level: a
