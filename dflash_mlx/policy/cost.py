@@ -22,9 +22,9 @@ what a switch to it costs (`switch`: the mean of the newest WINDOW, where
 sure); what a source's probes lost beyond what the rule expected of them is
 what its next probes are priced beyond that (`overrun`, alike). A span
 source told to rest is not asked for offers for a number of timed cycles
-(`rest`: the setup's, as a level is, so each reply does not start afresh). A model
-that does not learn (`learns=False`: sharded ranks, a curve a test injects)
-is the table alone, whatever the timings.
+(`rest`: the setup's, as a level is, so each reply does not start afresh).
+A model that does not learn (`learns=False`: sharded ranks, a curve a test
+injects) is the table alone, whatever the timings.
 Why: docs/adaptive.md.
 """
 
