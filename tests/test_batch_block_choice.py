@@ -84,6 +84,15 @@ def test_probes_at_plain_decoding_keep_to_their_budget_and_restart():
     assert [choice.choose(rows) for _ in range(wait + 1)] == [1] * wait + [2]
 
 
+def test_other_rows_are_decided_afresh():
+    """A settled run of plain batched decoding holds for its rows: rows the drafter fits taking their places
+    (as many) are decided at once, not at the next probe."""
+    choice = BatchBlockChoice(compute_bound([1, 4], [1, 2, 8]), 8)
+    poor = [row(False) for _ in range(4)]
+    assert [choice.choose(poor) for _ in range(3)] == [1, 1, 1]
+    assert choice.choose([row(True) for _ in range(4)]) == 8
+
+
 def test_the_table_is_measured_once_and_cached(calibration_cache, tiny_pair, monkeypatch):
     from dflash_mlx.policy import calibration as shared
 

@@ -48,9 +48,14 @@ class BatchBlockChoice:
         self.plain = _PlainRows("target")
         self.drafter = Source("drafter", self.drafts)
         self.choice = Choice(self.cost, self.plain)
+        self._rows: tuple[int, ...] = ()  # the rows of the last step (ids)
 
     def _offers(self, rows: list) -> list:
         self.drafts.rows, self.plain.count, self.choice.rows = rows, len(rows), len(rows)
+        ids = tuple(map(id, rows))
+        if ids != self._rows:  # (other rows: other estimates and levels)
+            self._rows = ids
+            self.choice.reconsider()
         limit = min(self.max_block, max(r.max_block for r in rows))
         return [(self.plain, 1)] + ([(self.drafter, limit)] if limit > 1 else [])
 

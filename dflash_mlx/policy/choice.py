@@ -37,11 +37,13 @@ and how its cost is timed. `Choice` runs the rule for one request's policy
   time) the source's acceptance counts are weighed by SOFTEN, so that
   acceptance that recovered shows at once, and another probe is due.
 - **A settled plain run.** Where plain decoding is the clear choice (every
-  other rate more than RESOLUTION below it) the rule runs once per WINDOW
-  cycles or at the first probe due (its own Python is a share of a small
-  model's step), and the run's timings are added to the cost model then,
-  together; another source's cycle, another offer or a change of the
-  machine runs it at once.
+  other rate more than RESOLUTION below it) the rule runs again at the first
+  probe due (its own Python is a share of a small model's step): the others'
+  rates do not move while they do not run, and the run's timings, added to
+  the cost model together once per WINDOW, end it where plain decoding's
+  rate comes within RESOLUTION of the best other's. So do another source's
+  cycle, another source offered (or a wider block), a change of the machine,
+  and another generation's timed cycle.
 - **A resting span source.** A span offered that could not have won at any
   width, its probe not due, rests: it is not asked for offers until the
   cycles timed since reach its probe's wait or the machine changes (an offer
@@ -121,6 +123,29 @@ class Source:
 
 
 @dataclass(eq=False)
+class QuietRun:
+    """A settled plain run (`Choice._choose`): the offers it holds for (the same sources, each as wide or
+    narrower), plain decoding's width, the chances left before the first probe is due, the machine's changes
+    and the cost model's timed cycles as of its last look (a change, or another generation's timed cycle, ends
+    it), and the rate plain decoding keeps it above (the best other's over 1 - RESOLUTION)."""
+
+    offers: list[tuple[Source, int]]
+    width: int
+    left: float
+    changes: int
+    cycles: int
+    bar: float
+
+    def holds(self, offers: list[tuple[Source, int]], changes: int) -> bool:
+        return (
+            self.left > 0
+            and changes == self.changes
+            and len(offers) == len(self.offers)
+            and all(s is t and w <= v for (s, w), (t, v) in zip(offers, self.offers))
+        )
+
+
+@dataclass(eq=False)
 class ProbeRun:
     """A probe under way, measured as it ends (`Choice._measure`): its source, the seconds the rule expected it
     to lose, the chosen source's rate, and what its cycles took and committed so far."""
@@ -143,9 +168,9 @@ class Choice:
         self._timed = False  # whether a cycle of the last one's run (its cycles in a row) was timed
         self.running: Source = plain  # the source the rule chose last (a probe is not a choice)
         self._stretch: list[tuple[Source, int]] = []  # a probe's cycles still to run
-        self._quiet: tuple | None = None  # (offers, width, cycles, the machine's changes): a settled run's rest
-        self._wait = 0  # chances left before the first probe of the last choice's others is due
-        # a settled plain run's timed cycles (b, seconds, resumed), added at the rule's next run (`flush`)
+        self._quiet: QuietRun | None = None  # a settled plain run
+        self._wait: float = 0  # chances left before the first probe of the last choice's others is due
+        # a settled plain run's timed cycles (b, seconds, resumed), added each WINDOW or at the rule's run (`flush`)
         self._pending: list[tuple[int, float, bool]] = []
         self._measuring: ProbeRun | None = None  # the probe under way
         self._read_for: tuple[Source, int] | None = None  # a span source whose probe the anchor was read for, its wait
@@ -212,14 +237,15 @@ class Choice:
             if widest >= b:
                 return src, b
         quiet = self._quiet
-        if quiet is not None and quiet[2] > 0 and quiet[0] == offers and quiet[3] == self.cost.changes:
-            self._quiet = (*quiet[:2], quiet[2] - 1, quiet[3])
+        if quiet is not None and quiet.holds(offers, self.cost.changes):
+            quiet.left -= 1
             for other, _ in offers:
                 other.idle += other is not self.plain
-            return self.plain, quiet[1]
+            return self.plain, quiet.width
+        self._quiet = None
         self.flush()
         src, b, rate = self.best(offers)
-        src.idle, src.due, self.running, self._wait = 0, False, src, WINDOW  # (chosen, it runs: no probe due)
+        src.idle, src.due, self.running, self._wait = 0, False, src, math.inf  # (chosen, it runs: no probe due)
         for other, widest in offers:
             if other is not src:
                 other.idle += 1
@@ -227,13 +253,14 @@ class Choice:
                 if probe is not None:
                     self._quiet = None
                     return probe
-        # plain decoding chosen clearly: the same for the next cycles, up to the first probe due and at most WINDOW
-        # (its cycles move only its level, the mean of WINDOW of them: one moves it by a fraction of what sets it
-        # apart from the others; where one is within RESOLUTION of it, every cycle decides)
-        clear = src is self.plain and all(
-            self.best_width(o, w, rate)[1] < rate * (1 - RESOLUTION) for o, w in offers if o is not src
-        )
-        self._quiet = (offers, b, self._wait - 1, self.cost.changes) if clear else None
+        # plain decoding chosen clearly: the same for the next cycles, up to the first probe due (its cycles move
+        # only its level, checked as their timings are added, `flush`; where another is within RESOLUTION of it,
+        # every cycle decides)
+        if src is self.plain:
+            tops = [self.best_width(o, w, rate)[1] for o, w in offers if o is not src]
+            if all(top < rate * (1 - RESOLUTION) for top in tops):
+                bar = max(tops, default=0.0) / (1 - RESOLUTION)
+                self._quiet = QuietRun(offers, b, self._wait - 1, self.cost.changes, self.cost.cycles, bar)
         return src, b
 
     def probe(self, src: Source, widest: int, chosen: Source, b: int, rate: float) -> tuple[Source, int] | None:
@@ -383,10 +410,21 @@ class Choice:
     def flush(self) -> None:
         """Add a settled plain run's waiting timings to the cost model (`CostModel.add_many`): at the rule's next
         run, or once WINDOW of them wait (a settled run's cycles are timed as any others, in one call: a small
-        model's step is short, and its Python is a share of it)."""
+        model's step is short, and its Python is a share of it). The run ends where plain decoding's rate comes
+        within RESOLUTION of another's, or another generation timed a cycle meanwhile."""
         if self._pending:
             pending, self._pending = self._pending, []
+            quiet = self._quiet
+            others = quiet is not None and self.cost.cycles != quiet.cycles
             self.cost.add_many(self.plain.name, pending, self.rows)
+            if quiet is not None:
+                quiet.cycles = self.cost.cycles
+                if others or self.rate(self.plain, 1) <= quiet.bar:
+                    self._quiet = None
+
+    def reconsider(self) -> None:
+        """End a settled run: what the others' rates rest on changed (a batch's rows)."""
+        self._quiet = None
 
     def observe(self, src: Source, b: int, committed: float | None, seconds: float | None) -> None:
         """A cycle of `src` at width b committed `committed` tokens (None: a stop token cut it) in `seconds`

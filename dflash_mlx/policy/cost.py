@@ -278,7 +278,7 @@ class CostModel:
 
     def add_many(self, source: str, cycles: list[tuple[int, float, bool]], rows: int = 1) -> None:
         """Timed cycles of `source` in a row, each (b, seconds, resumed) as for `add`, in order: one call for a
-        settled run's cycles (`choice.Choice` adds a plain run's once per WINDOW: the per-cycle Python of a
+        settled run's cycles (`choice.Choice` adds a plain run's each WINDOW: the per-cycle Python of a
         small model's step is a share of its time)."""
         cycles = [(b, t, r) for b, t, r in cycles if t > 0] if self.learns and rows in self.table.rows else []
         if not cycles:
