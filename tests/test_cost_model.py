@@ -18,7 +18,7 @@ from dflash_mlx.batch.block_choice import BatchBlockChoice
 from dflash_mlx.policy.adaptive import AdaptiveBlock, adaptive_policy
 from dflash_mlx.policy.choice import BUDGET
 from dflash_mlx.policy.cost import CHANGE, SURE, THIN, WINDOW, CostModel, CostTable
-from dflash_mlx.policy.estimate import AcceptanceEstimate
+from dflash_mlx.policy.estimate import AcceptanceEstimate, SpanOdds
 
 GRID = [1, 2, 3, 4, 6, 8]
 # the demo pair here: measured on a quiet machine, and while two CPU-bound jobs ran (rows look dear)
@@ -203,24 +203,9 @@ def test_a_settled_plain_run_is_decided_at_its_probes_with_the_same_blocks():
         assert all_decisions >= 1400 and decisions <= 2 * drafted(settled) + WINDOW  # (at a probe and after it)
 
 
-class FixedOdds:
+def fixed_odds(r: float) -> SpanOdds:
     """A drafter's acceptance known outright (each draft accepted with odds r): nothing to learn."""
-
-    def __init__(self, r: float):
-        self.r = r
-
-    def expected_tokens(self, b: int, floor: float = 0.0, hoped: bool = False) -> list[float]:
-        tokens, reach = [1.0], 1.0
-        for _ in range(1, b):
-            reach *= max(self.r, floor)
-            tokens.append(tokens[-1] + reach)
-        return tokens
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        pass
-
-    def soften(self, factor: float) -> None:
-        pass
+    return SpanOdds(lambda widest: [sum(r**k for k in range(b)) for b in range(1, widest + 1)])
 
 
 class SlowerSteps(Machine):
@@ -236,7 +221,7 @@ def test_a_settled_plain_run_ends_once_its_timings_bring_plain_decoding_within_r
     stands) make the drafter the better: the run's timings, added each WINDOW, end it, and drafting takes over
     within a window or so, not at the next probe."""
     for seed in range(5):
-        policy = AdaptiveBlock(CostModel(QUIET), 8, FixedOdds(0.49))  # E(8) = 1.95 tokens in 10.8 ms: 0.9 x plain
+        policy = AdaptiveBlock(CostModel(QUIET), 8, fixed_odds(0.49))  # E(8) = 1.95 tokens in 10.8 ms: 0.9 x plain
         before = run(policy, Machine(QUIET, seed=seed), 1500, rates=(0.49,), seed=seed)
         assert before[-1000:].count(1) > 950
         after = run(policy, SlowerSteps(QUIET, seed=seed + 10), 300, rates=(0.49,), seed=seed + 20)
@@ -248,7 +233,7 @@ def test_another_generations_timed_cycles_end_a_settled_plain_run():
     """Generations share the model: a drafter found cheaper by another's cycles is tried by one in a settled plain
     run at its run's next WINDOW of timings, not at its next probe (its own blocks then price it again)."""
     model = CostModel(QUIET)
-    policy, other = AdaptiveBlock(model, 8, FixedOdds(0.49)), AdaptiveBlock(model, 8, FixedOdds(0.49))
+    policy, other = AdaptiveBlock(model, 8, fixed_odds(0.49)), AdaptiveBlock(model, 8, fixed_odds(0.49))
     assert run(policy, Machine(QUIET, seed=3), 600, rates=(0.49,), seed=3)[-300:].count(1) > 280
     for _ in range(2 * WINDOW):  # the other's blocks, timed at 0.8 of what they cost (a drafter made cheaper)
         other.observe(8, 1, 0.8 * QUIET(8))
